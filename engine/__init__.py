@@ -1,0 +1,1 @@
+"""What both servers run: model forward, weight loading, KV layout and pool, sampling, transports."""

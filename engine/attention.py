@@ -1,0 +1,81 @@
+"""Attention over the paged KV pool: prefill (one sequence, a chunk of new tokens after `start`
+cached ones) and decode (many sequences, one new token each).
+
+Both write the new tokens' K and V into the pool first, then attend. Decode on CUDA reads the pool
+in place through a Triton kernel (`engine.kernels.paged_decode`); the gather path here is the
+reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.kv_cache import KVPool
+
+
+@dataclass
+class PrefillMeta:
+    new_slots: torch.Tensor            # [T] long: where the chunk's KV goes
+    prior_slots: torch.Tensor | None   # [start] long: the sequence's cached tokens, or None at start 0
+
+
+@dataclass
+class DecodeMeta:
+    new_slots: torch.Tensor     # [B] long: where each sequence's new token's KV goes
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32, including the new token
+    max_context: int            # host-side bound on context_lens (sizes the gather path)
+    use_kernel: bool = False    # Triton paged kernel (CUDA only)
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                      meta: PrefillMeta) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; causal, the chunk after the cached prefix."""
+    pool.write(layer, meta.new_slots, torch.stack((k, v)))
+    if meta.prior_slots is not None and meta.prior_slots.numel():
+        cached = pool.read(layer, meta.prior_slots)
+        k = torch.cat((cached[0], k))
+        v = torch.cat((cached[1], v))
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, T, D]
+    kh = _expand_kv(k.transpose(0, 1), groups).unsqueeze(0)    # [1, H, L, D]
+    vh = _expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
+    if kh.shape[2] == qh.shape[2]:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qh.shape[2], kh.shape[2]))
+    return out.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                     meta: DecodeMeta) -> torch.Tensor:
+    """q [B, H, D], k/v [B, Hkv, D] (one new token per sequence) -> [B, H, D]."""
+    pool.write(layer, meta.new_slots, torch.stack((k, v)))
+    if meta.use_kernel:
+        from engine.kernels.paged_decode import paged_decode_attention
+
+        return paged_decode_attention(q, pool.layers[layer], meta.block_tables, meta.context_lens,
+                                      pool.layout.block_size)
+    return gather_decode_attention(q, pool, layer, meta)
+
+
+def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:
+    bs = pool.layout.block_size
+    pos = torch.arange(meta.max_context, device=q.device)
+    tables = meta.block_tables.long()
+    slots = tables[:, pos // bs] * bs + pos % bs                       # [B, L]
+    kv = pool.layers[layer][:, slots]                                  # [2, B, L, Hkv, D]
+    groups = q.shape[1] // kv.shape[3]
+    kh = _expand_kv(kv[0].transpose(1, 2), groups)                     # [B, H, L, D]
+    vh = _expand_kv(kv[1].transpose(1, 2), groups)
+    mask = (pos[None, :] < meta.context_lens[:, None]).view(q.shape[0], 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=mask)
+    return out.squeeze(2)

@@ -1,0 +1,49 @@
+"""Which device each server uses by default, and the dtype that goes with it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(requested: str, role: str) -> torch.device:
+    """`auto`: prefill on GPU 0 and decode on GPU 1 when there are two; one GPU is shared (with a
+    warning); no GPU means the CPU."""
+    if requested != "auto":
+        device = torch.device(requested)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {requested}: CUDA is not available on this machine; use --device cpu")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return torch.device("cpu")
+    if count == 1:
+        log.warning("one GPU visible: the %s server shares it with the other server", role)
+        return torch.device("cuda:0")
+    return torch.device("cuda:0" if role == "prefill" else "cuda:1")
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if requested not in table:
+        raise ValueError(f"--dtype {requested}: choose auto, float32, bfloat16 or float16")
+    return table[requested]
+
+
+def default_preset() -> str:
+    return "qwen2.5-7b" if torch.cuda.is_available() else "tiny"

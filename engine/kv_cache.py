@@ -1,0 +1,153 @@
+"""The KV cache: its layout (shared by both servers byte for byte), and a paged pool of blocks.
+
+Pool storage per layer is one tensor `[2, num_slots, num_kv_heads, head_dim]` (K then V), where
+slot = block * block_size + offset. A sequence owns a list of blocks (its block table); token t
+lives in slot `table[t // block_size] * block_size + t % block_size`.
+
+On the wire (every transport) one layer's KV for tokens [a, b) is K[a:b] then V[a:b], each
+`[b - a, num_kv_heads, head_dim]`, contiguous, in the layout's dtype (`SHAPE_ORDER`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+
+SHAPE_ORDER = "layer,kv,token,head,dim"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    shape_order: str = SHAPE_ORDER
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
+        return cls(config.fingerprint(), dtype_name(dtype), config.num_layers, config.num_kv_heads,
+                   config.head_dim, block_size)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A one-line description of how `other` differs, or None when they agree.
+
+        block_size is each side's own choice (the wire format is per token), so it may differ.
+        """
+        diffs = [
+            f"{field}: ours {getattr(self, field)!r}, theirs {getattr(other, field)!r}"
+            for field in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "shape_order")
+            if getattr(self, field) != getattr(other, field)
+        ]
+        return "; ".join(diffs) or None
+
+
+class OutOfBlocks(Exception):
+    """The pool has too few free blocks for the request right now."""
+
+
+class BlockAllocator:
+    """Free-list of block ids. Thread-safe: the engine thread and the gRPC loop both use it."""
+
+    def __init__(self, num_blocks: int, first: int = 0) -> None:
+        self.num_blocks = num_blocks - first
+        self._free = list(range(num_blocks - 1, first - 1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
+            blocks = [self._free.pop() for _ in range(n)]
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(blocks))
+
+
+class KVPool:
+    """Preallocated paged KV storage for every layer, plus its block allocator."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, reserved_blocks: int = 0) -> None:
+        """`reserved_blocks` at the start are never handed out: padded rows of a CUDA-graph batch
+        write their (ignored) KV there."""
+        if num_blocks <= reserved_blocks:
+            raise ValueError("the KV pool needs at least one block")
+        self.layout = layout
+        self.device = device
+        self.num_blocks = num_blocks
+        self.num_slots = num_blocks * layout.block_size
+        self.layers = [
+            torch.zeros(2, self.num_slots, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype,
+                        device=device)
+            for _ in range(layout.num_layers)
+        ]
+        self.allocator = BlockAllocator(num_blocks, first=reserved_blocks)
+
+    @staticmethod
+    def blocks_for_memory(layout: KVLayout, memory_bytes: int) -> int:
+        return max(0, memory_bytes // (layout.bytes_per_token * layout.block_size))
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.layout.block_size)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
+
+    def slots(self, block_table: list[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Slot ids of tokens [start, end) of a sequence with this block table, on the pool's device."""
+        table = torch.as_tensor(block_table, dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        bs = self.layout.block_size
+        return (table[pos // bs] * bs + pos % bs).to(self.device, non_blocking=True)
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of `slots` in wire order: `[2, len(slots), num_kv_heads, head_dim]`."""
+        return self.layers[layer].index_select(1, slots)
+
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store wire-ordered `[2, n, num_kv_heads, head_dim]` at `slots`."""
+        self.layers[layer].index_copy_(1, slots, kv)

@@ -1,0 +1,118 @@
+"""Qwen2-family decoder forward in plain PyTorch, over the paged KV pool.
+
+One forward serves a prefill chunk of one sequence (`PrefillMeta`) and a decode step of many
+sequences (`DecodeMeta`); `on_layer_done(layer)` fires after each layer's KV is in the pool so
+a transport can ship that layer while later layers compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
+from engine.kv_cache import KVPool
+from engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, like transformers' Qwen2RMSNorm, so greedy tokens match bit for bit.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin (float32) for every position up to `max_positions`, computed as transformers does."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+
+    def reset(self) -> None:
+        """Fill the tables (after the module was built on the meta device and moved)."""
+        device = self.cos.device
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()  # stay float32 whatever the model dtype
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=True)  # q, k, v fused
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, pool: KVPool, layer: int,
+                meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_norm(x)
+        qkv = self.qkv(h)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope.apply(q, k, positions)
+        if isinstance(meta, PrefillMeta):
+            attn = prefill_attention(q, k, v, pool, layer, meta)
+        else:
+            attn = decode_attention(q, k, v, pool, layer, meta)
+        x = x + self.o_proj(attn.reshape(t, q_size))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
+                meta: PrefillMeta | DecodeMeta, logits_rows: torch.Tensor | None = None,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Float32 logits of `logits_rows` (default: every row) of the flattened `input_ids` [T]."""
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, pool, i, meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        return self.lm_head(self.norm(x)).float()

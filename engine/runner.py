@@ -1,0 +1,107 @@
+"""The model on its device with its KV pool: prefill chunks and batched decode steps.
+
+Decode on CUDA replays one CUDA graph per batch-size bucket (`engine.cuda_graphs`); elsewhere it
+runs eagerly. Everything here runs on one thread (the engine's), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import DecodeMeta, PrefillMeta
+from engine.kv_cache import KVLayout, KVPool
+from engine.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DecodeSeq:
+    token: int              # the last sampled token, whose KV this step writes
+    position: int           # its position in the sequence
+    block_table: list[int]
+
+
+def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: float) -> int:
+    """Bytes for the KV pool: as asked, or on CUDA what is free after weights less a reserve for
+    activations; 256 MiB on the CPU."""
+    if requested_gb is not None:
+        return int(requested_gb * GiB)
+    if device.type != "cuda":
+        return 256 << 20
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, int(free * 0.9) - int(reserve_gb * GiB))
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, block_size: int,
+                 kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = device
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.layout = KVLayout.for_model(loaded.config, dtype, block_size)
+        num_blocks = KVPool.blocks_for_memory(self.layout, kv_bytes)
+        need = -(-max_model_len // block_size) + 1
+        if num_blocks < need:
+            raise ValueError(f"KV pool of {kv_bytes / GiB:.2f} GiB holds {num_blocks} blocks of {block_size} tokens; "
+                             f"one {max_model_len}-token sequence needs {need}: raise --kv-cache-gb or lower "
+                             "--max-model-len")
+        self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.use_kernel = device.type == "cuda"
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+        log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
+                 num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
+
+    def prefill(self, token_ids: list[int], block_table: list[int], start: int,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""
+        end = start + len(token_ids)
+        meta = PrefillMeta(
+            new_slots=self.pool.slots(block_table, start, end),
+            prior_slots=self.pool.slots(block_table, 0, start) if start else None,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.arange(start, end, device=self.device)
+        last = torch.tensor([len(token_ids) - 1], device=self.device)
+        return self.model(ids, positions, self.pool, meta, logits_rows=last, on_layer_done=on_layer_done)[0]
+
+    def decode(self, seqs: list[DecodeSeq]) -> torch.Tensor:
+        """One decode step for every sequence; returns float32 logits [B, V]."""
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run(seqs)
+        return self.decode_eager(seqs)
+
+    def decode_meta_tensors(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, ...]:
+        """Host-built (ids, positions, new_slots, block_tables, context_lens) for `seqs`."""
+        bs = self.layout.block_size
+        ids = torch.tensor([s.token for s in seqs], dtype=torch.long)
+        positions = torch.tensor([s.position for s in seqs], dtype=torch.long)
+        slots = torch.tensor([s.block_table[s.position // bs] * bs + s.position % bs for s in seqs],
+                             dtype=torch.long)
+        tables = torch.zeros(len(seqs), self.max_blocks_per_seq, dtype=torch.int32)
+        for row, s in enumerate(seqs):
+            tables[row, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        lens = positions.to(torch.int32) + 1
+        return ids, positions, slots, tables, lens
+
+    def decode_eager(self, seqs: list[DecodeSeq]) -> torch.Tensor:
+        ids, positions, slots, tables, lens = (t.to(self.device, non_blocking=True)
+                                               for t in self.decode_meta_tensors(seqs))
+        max_context = max(s.position for s in seqs) + 1
+        tables = tables[:, :-(-max_context // self.layout.block_size)]
+        meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
+        return self.model(ids, positions, self.pool, meta)

@@ -1,0 +1,54 @@
+"""Token sampling: greedy by default; temperature / top-k / top-p with a per-request seed.
+
+A sampled token depends only on (logits, params, seed, output index), never on the batch or on
+which server sampled it, so a request's tokens are the same in every mode and transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 0.0   # 0 = off (the proto default)
+    top_k: int = 0       # 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> torch.Tensor:
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if 0.0 < p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < p.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    gen = torch.Generator(device=logits.device).manual_seed((p.seed * 1_000_003 + index) % (2**63))
+    return torch.multinomial(probs, 1, generator=gen).squeeze(0)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] (long, on the logits' device)."""
+    tokens = logits.argmax(dim=-1)
+    for row, (p, index) in enumerate(zip(params, indices, strict=True)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, index)
+    return tokens

@@ -1,0 +1,134 @@
+from pd.v1 import decode_pb2 as _decode_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "shape_order")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    shape_order: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., shape_order: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("layout", "transports", "peer_id", "host", "gpu_index", "pid")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    peer_id: str
+    host: str
+    gpu_index: int
+    pid: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_store_addr", "nccl_rank")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NCCL_STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NCCL_RANK_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    transport: str
+    server_id: str
+    gpu_index: int
+    nccl_store_addr: str
+    nccl_rank: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_rank: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _decode_pb2.SamplingParams
+    transport: str
+    peer_id: str
+    kv_chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("layer", "token_start", "token_end", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    token_start: int
+    token_end: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class IpcHandle(_message.Message):
+    __slots__ = ("handle", "offset_bytes", "size_bytes", "device_index", "handle_id")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    offset_bytes: int
+    size_bytes: int
+    device_index: int
+    handle_id: str
+    def __init__(self, handle: _Optional[bytes] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., device_index: _Optional[int] = ..., handle_id: _Optional[str] = ...) -> None: ...
+
+class PrefillDone(_message.Message):
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    prefill_s: float
+    kv_send_s: float
+    kv_bytes: int
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("kv", "layer_sent", "ipc", "done")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SENT_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    kv: KVChunk
+    layer_sent: int
+    ipc: IpcHandle
+    done: PrefillDone
+    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., ipc: _Optional[_Union[IpcHandle, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+
+class ReleaseIpcRequest(_message.Message):
+    __slots__ = ("handle_id",)
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    handle_id: str
+    def __init__(self, handle_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseIpcResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
