@@ -44,6 +44,7 @@ class ModelRunner:
                  kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool) -> None:
         self.model = loaded.model
         self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
         self.device = device
         self.dtype = dtype
         self.max_batch_size = max_batch_size

@@ -10,9 +10,8 @@ SOURCES = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "pd" / "v
 
 
 def generate(out_dir: Path) -> None:
-    from grpc_tools import protoc  # only needed to regenerate
-
     import grpc_tools
+    from grpc_tools import protoc  # only needed to regenerate
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [

@@ -1,0 +1,101 @@
+"""`python -m decode_server`: the front door. Continuous batching on one device; prompts are
+prefilled by a prefill server (disaggregated) or here (colocated, chunked)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+from pd.v1 import decode_pb2_grpc
+
+from decode_server.config import DecodeConfig
+from engine.cli_args import add_dataclass_args, dataclass_from_args
+from engine.grpc_common import (
+    Health,
+    bind,
+    check_port_free,
+    make_server,
+    run_main,
+    serve_until_signalled,
+    setup_logging,
+    start_metrics,
+)
+from engine.setup import build_runner
+
+log = logging.getLogger("decode_server")
+SERVICE = "pd.v1.Decode"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m decode_server", description=__doc__)
+    add_dataclass_args(parser, DecodeConfig)
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify prefill servers' TLS certificates")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return dataclass_from_args(DecodeConfig, args), args
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable
+
+
+def prefill_addresses(spec: str) -> list[str]:
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
+    from decode_server.engine import DecodeEngine
+    from decode_server.prefill_client import PrefillRouter
+    from decode_server.service import DecodeService
+
+    check_port_free(cfg)
+    health = Health([SERVICE])
+    await health.set(False)
+    runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
+    tokenizer = runner.tokenizer
+    loop = asyncio.get_running_loop()
+    engine = DecodeEngine(runner, cfg.max_batch_size)
+    router = None
+    if cfg.prefill_addr:
+        creds = None
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(f.read())
+        router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
+                               cfg.prefill_timeout_s, creds)
+    service = DecodeService(cfg, runner, engine, tokenizer, router)
+    engine.on_blocks_freed = lambda: loop.call_soon_threadsafe(service.notify_blocks_freed)
+    fatal = asyncio.Event()
+    engine.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
+    server = make_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(service, s), [SERVICE], health)
+    port = bind(server, cfg)
+    start_metrics(cfg)
+    engine.start()
+    await server.start()
+    await health.set(True)
+    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)", cfg.host, port, runner.device,
+             runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "")
+
+    def stop() -> None:
+        engine.stop()
+
+    code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=stop, fatal=fatal)
+    if router is not None:
+        await router.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_config(argv)
+    setup_logging(cfg.log_level)
+    run_main(lambda: serve(cfg, args.tls_ca))
+
+
+if __name__ == "__main__":
+    main()

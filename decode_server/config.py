@@ -1,0 +1,38 @@
+"""Decode server flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.server_config import ServerConfig, opt
+
+MODES = ("disaggregated", "colocated", "chunked")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(ServerConfig):
+    port: int = field(default=50051, metadata=opt("gRPC port"))
+    metrics_port: int = field(default=8001, metadata=opt("Prometheus metrics HTTP port; 0 disables it"))
+    prefill_addr: str | None = field(default=None, metadata=opt(
+        "prefill server(s): host:port[,host:port...] or dns:///name:port (every address the name resolves "
+        "to, re-resolved as pods come and go)"))
+    mode: str | None = field(default=None, metadata=opt("where prompts are prefilled; default: disaggregated "
+                                                         "with --prefill-addr, else colocated", choices=MODES))
+    chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
+    max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
+    max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
+        "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
+    cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
+    prefill_timeout_s: float = field(default=120.0, metadata=opt(
+        "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode == "disaggregated" and not self.prefill_addr:
+            raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
+        if self.chunk_size < 1 or self.max_batch_size < 1:
+            raise ValueError("--chunk-size and --max-batch-size must be positive")
+
+    @property
+    def default_mode(self) -> str:
+        return self.mode or ("disaggregated" if self.prefill_addr else "colocated")

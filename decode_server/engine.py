@@ -1,0 +1,162 @@
+"""The decode server's engine thread: continuous batching over the KV pool.
+
+Each iteration of `step()` reads as schedule, run, postprocess:
+- schedule: take new work from the inbox, drop cancelled sequences (freeing their KV), admit
+  ready sequences into the running batch up to --max-batch-size;
+- run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked),
+  then one decode step for every running sequence;
+- postprocess: sampled tokens go to each request's stream; finished sequences leave and free KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from decode_server import metrics
+from decode_server.sequence import ErrorEvent, Sequence
+from engine.runner import DecodeSeq, ModelRunner
+from engine.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self._inbox: queue.Queue[Sequence] = queue.Queue()
+        self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
+        self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
+        self.running: list[Sequence] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
+        self.failed: BaseException | None = None
+        self.on_failure: list[Callable[[], None]] = []  # run on this thread if the loop dies
+        self.on_blocks_freed: Callable[[], None] = lambda: None  # thread-safe notifier
+        self.steps = 0
+
+    # --- called from the event loop ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put_nowait(None)  # type: ignore[arg-type]
+        self._thread.join(timeout=10)
+
+    def submit(self, seq: Sequence) -> None:
+        """Hand a sequence over: it needs a local prefill (no output yet) or is ready to decode."""
+        seq.in_engine = True
+        self._inbox.put_nowait(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._inbox.qsize() + len(self.prefilling) + len(self.ready)
+
+    # --- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.step()
+        except BaseException as e:  # the engine is gone: health must say so and the process exit
+            log.exception("decode engine loop died")
+            self.failed = e
+            for seq in [*self.prefilling, *self.ready, *self.running]:
+                seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"decode engine failed: {e}"))
+            for callback in self.on_failure:
+                callback()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    (self.ready if item.output else self.prefilling).append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self) -> None:
+        for group in (self.prefilling, self.ready):
+            for seq in [s for s in group if s.cancelled.is_set()]:
+                group.remove(seq)
+                self._finish(seq)
+        for seq in [s for s in self.running if s.cancelled.is_set()]:
+            self.running.remove(seq)
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.release(self.runner.pool.allocator):
+            self.on_blocks_freed()
+
+    def step(self) -> None:
+        # schedule
+        idle = not (self.prefilling or self.ready or self.running)
+        self._take_inbox(block=idle)
+        self._drop_cancelled()
+        while self.ready and len(self.running) < self.max_batch_size:
+            self.running.append(self.ready.popleft())
+        metrics.REQUESTS_RUNNING.set(len(self.running))
+        metrics.REQUESTS_WAITING.set(self.num_waiting)
+        # run + postprocess
+        if self.prefilling:
+            self._prefill_piece(self.prefilling[0])
+        if self.running:
+            self._decode_step()
+        metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
+
+    def _prefill_piece(self, seq: Sequence) -> None:
+        """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
+        size = seq.chunk_size if seq.mode == "chunked" else len(seq.prompt)
+        start = seq.prefilled
+        piece = seq.prompt[start:start + size]
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.prefill(piece, seq.block_table, start)
+        except torch.cuda.OutOfMemoryError as e:
+            self.prefilling.popleft()
+            seq.emit(ErrorEvent(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {e}"))
+            self._finish(seq)
+            return
+        seq.prefilled += len(piece)
+        if seq.prefilled < len(seq.prompt):
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
+            seq.timing.prefill_s += time.perf_counter() - t0
+            return
+        token = int(sample(logits[None], [seq.params], [0])[0])
+        elapsed = time.perf_counter() - t0
+        seq.timing.prefill_s += elapsed
+        metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
+        self.prefilling.popleft()
+        seq.append(token, elapsed)
+        if seq.finish_reason:
+            self._finish(seq)
+        else:
+            self.ready.append(seq)
+
+    def _decode_step(self) -> None:
+        seqs = self.running
+        t0 = time.perf_counter()
+        batch = [DecodeSeq(s.output[-1], len(s.prompt) + len(s.output) - 1, s.block_table) for s in seqs]
+        logits = self.runner.decode(batch)
+        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs]).tolist()
+        elapsed = time.perf_counter() - t0
+        self.steps += 1
+        metrics.DECODE_STEP.observe(elapsed)
+        finished = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.append(int(token), elapsed)
+            if seq.finish_reason:
+                finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self._finish(seq)

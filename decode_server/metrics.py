@@ -1,0 +1,24 @@
+"""Prometheus metrics of the decode server, named as serving users know them."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+
+TTFT = Histogram("time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
+ITL = Histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request (server side)",
+                buckets=LATENCY_BUCKETS)
+E2E = Histogram("e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS)
+QUEUE_TIME = Histogram("request_queue_time_seconds", "Arrival to admission (KV blocks reserved)",
+                       buckets=LATENCY_BUCKETS)
+PREFILL_SECONDS = Histogram("prefill_seconds", "Prefill compute per request (remote or local)",
+                            buckets=LATENCY_BUCKETS)
+KV_TRANSFER_SECONDS = Histogram("kv_transfer_seconds", "Remote prefill start to KV in this server's pool, "
+                                "less the prefill compute", buckets=LATENCY_BUCKETS)
+KV_TRANSFER_BYTES = Counter("kv_transfer_bytes_total", "KV bytes received from prefill servers", ["transport"])
+REQUESTS_RUNNING = Gauge("num_requests_running", "Sequences in the decode batch")
+REQUESTS_WAITING = Gauge("num_requests_waiting", "Requests admitted but not yet decoding")
+KV_CACHE_USAGE = Gauge("kv_cache_usage_perc", "Fraction of KV pool blocks in use")
+REQUEST_SUCCESS = Counter("request_success_total", "Finished requests by finish reason", ["finish_reason"])
+REQUEST_FAILURE = Counter("request_failure_total", "Failed requests by gRPC status code", ["code"])
+DECODE_STEP = Histogram("decode_step_seconds", "One batched decode step", buckets=LATENCY_BUCKETS)

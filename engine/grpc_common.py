@@ -1,0 +1,149 @@
+"""What both servers do around their servicers: bind (with a clear error), health, reflection,
+TLS, metrics endpoint, logging, SIGTERM drain, uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.server_config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class StartupError(Exception):
+    """A one-line reason the server can't start, and what to do about it."""
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    try:
+        cert, key = Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()
+    except OSError as e:
+        raise StartupError(f"can't read TLS files: {e}") from e
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
+    address = f"{cfg.host}:{cfg.port}"
+    creds = server_credentials(cfg)
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError as e:
+        port = 0
+        log.debug("bind failed: %s", e)
+    if port == 0:
+        raise StartupError(f"can't listen on {address}: the port is in use or the address is not this "
+                           "machine's; stop the other process or pass another --port/--host")
+    return port
+
+
+def check_port_free(cfg: ServerConfig) -> None:
+    """Fail in a second, before loading a model, when a port is taken."""
+    for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics-port")):
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((cfg.host, port))
+            except OSError as e:
+                raise StartupError(f"can't listen on {cfg.host}:{port} ({e.strerror}); stop the other process or "
+                                   f"pass another {flag}") from e
+
+
+def start_metrics(cfg: ServerConfig) -> None:
+    if not cfg.metrics_port:
+        return
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+    except OSError as e:
+        raise StartupError(f"can't serve metrics on {cfg.host}:{cfg.metrics_port} ({e.strerror}); pass "
+                           "another --metrics-port, or 0 to turn metrics off") from e
+
+
+class Health:
+    """The standard grpc.health.v1 service; '' (overall) and each named service share one status."""
+
+    def __init__(self, services: Sequence[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.services = ["", *services]
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+
+def make_server(register: Callable[[grpc.aio.Server], None], service_names: Sequence[str],
+                health_state: Health) -> grpc.aio.Server:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    register(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server
+
+
+async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, drain_timeout_s: float,
+                                on_stop: Callable[[], None] | None = None,
+                                fatal: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (drain, exit 0) or until `fatal` is set (exit 1)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [asyncio.ensure_future(stop.wait())]
+    if fatal is not None:
+        waiters.append(asyncio.ensure_future(fatal.wait()))
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    failed = fatal is not None and fatal.is_set()
+    log.info("%s: health NOT_SERVING, draining for up to %.0fs", "engine failed" if failed else "stopping",
+             drain_timeout_s)
+    await health_state.set(False)
+    await server.stop(0 if failed else drain_timeout_s)
+    if on_stop is not None:
+        on_stop()
+    return 1 if failed else 0
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run an async main under uvloop; turn StartupError and bad flags into one line and exit 2."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        runner = asyncio.run  # type: ignore[assignment]
+    try:
+        code = runner(main())  # type: ignore[arg-type]
+    except (StartupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        code = 0
+    sys.exit(int(code or 0))

@@ -1,0 +1,54 @@
+"""Options every server takes (host, ports, model, device, KV pool, TLS), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.presets import PRESETS
+
+KV_TRANSPORTS = ("auto", "grpc", "nccl", "cuda-ipc")
+
+
+def opt(help_text: str, **extra: object) -> dict[str, object]:
+    return {"help": help_text, **extra}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=opt("address to bind; 0.0.0.0 in containers"))
+    port: int = field(default=0, metadata=opt("gRPC port"))
+    metrics_port: int = field(default=0, metadata=opt("Prometheus metrics HTTP port; 0 disables it"))
+    model: str | None = field(default=None, metadata=opt("local Hugging Face checkpoint folder "
+                                                          "(config.json + *.safetensors)"))
+    preset: str | None = field(default=None, metadata=opt("built-in model with random weights; default: "
+                                                           "qwen2.5-7b with a GPU, tiny without",
+                                                           choices=sorted(PRESETS)))
+    device: str = field(default="auto", metadata=opt("cpu, cuda:N, or auto (prefill GPU 0, decode GPU 1)"))
+    dtype: str = field(default="auto", metadata=opt("auto (bfloat16 on GPU, float32 on CPU), float32, "
+                                                     "bfloat16, float16"))
+    block_size: int = field(default=16, metadata=opt("KV pool block size in tokens"))
+    kv_cache_gb: float | None = field(default=None, metadata=opt("KV pool size in GiB; default: free GPU "
+                                                                  "memory less a reserve, 0.25 GiB on CPU"))
+    max_model_len: int | None = field(default=None, metadata=opt("longest prompt + output; default: the "
+                                                                  "model's, capped at 40960"))
+    kv_transport: str = field(default="auto", metadata=opt("KV data plane: grpc, nccl, cuda-ipc; auto = nccl "
+                                                            "with GPUs, grpc without", choices=KV_TRANSPORTS))
+    max_queued_requests: int = field(default=256, metadata=opt("requests waiting beyond this get "
+                                                                "RESOURCE_EXHAUSTED"))
+    drain_timeout_s: float = field(default=30.0, metadata=opt("on SIGTERM, how long in-flight streams may "
+                                                               "finish"))
+    tls_cert: str | None = field(default=None, metadata=opt("PEM certificate chain; enables TLS"))
+    tls_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-cert"))
+    log_level: str = field(default="info", metadata=opt("debug, info, warning, error"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("ports must be in 0..65535")
+        if self.model and self.preset:
+            raise ValueError("pass either --model or --preset, not both")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.block_size < 1 or self.max_queued_requests < 1:
+            raise ValueError("--block-size and --max-queued-requests must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")

@@ -1,0 +1,46 @@
+"""From a server's flags to a model on its device with its KV pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.device import default_preset, resolve_device, resolve_dtype
+from engine.grpc_common import StartupError
+from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.runner import ModelRunner, kv_pool_bytes
+from engine.server_config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 40960
+
+
+def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs: bool,
+                 kv_reserve_gb: float, kv_cache_gb: float | None = None) -> ModelRunner:
+    try:
+        device = resolve_device(cfg.device, role)
+        dtype = resolve_dtype(cfg.dtype, device)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    preset = None if cfg.model else (cfg.preset or default_preset())
+    started = time.perf_counter()
+    try:
+        if cfg.max_model_len is not None:
+            max_len = cfg.max_model_len
+        else:
+            max_len = DEFAULT_MAX_MODEL_LEN
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len)
+    except ModelLoadError as e:
+        raise StartupError(str(e)) from e
+    max_len = min(max_len, loaded.config.max_position_embeddings)
+    log.info("%s model %s on %s (%s) in %.1fs", role, loaded.source, device, dtype, time.perf_counter() - started)
+    kv_bytes = kv_pool_bytes(device, kv_cache_gb if kv_cache_gb is not None else cfg.kv_cache_gb, kv_reserve_gb)
+    try:
+        return ModelRunner(loaded, device, dtype, cfg.block_size, kv_bytes, max_batch_size, max_len, cuda_graphs)
+    except ValueError as e:
+        raise StartupError(str(e)) from e

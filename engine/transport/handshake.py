@@ -1,0 +1,45 @@
+"""The pair's handshake: KV layout check and transport choice, shared by both ends."""
+
+from __future__ import annotations
+
+import torch
+from pd.v1 import prefill_pb2
+
+from engine.kv_cache import KVLayout
+
+
+def layout_to_proto(layout: KVLayout) -> prefill_pb2.KVLayout:
+    return prefill_pb2.KVLayout(model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
+                                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                                block_size=layout.block_size, shape_order=layout.shape_order)
+
+
+def layout_from_proto(msg: prefill_pb2.KVLayout) -> KVLayout:
+    return KVLayout(model=msg.model, dtype=msg.dtype, num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
+                    head_dim=msg.head_dim, block_size=msg.block_size, shape_order=msg.shape_order)
+
+
+def layout_mismatch_message(decode: KVLayout, prefill: KVLayout) -> str | None:
+    """One line naming both sides, or None when the layouts agree."""
+    diff = prefill.mismatch(decode)
+    if diff is None:
+        return None
+    sides = diff.replace("ours", "prefill server").replace("theirs", "decode server")
+    return f"KV layout mismatch ({sides}); start both servers with the same model and --dtype"
+
+
+def supported_transports(device: torch.device) -> list[str]:
+    """What this end can do, best first."""
+    if device.type != "cuda":
+        return ["grpc"]
+    return ["nccl", "cuda-ipc", "grpc"]
+
+
+def choose_transport(requested: str, ours: list[str], theirs: list[str]) -> str | None:
+    """`requested` ('auto' or a name) picked from what both ends support."""
+    if requested != "auto":
+        return requested if requested in ours and requested in theirs else None
+    for name in theirs:
+        if name in ours:
+            return name
+    return None

@@ -1,0 +1,27 @@
+"""Checks of a request's tokens and limits, shared by both servers. Each failure is one line that
+names what was wrong and the limit it broke."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InvalidRequest(ValueError):
+    """Answered with INVALID_ARGUMENT."""
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise InvalidRequest("the prompt has no tokens")
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"token id {token} at position {position} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    if max_new_tokens < 1:
+        raise InvalidRequest(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                             f"{prompt_len + max_new_tokens} exceeds the context limit of {max_model_len} tokens")

@@ -1,0 +1,84 @@
+"""`python -m prefill_server`: one device, one model copy, prefill jobs over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pd.v1 import prefill_pb2_grpc
+
+from engine.cli_args import add_dataclass_args, dataclass_from_args
+from engine.grpc_common import (
+    Health,
+    StartupError,
+    bind,
+    check_port_free,
+    make_server,
+    run_main,
+    serve_until_signalled,
+    setup_logging,
+    start_metrics,
+)
+from engine.setup import build_runner
+from prefill_server.config import PrefillConfig
+
+log = logging.getLogger("prefill_server")
+SERVICE = "pd.v1.Prefill"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prefill_server", description=__doc__)
+    add_dataclass_args(parser, PrefillConfig)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> PrefillConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return dataclass_from_args(PrefillConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable
+
+
+async def serve(cfg: PrefillConfig) -> int:
+    from prefill_server.service import PrefillService
+    from prefill_server.worker import PrefillWorker
+
+    check_port_free(cfg)
+    health = Health([SERVICE])
+    await health.set(False)
+    runner = await asyncio.to_thread(
+        build_runner, cfg, "prefill", 1, False, 4.0,
+        cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()))
+    worker = PrefillWorker(runner)
+    service = PrefillService(cfg, runner, worker)
+    server = make_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(service, s), [SERVICE], health)
+    port = bind(server, cfg)
+    start_metrics(cfg)
+    worker.start()
+    await server.start()
+    await health.set(True)
+    log.info("prefill server SERVING on %s:%d (%s, %s)", cfg.host, port, runner.device, runner.config.name)
+    return await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=worker.stop)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    setup_logging(cfg.log_level)
+    run_main(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except StartupError as e:  # pragma: no cover - run_main already reports these
+        raise SystemExit(f"error: {e}") from e

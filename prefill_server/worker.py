@@ -1,0 +1,122 @@
+"""The prefill server's engine thread: runs prefill jobs one at a time, ships KV layer by layer."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from pd.v1 import prefill_pb2
+
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.transport.base import KVSender, TransferCancelled
+from engine.transport.grpc_stream import GrpcKVSender
+from prefill_server import metrics
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[object], None]  # a PrefillResponse, an Exception, or None (end of stream)
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    block_table: list[int]
+    transport: str
+    chunk_tokens: int
+    emit: Emit
+    make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class PrefillWorker:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
+        self.failed = threading.Event()
+        self.busy = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, job: PrefillJob) -> None:
+        self._jobs.put(job)
+        metrics.REQUESTS_WAITING.set(self._jobs.qsize())
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            metrics.REQUESTS_WAITING.set(self._jobs.qsize())
+            self.busy = 1
+            metrics.REQUESTS_RUNNING.set(1)
+            try:
+                self._run(job)
+            except TransferCancelled:
+                log.info("prefill %s cancelled", job.request_id)
+                job.emit(None)
+            except Exception as e:  # the request fails, the worker keeps serving
+                log.exception("prefill %s failed", job.request_id)
+                job.emit(e)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+            finally:
+                self.runner.pool.allocator.free(job.block_table)
+                metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
+                self.busy = 0
+                metrics.REQUESTS_RUNNING.set(0)
+
+    def _sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        if job.make_sender is not None:
+            return job.make_sender(job, slots)
+
+        def emit_chunk(layer: int, start: int, end: int, data: bytes) -> None:
+            chunk = prefill_pb2.KVChunk(layer=layer, token_start=start, token_end=end, data=data)
+            job.emit(prefill_pb2.PrefillResponse(kv=chunk))
+
+        return GrpcKVSender(self.runner.pool, slots, job.chunk_tokens, emit_chunk)
+
+    def _run(self, job: PrefillJob) -> None:
+        if job.cancelled.is_set():
+            raise TransferCancelled
+        runner = self.runner
+        n = len(job.token_ids)
+        sender = self._sender(job, runner.pool.slots(job.block_table, 0, n))
+
+        def layer_done(layer: int) -> None:
+            if job.cancelled.is_set():
+                raise TransferCancelled
+            sender.layer_done(layer)
+
+        started = time.perf_counter()
+        try:
+            logits = runner.prefill(job.token_ids, job.block_table, 0, on_layer_done=layer_done)
+            first = int(sample(logits[None], [job.params], [0])[0])  # reading the token syncs the device
+        finally:
+            computed = time.perf_counter()
+            sender.finish()
+        sent = time.perf_counter()
+        if job.cancelled.is_set():
+            raise TransferCancelled
+        kv_bytes = n * runner.layout.bytes_per_token
+        metrics.PREFILL_SECONDS.observe(computed - started)
+        metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
+        metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
+        done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
+                                       kv_bytes=kv_bytes)
+        job.emit(prefill_pb2.PrefillResponse(done=done))
+        job.emit(None)
