@@ -29,3 +29,20 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides: object) -> P
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def pair(server_logs: Path):  # type: ignore[no-untyped-def]
+    """A prefill server and a decode server (tiny preset, CPU) paired over gRPC, shared by a session."""
+    from tests.servers import ServerProcess
+
+    prefill = ServerProcess("prefill_server", [], server_logs).start()
+    decode = ServerProcess("decode_server", ["--prefill-addr", prefill.address], server_logs).start()
+    yield decode, prefill
+    decode.stop()
+    prefill.stop()

@@ -1,0 +1,67 @@
+# make demo: install, start both servers, replay the scenario, stop.   make test: install, run the tests.
+PYTHON ?= python3
+# GPU images bring their own torch; elsewhere this build (CPU where no CUDA wheel is wanted).
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?= run
+HOST ?= 127.0.0.1
+PREFILL_PORT ?= 50052
+DECODE_PORT ?= 50051
+PREFILL_METRICS_PORT ?= 8002
+DECODE_METRICS_PORT ?= 8001
+PREFILL_ARGS ?=
+DECODE_ARGS ?=
+B_LEN ?= 4096
+SCENARIO_ARGS ?= --b-len $(B_LEN) --json $(RUN_DIR)/scenario.json --plot $(RUN_DIR)/scenario.png
+
+.PHONY: install proto serve-prefill serve-decode stop demo test soak lint
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -m pip install -q -e '.[dev]'
+
+proto:
+	$(PYTHON) proto/generate.py
+
+serve-prefill:
+	@mkdir -p $(RUN_DIR)
+	@if [ -f $(RUN_DIR)/prefill.pid ] && kill -0 $$(cat $(RUN_DIR)/prefill.pid) 2>/dev/null; then \
+		echo "prefill server already running (pid $$(cat $(RUN_DIR)/prefill.pid))"; exit 0; fi; \
+	nohup $(PYTHON) -m prefill_server --host $(HOST) --port $(PREFILL_PORT) \
+		--metrics-port $(PREFILL_METRICS_PORT) $(PREFILL_ARGS) > $(RUN_DIR)/prefill.log 2>&1 & \
+	echo $$! > $(RUN_DIR)/prefill.pid; \
+	$(PYTHON) -m client.wait_ready $(HOST):$(PREFILL_PORT) --pid-file $(RUN_DIR)/prefill.pid --log $(RUN_DIR)/prefill.log
+
+serve-decode:
+	@mkdir -p $(RUN_DIR)
+	@if [ -f $(RUN_DIR)/decode.pid ] && kill -0 $$(cat $(RUN_DIR)/decode.pid) 2>/dev/null; then \
+		echo "decode server already running (pid $$(cat $(RUN_DIR)/decode.pid))"; exit 0; fi; \
+	nohup $(PYTHON) -m decode_server --host $(HOST) --port $(DECODE_PORT) \
+		--metrics-port $(DECODE_METRICS_PORT) --prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS) \
+		> $(RUN_DIR)/decode.log 2>&1 & \
+	echo $$! > $(RUN_DIR)/decode.pid; \
+	$(PYTHON) -m client.wait_ready $(HOST):$(DECODE_PORT) --pid-file $(RUN_DIR)/decode.pid --log $(RUN_DIR)/decode.log
+
+stop:
+	@for name in decode prefill; do \
+		if [ -f $(RUN_DIR)/$$name.pid ]; then \
+			pid=$$(cat $(RUN_DIR)/$$name.pid); \
+			if kill $$pid 2>/dev/null; then \
+				while kill -0 $$pid 2>/dev/null; do sleep 0.2; done; echo "$$name server stopped"; fi; \
+			rm -f $(RUN_DIR)/$$name.pid; \
+		fi; \
+	done
+
+demo: install
+	@$(MAKE) --no-print-directory serve-prefill serve-decode
+	@$(PYTHON) -m client.scenario --target $(HOST):$(DECODE_PORT) $(SCENARIO_ARGS); \
+		status=$$?; $(MAKE) --no-print-directory stop; exit $$status
+
+test: install
+	$(PYTHON) -m pytest -q
+
+soak: install
+	$(PYTHON) -m pytest -q -m soak -p no:cacheprovider tests/test_soak.py
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy engine prefill_server decode_server client bench

@@ -1,0 +1,68 @@
+"""Client-side helpers shared by the scenario, the load generator and the CLI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pd.v1 import decode_pb2, decode_pb2_grpc
+
+
+def open_channel(target: str, tls_ca: str | None = None) -> grpc.aio.Channel:
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+        return grpc.aio.secure_channel(target, creds, options=options)
+    return grpc.aio.insecure_channel(target, options=options)
+
+
+@dataclass
+class StreamResult:
+    """What a client saw of one Generate stream; times are `time.perf_counter()` seconds."""
+
+    sent_at: float
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    last: decode_pb2.GenerateResponse | None = None
+    first: decode_pb2.GenerateResponse | None = None
+    error: grpc.StatusCode | None = None
+    error_message: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent_at
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+
+async def stream_generate(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.GenerateRequest,
+                          timeout: float | None = None) -> AsyncIterator[tuple[decode_pb2.GenerateResponse, float]]:
+    """Yield (response, arrival time) as tokens come."""
+    call = stub.Generate(request, timeout=timeout)
+    async for response in call:
+        yield response, time.perf_counter()
+
+
+async def collect(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.GenerateRequest,
+                  timeout: float | None = None) -> StreamResult:
+    result = StreamResult(sent_at=time.perf_counter())
+    try:
+        async for response, arrived in stream_generate(stub, request, timeout):
+            if result.first is None:
+                result.first = response
+            result.tokens.append(response.token_id)
+            result.arrivals.append(arrived)
+            result.text += response.text
+            result.last = response
+            result.finish_reason = response.finish_reason or result.finish_reason
+    except grpc.aio.AioRpcError as e:
+        result.error, result.error_message = e.code(), e.details() or ""
+    return result
