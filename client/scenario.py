@@ -1,0 +1,208 @@
+"""`python -m client.scenario`: the seed's experiment end to end over gRPC.
+
+User A sends a 1,024-token prompt and receives 100 tokens; just before A's 20th token arrives
+(when its 19th does), B sends a long prompt. Each row runs that once in one prefill mode and
+records every gap between A's tokens and B's time to first token, as the client sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from client.scenario_report import format_table, plot_gaps
+from client.stream import StreamResult, collect, open_channel, stream_generate
+from pd.v1 import decode_pb2, decode_pb2_grpc
+
+MODE_ENUM = {
+    "alone": decode_pb2.PREFILL_MODE_UNSPECIFIED,
+    "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
+    "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
+    "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
+}
+DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048"
+
+
+@dataclass
+class Row:
+    mode: str
+    chunk_size: int | None
+    b_len: int
+    a_median_gap_ms: float
+    a_worst_gap_ms: float
+    a_slow_gaps: int
+    b_ttft_ms: float | None
+    a_tokens_match_solo: bool
+    b_first_token_matches: bool | None
+    a_first_diff_index: int | None = None
+    b_tokens_match_reference: bool | None = None
+    b_sent_after_a_token: int | None = None
+    b_first_token_during_gap: int | None = None
+    b_server_prefill_ms: float | None = None
+    b_server_kv_transfer_ms: float | None = None
+    a_gaps_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    a_len: int = 1024
+    a_new_tokens: int = 100
+    b_trigger_index: int = 18    # B is sent when A's token #19 (index 18) arrives, before the 20th
+    b_new_tokens: int = 16
+    seed: int = 0
+
+
+def make_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def request(tokens: list[int], new_tokens: int, mode: str, chunk_size: int | None,
+            request_id: str) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(request_id=request_id, token_ids=tokens, max_new_tokens=new_tokens,
+                                      ignore_eos=True, prefill_mode=MODE_ENUM[mode], chunk_size=chunk_size or 0)
+
+
+async def run_pair(stub: decode_pb2_grpc.DecodeStub, spec: ScenarioSpec, a_prompt: list[int],
+                   b_prompt: list[int] | None, mode: str, chunk_size: int | None,
+                   tag: str) -> tuple[StreamResult, StreamResult | None]:
+    """A streams; B (if any) is sent when A's trigger token arrives. Both run to completion."""
+    a = StreamResult(sent_at=time.perf_counter())
+    b_task: asyncio.Task[StreamResult] | None = None
+    a_mode = "alone" if mode == "alone" else "disaggregated" if mode == "disaggregated" else "colocated"
+    a_req = request(a_prompt, spec.a_new_tokens, a_mode if mode != "alone" else "alone", None, f"A-{tag}")
+    async for response, arrived in stream_generate(stub, a_req):
+        a.tokens.append(response.token_id)
+        a.arrivals.append(arrived)
+        a.last = response
+        if b_prompt is not None and response.index == spec.b_trigger_index:
+            b_req = request(b_prompt, spec.b_new_tokens, mode, chunk_size, f"B-{tag}")
+            b_task = asyncio.ensure_future(collect(stub, b_req))
+    b = await b_task if b_task is not None else None
+    if b is not None and b.error is not None:
+        raise RuntimeError(f"B failed in mode {mode}: {b.error.name}: {b.error_message}")
+    return a, b
+
+
+def first_diff(x: list[int], y: list[int]) -> int | None:
+    for i, (p, q) in enumerate(zip(x, y, strict=False)):
+        if p != q:
+            return i
+    return None if len(x) == len(y) else min(len(x), len(y))
+
+
+def make_row(mode: str, chunk: int | None, b_len: int, a: StreamResult, b: StreamResult | None,
+             solo: list[int], solo_median: float, b_ref: list[int], trigger: int) -> Row:
+    gaps = a.gaps
+    diff = first_diff(a.tokens, solo)
+    row = Row(mode=mode, chunk_size=chunk, b_len=b_len, a_median_gap_ms=statistics.median(gaps) * 1e3,
+              a_worst_gap_ms=max(gaps) * 1e3, a_slow_gaps=sum(g > 2 * solo_median for g in gaps),
+              b_ttft_ms=None, a_tokens_match_solo=diff is None, b_first_token_matches=None,
+              a_first_diff_index=diff, a_gaps_ms=[g * 1e3 for g in gaps])
+    if b is not None:
+        row.b_ttft_ms = b.ttft * 1e3
+        row.b_first_token_matches = b.tokens[:1] == b_ref[:1]
+        row.b_tokens_match_reference = b.tokens == b_ref
+        row.b_sent_after_a_token = trigger
+        row.b_first_token_during_gap = sum(t < b.arrivals[0] for t in a.arrivals) - 1
+        if b.first is not None:
+            row.b_server_prefill_ms = b.first.timing.prefill_s * 1e3
+            row.b_server_kv_transfer_ms = b.first.timing.kv_transfer_s * 1e3
+    return row
+
+
+def parse_modes(spec: str) -> list[tuple[str, int | None]]:
+    modes: list[tuple[str, int | None]] = []
+    for item in spec.split(","):
+        name, _, chunk = item.strip().partition(":")
+        if name not in MODE_ENUM:
+            raise argparse.ArgumentTypeError(f"unknown mode {name!r}; choose from {', '.join(MODE_ENUM)}")
+        if name == "chunked" and not chunk:
+            raise argparse.ArgumentTypeError("chunked needs a size, e.g. chunked:512")
+        modes.append((name, int(chunk) if chunk else None))
+    return modes
+
+
+async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, int | None]], spec: ScenarioSpec,
+                       tls_ca: str | None = None, log=print) -> list[Row]:  # type: ignore[no-untyped-def]
+    channel = open_channel(target, tls_ca)
+    stub = decode_pb2_grpc.DecodeStub(channel)
+    a_prompt = make_prompt(spec.a_len, spec.seed)
+    rows: list[Row] = []
+    try:
+        await collect(stub, request(a_prompt[:64], 4, "alone", None, "warmup"))
+        for b_len in b_lens:
+            b_prompt = make_prompt(b_len, spec.seed + b_len)
+            # B alone, whole prompt at once: the reference for B's tokens (and a warm-up of that size)
+            ref = await collect(stub, request(b_prompt, spec.b_new_tokens, "colocated", None, f"Bref-{b_len}"))
+            if ref.error is not None:
+                raise RuntimeError(f"reference run of B failed: {ref.error.name}: {ref.error_message}")
+            solo, _ = await run_pair(stub, spec, a_prompt, None, "alone", None, f"solo-{b_len}")
+            solo_median = statistics.median(solo.gaps)
+            for mode, chunk in modes:
+                tag = f"{mode}{chunk or ''}-{b_len}"
+                if mode == "alone":
+                    a, b = solo, None
+                else:
+                    a, b = await run_pair(stub, spec, a_prompt, b_prompt, mode, chunk, tag)
+                row = make_row(mode, chunk, b_len, a, b, solo.tokens, solo_median, ref.tokens,
+                               spec.b_trigger_index)
+                rows.append(row)
+                log(f"  b_len={b_len:>6} {mode}{'' if chunk is None else f' {chunk}'}: "
+                    f"A worst {row.a_worst_gap_ms:.1f} ms, B TTFT "
+                    f"{'-' if row.b_ttft_ms is None else f'{row.b_ttft_ms:.1f} ms'}")
+    finally:
+        await channel.close()
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m client.scenario", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="127.0.0.1:50051", help="decode server address (default: %(default)s)")
+    p.add_argument("--b-len", type=int, nargs="+", default=[16384], help="B's prompt length(s) in tokens")
+    p.add_argument("--b-new-tokens", type=int, default=16, help="tokens B asks for (default: %(default)s)")
+    p.add_argument("--a-len", type=int, default=1024, help="A's prompt length (default: %(default)s)")
+    p.add_argument("--a-new-tokens", type=int, default=100, help="tokens A receives (default: %(default)s)")
+    p.add_argument("--modes", type=parse_modes, default=parse_modes(DEFAULT_MODES),
+                   help=f"rows, comma-separated (default: {DEFAULT_MODES})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    p.add_argument("--json", help="write {'rows': [...]} here")
+    p.add_argument("--plot", help="draw A's gaps per mode into this PNG")
+    p.add_argument("--tls-ca", help="PEM CA bundle, when the decode server uses TLS")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    spec = ScenarioSpec(a_len=args.a_len, a_new_tokens=args.a_new_tokens, b_new_tokens=args.b_new_tokens,
+                        seed=args.seed)
+    if spec.a_new_tokens <= spec.b_trigger_index + 2:
+        sys.exit("error: --a-new-tokens must exceed 20 so B arrives while A decodes")
+    print(f"scenario against {args.target}: A {spec.a_len} tokens -> {spec.a_new_tokens}, "
+          f"B {args.b_len} -> {spec.b_new_tokens}", file=sys.stderr)
+    try:
+        rows = asyncio.run(run_scenario(args.target, args.b_len, args.modes, spec, args.tls_ca,
+                                        log=lambda m: print(m, file=sys.stderr)))
+    except Exception as e:  # one line for the user: unreachable server, a failed request
+        sys.exit(f"error: {e}")
+    print(format_table(rows))
+    if args.json:
+        doc = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "target": args.target,
+               "command": "python -m client.scenario " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "rows": [asdict(r) for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot_gaps(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
