@@ -17,9 +17,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
+from pd.v1 import decode_pb2, decode_pb2_grpc
+
 from client.scenario_report import format_table, plot_gaps
 from client.stream import StreamResult, collect, open_channel, stream_generate
-from pd.v1 import decode_pb2, decode_pb2_grpc
 
 MODE_ENUM = {
     "alone": decode_pb2.PREFILL_MODE_UNSPECIFIED,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 

@@ -39,8 +39,8 @@ class DecodeEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
         self.failed: BaseException | None = None
-        self.on_failure: list[Callable[[], None]] = []  # run on this thread if the loop dies
-        self.on_blocks_freed: Callable[[], None] = lambda: None  # thread-safe notifier
+        self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
+        self.on_blocks_freed: Callable[[], object] = lambda: None  # thread-safe notifier
         self.steps = 0
 
     # --- called from the event loop ---------------------------------------------------------

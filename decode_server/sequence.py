@@ -49,7 +49,7 @@ class Sequence:
     eos_ids: frozenset[int]
     mode: str
     chunk_size: int
-    emit: Callable[[Event], None]  # thread-safe: hands the event to the request's stream
+    emit: Callable[[Event], object]  # thread-safe: hands the event to the request's stream
     block_table: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     prefilled: int = 0             # prompt tokens already in the pool (local prefill)

@@ -140,10 +140,10 @@ def run_main(main: Callable[[], object]) -> None:
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         runner = asyncio.run  # type: ignore[assignment]
     try:
-        code = runner(main())  # type: ignore[arg-type]
+        code = int(runner(main()) or 0)  # type: ignore[arg-type]
     except (StartupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         code = 0
-    sys.exit(int(code or 0))
+    sys.exit(code)

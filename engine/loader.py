@@ -57,7 +57,7 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
                 p.normal_(0.0, 2.0 / p.shape[1] ** 0.5, generator=gen)
             else:
                 p.normal_(0.0, 0.1, generator=gen)
-    tokenizer = ByteTokenizer() if name == "tiny" else None
+    tokenizer: Tokenizer | None = ByteTokenizer() if name == "tiny" else None
     return LoadedModel(model, cfg, tokenizer, f"preset:{name}")
 
 
@@ -88,8 +88,8 @@ def _hf_to_ours(cfg: ModelConfig, name: str) -> tuple[str, slice | None] | None:
         table[f"self_attn.{kind}_proj.bias"] = ("qkv.bias", rows)
     if rest not in table:
         return None
-    ours, rows = table[rest]
-    return prefix + ours, rows
+    ours, row_slice = table[rest]
+    return prefix + ours, row_slice
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,

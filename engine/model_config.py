@@ -51,7 +51,7 @@ class ModelConfig:
             num_heads=hf.num_attention_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
             head_dim=head_dim,
-            rope_theta=float(rope_theta),
+            rope_theta=float(rope_theta or 10000.0),
             rms_norm_eps=float(hf.rms_norm_eps),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -67,6 +67,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv = h * qkv_out + qkv_out
         per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h

@@ -28,10 +28,7 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
     preset = None if cfg.model else (cfg.preset or default_preset())
     started = time.perf_counter()
     try:
-        if cfg.max_model_len is not None:
-            max_len = cfg.max_model_len
-        else:
-            max_len = DEFAULT_MAX_MODEL_LEN
+        max_len = cfg.max_model_len if cfg.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
         if device.type == "cuda":
             torch.cuda.set_device(device)
         loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len)

@@ -18,7 +18,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; 256 is BOS, 257 is EOS. Fits the tiny preset's vocabulary."""
 
     BOS, EOS = 256, 257
-    eos_token_ids = (EOS,)
+    eos_token_ids: tuple[int, ...] = (EOS,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -20,7 +20,7 @@ from prefill_server import metrics
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[object], None]  # a PrefillResponse, an Exception, or None (end of stream)
+Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
 
 
 @dataclass

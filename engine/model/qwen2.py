@@ -37,6 +37,8 @@ class RotaryTable(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
 
@@ -49,7 +51,7 @@ class RotaryTable(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # stay float32 whatever the model dtype
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -81,7 +83,7 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k, positions)
+        q, k = rope.rotate(q, k, positions)
         if isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
