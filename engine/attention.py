@@ -1,7 +1,7 @@
 """Attention over the paged KV pool: prefill (one sequence, a chunk of new tokens after `start`
 cached ones) and decode (many sequences, one new token each).
 
-Both write the new tokens' K and V into the pool first, then attend. Decode on CUDA reads the pool
+The new tokens' K and V are already in the pool (`ops.rope_and_store`). Decode on CUDA reads the pool
 in place through a Triton kernel (`engine.kernels.paged_decode`); the gather path here is the
 reference and the CPU path.
 """
@@ -39,7 +39,6 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
                       meta: PrefillMeta) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; causal, the chunk after the cached prefix."""
-    pool.write(layer, meta.new_slots, torch.stack((k, v)))
     if meta.prior_slots is not None and meta.prior_slots.numel():
         cached = pool.read(layer, meta.prior_slots)
         k = torch.cat((cached[0], k))
@@ -55,10 +54,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     return out.squeeze(0).transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
-                     meta: DecodeMeta) -> torch.Tensor:
-    """q [B, H, D], k/v [B, Hkv, D] (one new token per sequence) -> [B, H, D]."""
-    pool.write(layer, meta.new_slots, torch.stack((k, v)))
+def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:
+    """q [B, H, D] (one new token per sequence) -> [B, H, D]."""
     if meta.use_kernel:
         from engine.kernels.paged_decode import paged_decode_attention
 

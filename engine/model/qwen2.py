@@ -2,7 +2,8 @@
 
 One forward serves a prefill chunk of one sequence (`PrefillMeta`) and a decode step of many
 sequences (`DecodeMeta`); `on_layer_done(layer)` fires after each layer's KV is in the pool so
-a transport can ship that layer while later layers compute.
+a transport can ship that layer while later layers compute. The residual add is carried into
+the next norm (`delta`), which fuses on CUDA.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
 from engine.kv_cache import KVPool
 from engine.model_config import ModelConfig
@@ -24,11 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, like transformers' Qwen2RMSNorm, so greedy tokens match bit for bit.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
 
 class RotaryTable(nn.Module):
@@ -51,16 +49,6 @@ class RotaryTable(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # stay float32 whatever the model dtype
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -74,23 +62,18 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, pool: KVPool, layer: int,
-                meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
-        t = x.shape[0]
-        h = self.input_norm(x)
-        qkv = self.qkv(h)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.rotate(q, k, positions)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: RotaryTable,
+                pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (residual stream, this layer's MLP output still to be added to it)."""
+        h, x = self.input_norm(x, delta)
+        q, k, v = ops.rope_and_store(self.qkv(h), positions, rope.cos, rope.sin, pool.layers[layer], meta.new_slots,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
         if isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
-            attn = decode_attention(q, k, v, pool, layer, meta)
-        x = x + self.o_proj(attn.reshape(t, q_size))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+            attn = decode_attention(q, pool, layer, meta)
+        h, x = self.post_norm(x, self.o_proj(attn.reshape(x.shape[0], -1)))
+        return x, self.down(ops.silu_mul(self.gate_up(h)))
 
 
 class Qwen2Model(nn.Module):
@@ -111,10 +94,12 @@ class Qwen2Model(nn.Module):
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Float32 logits of `logits_rows` (default: every row) of the flattened `input_ids` [T]."""
         x = self.embed(input_ids)
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, pool, i, meta)
+            x, delta = layer(x, delta, positions, self.rope, pool, i, meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
-        return self.lm_head(self.norm(x)).float()
+            x, delta = x.index_select(0, logits_rows), delta.index_select(0, logits_rows)  # type: ignore[union-attr]
+        h, _ = self.norm(x, delta)
+        return self.lm_head(h).float()

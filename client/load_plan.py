@@ -1,0 +1,154 @@
+"""The load a run sends, drawn from one seed so that two runs (or two deployments) get identical requests.
+
+Arrivals are planned up front. Background users draw their requests lazily (how many they send
+depends on how fast the server is), each from its own stream spawned from the same seed, so the
+arrivals never shift when a background user manages one more request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+PROMPT_ID_LIMIT = 256  # prompt ids drawn from [0, 256): inside every preset's vocabulary, even the tiny one
+
+
+@dataclass(frozen=True)
+class Length:
+    """A token-length distribution: `N`, `uniform:LO:HI` (inclusive) or `lognormal:MEAN:SIGMA`."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Length:
+        name, *params = text.strip().split(":")
+        try:
+            values = [float(p) for p in params]
+            if not params:
+                length = cls("fixed", float(int(name)))
+            elif name == "uniform" and len(values) == 2:
+                length = cls("uniform", float(int(values[0])), float(int(values[1])))
+            elif name == "lognormal" and len(values) == 2:
+                length = cls("lognormal", values[0], values[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bad length {text!r}: use N, uniform:LO:HI or lognormal:MEAN:SIGMA") from None
+        length.check(text)
+        return length
+
+    def check(self, text: str) -> None:
+        if self.a < 1 or (self.kind == "uniform" and self.b < self.a) or (self.kind == "lognormal" and self.b < 0):
+            raise ValueError(f"bad length {text!r}: lengths are >= 1, LO <= HI, SIGMA >= 0")
+
+    def sample(self, rng: np.random.Generator) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return int(rng.integers(int(self.a), int(self.b) + 1))
+        # MEAN is the lengths' mean, so the underlying normal's mu is ln(MEAN) - SIGMA^2 / 2
+        mu = math.log(self.a) - self.b ** 2 / 2
+        return max(1, round(float(rng.lognormal(mu, self.b))))
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything that decides which requests a run sends and when; the seed makes it reproducible."""
+
+    rate: float = 4.0
+    duration: float = 30.0
+    prompt_len: str = "1024"
+    output_len: str = "128"
+    long_prompt_frac: float = 0.0
+    long_prompt_len: int = 16384
+    background_users: int = 0
+    background_prompt_len: str | None = None
+    background_output_len: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rate < 0 or self.duration <= 0:
+            raise ValueError("--rate must be >= 0 and --duration > 0")
+        if self.rate == 0 and self.background_users == 0:
+            raise ValueError("nothing to send: give --rate > 0 or --background-users > 0")
+        if not 0.0 <= self.long_prompt_frac <= 1.0 or self.long_prompt_len < 1:
+            raise ValueError("--long-prompt-frac must be in [0, 1] and --long-prompt-len >= 1")
+        if self.background_users < 0:
+            raise ValueError("--background-users must be >= 0")
+        for text in (self.prompt_len, self.output_len, self.background_prompt_len, self.background_output_len):
+            if text is not None:
+                Length.parse(text)
+
+
+@dataclass(frozen=True, eq=False)
+class RequestSpec:
+    """One request of the plan; `at` is its send time in seconds from the start (0 for background users)."""
+
+    key: str
+    kind: str  # "arrival" or "background"
+    at: float
+    token_ids: np.ndarray
+    output_len: int
+    long: bool = False
+
+    def signature(self) -> tuple[str, float, int, tuple[int, ...]]:
+        return self.key, self.at, self.output_len, tuple(self.token_ids.tolist())
+
+
+def _prompt(rng: np.random.Generator, length: int) -> np.ndarray:
+    return rng.integers(0, PROMPT_ID_LIMIT, size=length, dtype=np.int32)
+
+
+class BackgroundUser:
+    """A user who decodes back to back: its n-th request is the same in every run with the same seed."""
+
+    def __init__(self, index: int, spec: LoadSpec, seed: np.random.SeedSequence) -> None:
+        self.index, self.sent = index, 0
+        self.rng = np.random.default_rng(seed)
+        self.prompt_len = Length.parse(spec.background_prompt_len or spec.prompt_len)
+        self.output_len = Length.parse(spec.background_output_len or spec.output_len)
+
+    def next(self) -> RequestSpec:
+        key = f"bg{self.index}.{self.sent}"
+        self.sent += 1
+        prompt = _prompt(self.rng, self.prompt_len.sample(self.rng))
+        return RequestSpec(key, "background", 0.0, prompt, self.output_len.sample(self.rng))
+
+
+@dataclass
+class LoadPlan:
+    spec: LoadSpec
+    arrivals: list[RequestSpec]
+    users: list[BackgroundUser]
+
+
+def plan_arrivals(spec: LoadSpec, times: np.random.Generator, ids: np.random.Generator) -> list[RequestSpec]:
+    """Poisson arrivals (exponential gaps at `rate`) over `duration`, each with its own prompt and output length.
+
+    Times, lengths and the long-prompt coin come from `times`, token ids from `ids`: every draw is
+    made for every arrival, so changing one length knob leaves the arrival times and other lengths as they were.
+    """
+    prompt_len, output_len = Length.parse(spec.prompt_len), Length.parse(spec.output_len)
+    arrivals: list[RequestSpec] = []
+    t = 0.0
+    while spec.rate > 0:
+        t += float(times.exponential(1.0 / spec.rate))
+        if t >= spec.duration:
+            break
+        long = bool(times.random() < spec.long_prompt_frac)
+        short_len, out_len = prompt_len.sample(times), output_len.sample(times)
+        prompt = _prompt(ids, spec.long_prompt_len if long else short_len)
+        arrivals.append(RequestSpec(f"r{len(arrivals)}", "arrival", t, prompt, out_len, long))
+    return arrivals
+
+
+def build_plan(spec: LoadSpec) -> LoadPlan:
+    """A fresh plan (background users restart from their first request), identical for identical specs."""
+    times_seed, ids_seed, *user_seeds = np.random.SeedSequence(spec.seed).spawn(2 + spec.background_users)
+    users = [BackgroundUser(k, spec, s) for k, s in enumerate(user_seeds)]
+    arrivals = plan_arrivals(spec, np.random.default_rng(times_seed), np.random.default_rng(ids_seed))
+    return LoadPlan(spec, arrivals, users)

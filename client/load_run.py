@@ -1,0 +1,186 @@
+"""Sends a plan to one deployment: Poisson arrivals plus back-to-back background users, round-robin over targets."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pd.v1 import decode_pb2, decode_pb2_grpc
+from tqdm import tqdm
+
+from client.load_plan import BackgroundUser, LoadPlan, RequestSpec
+from client.stream import StreamResult, collect, open_channel
+
+MODES = ("disaggregated", "colocated", "chunked")
+MODE_ENUM = {
+    None: decode_pb2.PREFILL_MODE_UNSPECIFIED,
+    "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
+    "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
+    "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
+}
+SERVER_TIMING = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where a run goes: decode servers behind client-side round-robin, and the per-request mode override."""
+
+    name: str
+    targets: tuple[str, ...]
+    mode: str | None = None     # None: each server's own --mode
+    chunk_size: int = 0         # 0: the server's --chunk-size
+
+    def describe(self) -> str:
+        mode = self.mode or "server default"
+        if self.mode == "chunked" and self.chunk_size:
+            mode += f":{self.chunk_size}"
+        return f"{','.join(self.targets)} @ {mode}"
+
+
+@dataclass
+class Record:
+    """What happened to one request; times are seconds from the run's start."""
+
+    key: str
+    kind: str
+    target: str
+    prompt_len: int
+    max_new_tokens: int
+    long: bool
+    sent_s: float
+    token_times_s: list[float] = field(default_factory=list)
+    status: str = "OK"          # "OK", a gRPC status code name, or a client-side exception's name
+    error_message: str = ""
+    server: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.sent_s
+
+    @property
+    def gaps_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for a one-token answer."""
+        n = len(self.token_times_s)
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class RunResult:
+    deployment: Deployment
+    records: list[Record]
+    duration_s: float
+
+
+def make_record(spec: RequestSpec, target: str, result: StreamResult, t0: float) -> Record:
+    record = Record(spec.key, spec.kind, target, len(spec.token_ids), spec.output_len, spec.long,
+                    result.sent_at - t0, [a - t0 for a in result.arrivals])
+    if result.error is not None:
+        record.status, record.error_message = result.error.name, result.error_message
+    elif not result.finish_reason:  # the stream closed without its last message: the server broke its contract
+        record.status, record.error_message = "INCOMPLETE", f"stream ended after {len(result.tokens)} tokens"
+    if result.last is not None:
+        record.server = {name: getattr(result.last.timing, name) for name in SERVER_TIMING}
+    return record
+
+
+class LoadRunner:
+    """One run of a plan against one deployment. Failures become records; nothing here raises per request."""
+
+    def __init__(self, plan: LoadPlan, deployment: Deployment, timeout_s: float, tls_ca: str | None = None,
+                 progress: bool = True) -> None:
+        self.plan, self.deployment, self.timeout_s, self.tls_ca = plan, deployment, timeout_s, tls_ca
+        self.progress = progress
+        self.run_id = f"load-{uuid.uuid4().hex[:8]}"  # unique per run, so two runs never collide on request_id
+        self.records: list[Record] = []
+        self._prebuilt: dict[str, decode_pb2.GenerateRequest] = {}
+        self.t0 = 0.0
+
+    def _request(self, spec: RequestSpec) -> decode_pb2.GenerateRequest:
+        return decode_pb2.GenerateRequest(
+            request_id=f"{self.run_id}-{spec.key}", token_ids=spec.token_ids.tolist(),
+            max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
+            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size)
+
+    async def _send(self, spec: RequestSpec) -> Record:
+        index = next(self._next_target)
+        target = self.deployment.targets[index]
+        sent = time.perf_counter()
+        request = self._prebuilt.pop(spec.key, None)
+        if request is None:  # background users' requests depend on how many they get to send
+            request = self._request(spec)
+        try:
+            result = await collect(self._stubs[index], request, self.timeout_s)
+            record = make_record(spec, target, result, self.t0)
+        except Exception as e:  # a client-side fault in one request must not end the run
+            record = Record(spec.key, spec.kind, target, len(spec.token_ids), spec.output_len, spec.long,
+                            sent - self.t0, status=type(e).__name__, error_message=str(e))
+        self.records.append(record)
+        self._count(record)
+        return record
+
+    def _count(self, record: Record) -> None:
+        if record.kind == "arrival":
+            self._bar.update(1)
+        else:
+            self._background_done += 1
+        self._failed += not record.ok
+        self._bar.set_postfix(background=self._background_done, failed=self._failed, refresh=False)
+
+    async def _arrivals(self) -> None:
+        tasks: list[asyncio.Task[Record]] = []
+        for spec in self.plan.arrivals:
+            await asyncio.sleep(max(0.0, self.t0 + spec.at - time.perf_counter()))
+            tasks.append(asyncio.create_task(self._send(spec)))
+        await asyncio.gather(*tasks)
+
+    async def _background(self, user: BackgroundUser, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            await self._send(user.next())
+
+    async def _warmup(self) -> None:
+        """One short request per server before the clock starts, so first-call costs are not measured."""
+        for index, target in enumerate(self.deployment.targets):
+            request = decode_pb2.GenerateRequest(
+                request_id=f"{self.run_id}-warmup{index}", token_ids=list(range(16)), max_new_tokens=2,
+                ignore_eos=True, prefill_mode=MODE_ENUM[self.deployment.mode],
+                chunk_size=self.deployment.chunk_size)
+            result = await collect(self._stubs[index], request, self.timeout_s)
+            if result.error is not None:
+                print(f"warning: warm-up request to {target} failed: {result.error.name}: {result.error_message}",
+                      file=sys.stderr)
+
+    async def run(self, warmup: bool = True) -> RunResult:
+        channels = [open_channel(target, self.tls_ca) for target in self.deployment.targets]
+        self._stubs = [decode_pb2_grpc.DecodeStub(channel) for channel in channels]
+        self._next_target = itertools.cycle(range(len(channels)))
+        self._background_done = self._failed = 0
+        self._bar = tqdm(total=len(self.plan.arrivals), desc=self.deployment.name, unit="req", file=sys.stderr,
+                         disable=not self.progress, dynamic_ncols=True)
+        try:
+            if warmup:
+                await self._warmup()
+            # built before the clock starts: a 32k-token request costs the event loop ~1.5 ms, which would
+            # otherwise show up as a gap in whichever streams are being read at that moment
+            self._prebuilt = {spec.key: self._request(spec) for spec in self.plan.arrivals}
+            self.t0 = time.perf_counter()
+            deadline = self.t0 + self.plan.spec.duration
+            await asyncio.gather(self._arrivals(), *(self._background(u, deadline) for u in self.plan.users))
+            duration = time.perf_counter() - self.t0
+        finally:
+            self._bar.close()
+            await asyncio.gather(*(channel.close() for channel in channels))
+        self.records.sort(key=lambda r: r.sent_s)
+        return RunResult(self.deployment, self.records, duration)

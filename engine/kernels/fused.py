@@ -1,0 +1,111 @@
+"""Small fused kernels for the decode/prefill forward on CUDA: each replaces several PyTorch ops
+(and kernel launches) and rounds to the model dtype where PyTorch's unfused ops would, so the
+results match the eager PyTorch path to the last bit or nearly so."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * N + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # residual += delta, rounded to the model dtype as PyTorch's add would
+        x = (x.to(tl.float32) + tl.load(DELTA + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(X + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(OUT + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None) -> torch.Tensor:
+    """x [T, N] (updated in place to x + delta when delta is given); returns rms_norm(x) * weight."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(GU + row * 2 * I + offs, mask=mask, other=0.0)
+    u = tl.load(GU + row * 2 * I + I + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(OUT + row * I + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, KV, SLOTS,
+                       s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, half)
+    src = QKV + t * s_qkv + h * HEAD_DIM
+    x1 = tl.load(src + offs)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
+        x2 = tl.load(src + half + offs)
+        dst = KV + s_kv_kind + slot * s_kv_slot + (h - NUM_HEADS - NUM_KV_HEADS) * s_kv_head
+        tl.store(dst + offs, x1)
+        tl.store(dst + half + offs, x2)
+    else:
+        x2 = tl.load(src + half + offs)
+        pos = tl.load(POS + t).to(tl.int64)
+        dt = x1.dtype
+        c1 = tl.load(COS + pos * s_cos + offs).to(dt).to(tl.float32)
+        c2 = tl.load(COS + pos * s_cos + half + offs).to(dt).to(tl.float32)
+        s1 = tl.load(SIN + pos * s_cos + offs).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + pos * s_cos + half + offs).to(dt).to(tl.float32)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        # q * cos + rotate_half(q) * sin, each product and the sum rounded as in PyTorch
+        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+        if h < NUM_HEADS:
+            dst = Q_OUT + (t * NUM_HEADS + h) * HEAD_DIM
+        else:
+            kh = h - NUM_HEADS
+            dst = K_OUT + (t * NUM_KV_HEADS + kh) * HEAD_DIM
+            cache = KV + slot * s_kv_slot + kh * s_kv_head
+            tl.store(cache + offs, o1)
+            tl.store(cache + half + offs, o2)
+        tl.store(dst + offs, o1)
+        tl.store(dst + half + offs, o2)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) D] -> rotated q [T, H, D], k [T, Hkv, D], and v (a view); K and V are
+    also written into the pool layer at `slots`."""
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, q, k, kv_layer, slots, qkv.stride(0), kv_layer.stride(0), kv_layer.stride(1),
+        kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        num_warps=1)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    return q, k, v

@@ -1,0 +1,105 @@
+"""Decode attention straight from the paged KV pool (no gather copy), split over the context
+("flash-decoding"): each program takes one sequence, one KV head (with its group of query heads)
+and one slice of the context; a second kernel merges the slices with their softmax statistics.
+
+Pool layer layout: [2 (K, V), num_slots, num_kv_heads, head_dim]; slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64      # context tokens per inner step
+TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200
+
+
+@triton.jit
+def _split_kernel(Q, KV, BT, CTX, OUT, ML,
+                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
+                  scale_log2,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(CTX + b)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    gmask = offs_g < GROUP
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for t0 in tl.range(start, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
+        k = tl.load(base, mask=valid[:, None], other=0.0)
+        v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_ptr = OUT + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
+    tl.store(out_ptr, acc, mask=gmask[:, None])
+    ml_ptr = ML + b * s_mb + heads * s_mh + split * s_ms
+    tl.store(ml_ptr, m_i, mask=gmask)
+    tl.store(ml_ptr + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(OUT, ML, O, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ml = ML + b * s_mb + h * s_mh + offs_s * s_ms
+    m = tl.load(ml)
+    lsum = tl.load(ml + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(lsum > 0, tl.exp2(m - m_max), 0.0)
+    parts = tl.load(OUT + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :])
+    o = tl.sum(parts * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(O + b * s_Ob + h * s_Oh + offs_d, o.to(O.dtype.element_ty))
+
+
+def num_splits_for(batch: int, num_kv_heads: int) -> int:
+    splits = max(1, TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    return min(64, triton.next_power_of_2(splits))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32; context_lens [B]
+    int32 -> [B, H, D]. Shapes only, no host sync: safe inside a CUDA graph."""
+    batch, heads, dim = q.shape
+    kv_heads = kv_layer.shape[2]
+    group = heads // kv_heads
+    splits = num_splits_for(batch, kv_heads)
+    partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    scale_log2 = (dim ** -0.5) * 1.4426950408889634
+    _split_kernel[(batch, kv_heads, splits)](
+        q, kv_layer, block_tables, context_lens, partial, ml,
+        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
+        scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    _merge_kernel[(batch, heads)](
+        partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
+        ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4)
+    return out

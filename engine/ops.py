@@ -1,0 +1,61 @@
+"""The forward's elementwise pieces: fused Triton kernels on CUDA, plain PyTorch elsewhere.
+
+Both paths round to the model dtype at the same points (as transformers' Qwen2 does), so the
+CPU path matches transformers and the CUDA path matches itself eager or graphed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from engine.kernels import fused as _fused
+except ImportError:  # no Triton: CPU-only installs
+    _fused = None  # type: ignore[assignment]
+
+
+def _fast(t: torch.Tensor) -> bool:
+    return t.is_cuda and _fused is not None
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + delta) * weight, x + delta); on CUDA x is updated in place."""
+    if _fast(x):
+        return _fused.add_rms_norm(x, weight, eps, delta), x
+    if delta is not None:
+        x = x + delta
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _fast(gate_up):
+        return _fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split qkv [T, (H + 2 Hkv) D], rotate q and k, write k and v into the pool layer at `slots`."""
+    if _fast(qkv):
+        return _fused.rope_and_store(qkv, positions, cos, sin, kv_layer, slots, num_heads, num_kv_heads, head_dim)
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim)
+    c = cos[positions].to(q.dtype).unsqueeze(1)
+    s = sin[positions].to(q.dtype).unsqueeze(1)
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    kv_layer.index_copy_(1, slots, torch.stack((k, v)))
+    return q, k, v

@@ -1,0 +1,147 @@
+"""The load generator: a reproducible plan, vLLM-style statistics, and short real runs against the CPU pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.load import parse_compare
+from client.load_plan import Length, LoadPlan, LoadSpec, build_plan
+from client.load_run import Deployment, Record, RunResult
+from client.load_stats import Slo, summarize
+from tests.servers import ROOT, ServerProcess, free_port
+
+SPEC = LoadSpec(rate=8, duration=2, prompt_len="uniform:16:64", output_len="8", background_users=2,
+                long_prompt_frac=0.25, long_prompt_len=300, seed=1)
+DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms")
+
+
+def plan_signature(plan: LoadPlan, per_user: int = 5) -> list[Any]:
+    background = [user.next().signature() for user in plan.users for _ in range(per_user)]
+    return [a.signature() for a in plan.arrivals] + background
+
+
+def run_load(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "client.load", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def check_distribution(stats: dict[str, float]) -> None:
+    assert set(stats) >= {"mean", "p50", "p90", "p99"}
+    assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+
+
+# --- the plan -------------------------------------------------------------------------------------
+def test_same_seed_same_plan_other_seed_other_plan() -> None:
+    first, second = build_plan(SPEC), build_plan(SPEC)
+    assert len(first.arrivals) > 5 and plan_signature(first) == plan_signature(second)
+    other = build_plan(LoadSpec(**{**vars(SPEC), "seed": 2}))
+    assert plan_signature(other) != plan_signature(build_plan(SPEC))
+    for spec in build_plan(SPEC).arrivals:
+        assert 0 <= spec.at < SPEC.duration and spec.output_len == 8
+        assert (len(spec.token_ids) == 300) if spec.long else (16 <= len(spec.token_ids) <= 64)
+        assert spec.token_ids.min() >= 0 and spec.token_ids.max() < 256
+    assert any(a.long for a in first.arrivals) and not all(a.long for a in first.arrivals)
+
+
+def test_length_distributions() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    assert Length.parse("1024").sample(rng) == 1024
+    assert {Length.parse("uniform:3:5").sample(rng) for _ in range(200)} == {3, 4, 5}
+    draws = [Length.parse("lognormal:1000:0.5").sample(rng) for _ in range(4000)]
+    assert 900 < sum(draws) / len(draws) < 1100  # MEAN is the lengths' mean
+    for bad in ("0", "uniform:5:3", "normal:3:4", "lognormal:10", "x"):
+        with pytest.raises(ValueError):
+            Length.parse(bad)
+
+
+def test_compare_syntax() -> None:
+    d = parse_compare("split=a:1,b:2@chunked:256", (), None, 0)
+    assert d == Deployment("split", ("a:1", "b:2"), "chunked", 256)
+    assert parse_compare("x=@colocated", ("t:1",), None, 0) == Deployment("x", ("t:1",), "colocated", 0)
+    assert parse_compare("y=t:1", (), "chunked", 64) == Deployment("y", ("t:1",), "chunked", 64)
+    for bad in ("nameonly", "z=@colocated", "w=t:1@fast"):
+        with pytest.raises(ValueError):
+            parse_compare(bad, (), None, 0)
+
+
+def test_summary_follows_vllm_definitions() -> None:
+    fast = Record("r0", "arrival", "t", 10, 3, False, 0.0, [0.1, 0.12, 0.14])      # TTFT 100 ms, TPOT 20 ms
+    slow = Record("r1", "arrival", "t", 20, 3, False, 0.0, [0.5, 0.6, 0.7])        # TTFT 500 ms, TPOT 100 ms
+    failed = Record("r2", "arrival", "t", 30, 3, False, 0.0, status="UNAVAILABLE", error_message="down")
+    result = RunResult(Deployment("d", ("t",)), [fast, slow, failed], duration_s=2.0)
+    s = summarize(result, Slo(ttft_ms=200, itl_ms=50))
+    assert (s["completed"], s["failed"], s["failures"]) == (2, 1, {"UNAVAILABLE": 1})
+    assert s["goodput_rps"] == 0.5 and s["request_throughput"] == 1.0 and s["output_tok_per_s"] == 3.0
+    assert s["ttft_ms"]["mean"] == pytest.approx(300) and s["tpot_ms"]["mean"] == pytest.approx(60)
+    assert s["itl_ms"]["max"] == pytest.approx(100) and s["itl_ms"]["p50"] == pytest.approx(60)
+    assert summarize(result, Slo())["goodput_rps"] == 1.0  # no SLO: every completed request counts
+
+
+# --- real runs ------------------------------------------------------------------------------------
+def test_load_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
+    decode, _ = pair
+    out = tmp_path / "load.json"
+    done = run_load("--target", decode.address, "--rate", "8", "--duration", "2", "--prompt-len", "uniform:16:64",
+                    "--output-len", "8", "--background-users", "1", "--seed", "1", "--slo-ttft-ms", "10000",
+                    "--slo-itl-ms", "10000", "--json", str(out), "--json-details")
+    assert done.returncode == 0, done.stderr
+    assert "Serving Benchmark Result" in done.stdout and "P99 ITL (ms)" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["failures"] == {}, report["failure_examples"]
+    assert report["completed"] > 0 and report["duration_s"] >= 2.0
+    assert report["output_tok_per_s"] > 0 and 0 < report["goodput_rps"] <= report["request_throughput"]
+    for key in DISTRIBUTIONS:
+        check_distribution(report[key])
+    assert report["params"]["rate"] == 8 and report["params"]["seed"] == 1
+    assert datetime.fromisoformat(report["date"]).tzinfo is not None and "--rate 8" in report["command"]
+    requests = report["requests"]
+    assert len(requests) == report["completed"] and all(r["output_tokens"] == 8 for r in requests)
+    # what went over the wire is the plan: the arrivals' prompt lengths, in order
+    planned = build_plan(LoadSpec(rate=8, duration=2, prompt_len="uniform:16:64", output_len="8",
+                                  background_users=1, seed=1))
+    sent = {r["key"]: r["prompt_len"] for r in requests if r["kind"] == "arrival"}
+    assert sent == {a.key: len(a.token_ids) for a in planned.arrivals}
+
+
+def test_compare_two_modes_on_one_server(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
+    decode, _ = pair
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    done = run_load("--target", decode.address, "--rate", "6", "--duration", "1", "--prompt-len", "32",
+                    "--output-len", "6", "--background-users", "1", "--slo-ttft-ms", "0.001", "--json", str(out),
+                    "--plot", str(png), "--compare", "split=@disaggregated",
+                    f"local={decode.address}@colocated")
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["split", "local"] and "split" in done.stdout and "local" in done.stdout
+    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "colocated"]
+    for run in runs.values():
+        assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
+        assert run["goodput_rps"] == 0  # nothing meets a 1 us TTFT
+        for key in DISTRIBUTIONS:
+            check_distribution(run[key])
+    assert png.stat().st_size > 10_000
+
+
+def test_failures_are_counted_by_status_not_raised(pair: tuple[ServerProcess, ServerProcess],
+                                                   tmp_path: Path) -> None:
+    decode, _ = pair
+    out = tmp_path / "fail.json"
+    # 45,000 tokens pass the tiny model's context limit: the server answers INVALID_ARGUMENT
+    done = run_load("--rate", "20", "--duration", "0.5", "--prompt-len", "45000", "--output-len", "4", "--no-warmup",
+                    "--json", str(out), "--compare", f"dead=127.0.0.1:{free_port()}", f"too-long={decode.address}")
+    assert done.returncode == 1, done.stderr  # nothing completed anywhere
+    runs = json.loads(out.read_text())["runs"]
+    planned = json.loads(out.read_text())["params"]["planned_arrivals"]
+    assert planned > 0
+    assert runs["dead"]["failures"] == {"UNAVAILABLE": planned} and runs["dead"]["completed"] == 0
+    assert runs["too-long"]["failures"] == {"INVALID_ARGUMENT": planned}
+    assert runs["too-long"]["ttft_ms"]["p50"] is None
