@@ -19,11 +19,32 @@ from engine.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 << 20
+FATAL_GRACE_S = 1.0
+
+MAX_MESSAGE_BYTES = 256 << 20  # internal KV messages (channels between the servers)
+MAX_REQUEST_BYTES = 64 << 20   # what a server accepts in one request; larger: RESOURCE_EXHAUSTED
+# Channels between the servers: large KV messages; reconnect soon after a peer restarts (the default
+# backoff grows to 120 s); HTTP/2 keepalive pings so a peer that vanishes without closing its socket
+# (partition, frozen host) fails the in-flight calls with UNAVAILABLE instead of hanging them.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Servers: requests are capped at MAX_REQUEST_BYTES (the prefill server's replies carry the KV, so
+# sends stay large); the peers' keepalive pings are welcome.
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]
 
 
@@ -102,7 +123,7 @@ class Health:
 
 def make_server(register: Callable[[grpc.aio.Server], None], service_names: Sequence[str],
                 health_state: Health) -> grpc.aio.Server:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     register(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -111,8 +132,16 @@ def make_server(register: Callable[[grpc.aio.Server], None], service_names: Sequ
 
 async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, drain_timeout_s: float,
                                 on_stop: Callable[[], None] | None = None,
-                                fatal: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (drain, exit 0) or until `fatal` is set (exit 1)."""
+                                fatal: asyncio.Event | None = None,
+                                on_drain: Callable[[], None] | None = None,
+                                in_flight: Callable[[], int] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (drain, exit 0) or until `fatal` is set (exit 1).
+
+    Draining: health turns NOT_SERVING (still answered, so probes and load balancers see it),
+    `on_drain` makes the servicers refuse new work with UNAVAILABLE, and in-flight requests get up
+    to `drain_timeout_s` to finish; then the server stops, cancelling what is left. A second
+    signal cuts the drain short.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -121,13 +150,28 @@ async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, d
     if fatal is not None:
         waiters.append(asyncio.ensure_future(fatal.wait()))
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
     failed = fatal is not None and fatal.is_set()
-    log.info("%s: health NOT_SERVING, draining for up to %.0fs", "engine failed" if failed else "stopping",
-             drain_timeout_s)
+    # An engine failure ends the in-flight streams with an error at once; a second is enough to send them.
+    grace = FATAL_GRACE_S if failed else drain_timeout_s
+    log.info("%s: health NOT_SERVING, draining for up to %.0fs", "engine failed" if failed else "stopping", grace)
     await health_state.set(False)
-    await server.stop(0 if failed else drain_timeout_s)
+    if on_drain is not None:
+        on_drain()
+    deadline = loop.time() + grace
+    stop.clear()
+    while in_flight is not None and in_flight() > 0 and loop.time() < deadline and not stop.is_set():
+        await asyncio.sleep(0.05)
+    left = in_flight() if in_flight is not None else 0
+    if left:
+        log.warning("stopping with %d requests still in flight (their streams are cancelled)", left)
+    remaining = 0.0 if stop.is_set() else max(0.0, deadline - loop.time())
+    # Tracked requests are done: a moment more for other calls (a health Watch, a reflection query).
+    await server.stop(min(remaining, FATAL_GRACE_S) if in_flight is not None else remaining)
     if on_stop is not None:
         on_stop()
+    log.info("stopped")
     return 1 if failed else 0
 
 

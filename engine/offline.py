@@ -22,12 +22,12 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
             step = chunk_size or len(prompt)
             for start in range(0, len(prompt), step):
                 logits = runner.prefill(prompt[start:start + step], table, start)
-            outputs.append([int(sample(logits[None], [params], [0])[0])])
+            outputs.append([int(sample(logits[None], [params], [0])[0])])  # type: ignore[possibly-undefined]
         for index in range(1, max_new_tokens):
             seqs = [DecodeSeq(out[-1], len(prompt) + len(out) - 1, table)
                     for prompt, out, table in zip(prompts, outputs, tables, strict=True)]
-            logits = runner.decode(seqs)
-            tokens = sample(logits, [params] * len(seqs), [index] * len(seqs)).tolist()
+            logits, greedy = runner.decode(seqs)
+            tokens = sample(logits, [params] * len(seqs), [index] * len(seqs), greedy).tolist()
             for out, token in zip(outputs, tokens, strict=True):
                 out.append(int(token))
     finally:
@@ -38,10 +38,11 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
 
 def make_runner(model: str | None = None, preset: str | None = "tiny", device: str = "cpu",
                 dtype: torch.dtype = torch.float32, block_size: int = 16, kv_gb: float = 0.25,
-                max_batch_size: int = 8, max_model_len: int = 4096, cuda_graphs: bool = False) -> ModelRunner:
+                max_batch_size: int = 8, max_model_len: int = 4096, cuda_graphs: bool = False,
+                min_decode_bucket: int = 1) -> ModelRunner:
     from engine.loader import load_model
 
     dev = torch.device(device)
     loaded = load_model(model, preset, dev, dtype, max_positions=max_model_len)
     return ModelRunner(loaded, dev, dtype, block_size, int(kv_gb * (1 << 30)), max_batch_size, max_model_len,
-                       cuda_graphs)
+                       cuda_graphs, min_decode_bucket)

@@ -41,7 +41,8 @@ def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, block_size: int,
-                 kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool) -> None:
+                 kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool,
+                 min_decode_bucket: int = 1) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -63,7 +64,7 @@ class ModelRunner:
         if cuda_graphs and device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, min_decode_bucket)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
 
@@ -80,29 +81,34 @@ class ModelRunner:
         last = torch.tensor([len(token_ids) - 1], device=self.device)
         return self.model(ids, positions, self.pool, meta, logits_rows=last, on_layer_done=on_layer_done)[0]
 
-    def decode(self, seqs: list[DecodeSeq]) -> torch.Tensor:
-        """One decode step for every sequence; returns float32 logits [B, V]."""
+    def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             return self.graphs.run(seqs)
         return self.decode_eager(seqs)
 
     def decode_meta_tensors(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, ...]:
-        """Host-built (ids, positions, new_slots, block_tables, context_lens) for `seqs`."""
+        """Host-built (ids, positions, new_slots, block_tables, context_lens) for `seqs`; the block
+        tables are as wide as the longest sequence's."""
         bs = self.layout.block_size
         ids = torch.tensor([s.token for s in seqs], dtype=torch.long)
         positions = torch.tensor([s.position for s in seqs], dtype=torch.long)
         slots = torch.tensor([s.block_table[s.position // bs] * bs + s.position % bs for s in seqs],
                              dtype=torch.long)
-        tables = torch.zeros(len(seqs), self.max_blocks_per_seq, dtype=torch.int32)
+        width = max(s.position // bs + 1 for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
         for row, s in enumerate(seqs):
-            tables[row, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            used = s.block_table[:width]
+            tables[row, :len(used)] = torch.tensor(used, dtype=torch.int32)
         lens = positions.to(torch.int32) + 1
+        if self.device.type == "cuda":
+            ids, positions, slots, tables, lens = (t.pin_memory() for t in (ids, positions, slots, tables, lens))
         return ids, positions, slots, tables, lens
 
-    def decode_eager(self, seqs: list[DecodeSeq]) -> torch.Tensor:
+    def decode_eager(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, positions, slots, tables, lens = (t.to(self.device, non_blocking=True)
                                                for t in self.decode_meta_tensors(seqs))
         max_context = max(s.position for s in seqs) + 1
-        tables = tables[:, :-(-max_context // self.layout.block_size)]
         meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
-        return self.model(ids, positions, self.pool, meta)
+        logits = self.model(ids, positions, self.pool, meta)
+        return logits, logits.argmax(dim=-1)

@@ -45,9 +45,13 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> torch.Te
     return torch.multinomial(probs, 1, generator=gen).squeeze(0)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (long, on the logits' device)."""
-    tokens = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+           greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] (long, on the logits' device). `greedy`, when given,
+    is logits.argmax(-1) already computed (inside a CUDA graph)."""
+    if all(p.greedy for p in params):
+        return greedy if greedy is not None else logits.argmax(dim=-1)
+    tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).clone()
     for row, (p, index) in enumerate(zip(params, indices, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, index)

@@ -35,15 +35,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, INTER, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    g = tl.load(GU + row * 2 * I + offs, mask=mask, other=0.0)
-    u = tl.load(GU + row * 2 * I + I + offs, mask=mask, other=0.0)
+    mask = offs < INTER
+    g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
+    u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(OUT + row * I + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(OUT + row * INTER + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

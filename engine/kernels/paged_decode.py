@@ -60,7 +60,7 @@ def _split_kernel(Q, KV, BT, CTX, OUT, ML,
 
 
 @triton.jit
-def _merge_kernel(OUT, ML, O, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
+def _merge_kernel(OUT, ML, RESULT, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,7 +73,7 @@ def _merge_kernel(OUT, ML, O, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
     w = tl.where(lsum > 0, tl.exp2(m - m_max), 0.0)
     parts = tl.load(OUT + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :])
     o = tl.sum(parts * w[:, None], 0) / tl.sum(lsum * w, 0)
-    tl.store(O + b * s_Ob + h * s_Oh + offs_d, o.to(O.dtype.element_ty))
+    tl.store(RESULT + b * s_Ob + h * s_Oh + offs_d, o.to(RESULT.dtype.element_ty))
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:

@@ -1,0 +1,77 @@
+"""What every benchmark records beside its figures: date, hardware, commit, command, ceilings."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def commit() -> str:
+    """The commit measured: $PD_COMMIT where the tree travels without .git, else git's HEAD."""
+    if os.environ.get("PD_COMMIT"):
+        return os.environ["PD_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def metadata() -> dict[str, Any]:
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "hardware": hardware(), "commit": commit(),
+            "command": "python -m " + " ".join([Path(sys.argv[0]).parent.name + "." + Path(sys.argv[0]).stem,
+                                                *sys.argv[1:]]),
+            "torch": torch.__version__}
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def time_cuda(fn: Any, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() by CUDA events (each call timed on its own)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_hbm_gbps(device: torch.device, gib: float = 4.0) -> float:
+    """Device-to-device copy, counting bytes read plus written."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), iters=10)
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def measure_bf16_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    ms = time_cuda(lambda: a @ b, iters=10)
+    return 2 * n**3 / (ms * 1e-3) / 1e12

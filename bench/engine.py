@@ -1,0 +1,119 @@
+"""`python -m bench.engine`: decode step and prefill times of the engine on one GPU, each beside
+its floor (bytes over measured HBM bandwidth; FLOPs over the measured bf16 matrix rate).
+
+Decode: every sequence has a real 1,024-token prefilled context; a step is what the decode
+server runs (metadata upload, graph replay, greedy tokens read back), timed by the host clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
+from engine.offline import make_runner
+from engine.runner import DecodeSeq, ModelRunner
+from engine.sampling import SamplingParams, sample
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (only B rows are read)."""
+    return sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if not n.startswith("embed"))
+
+
+def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+    pool = runner.pool
+    tables = [pool.allocator.allocate(pool.blocks_needed(context + steps + 8)) for _ in range(batch)]
+    try:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, runner.config.vocab_size, (context,), generator=gen).tolist() for _ in tables]
+        for prompt, table in zip(prompts, tables, strict=True):
+            runner.prefill(prompt, table, 0)
+        last = [1] * batch
+        times = []
+        params = [SamplingParams()] * batch
+        for step in range(steps + 5):
+            seqs = [DecodeSeq(last[i], context + step, tables[i]) for i in range(batch)]
+            t0 = time.perf_counter()
+            logits, greedy = runner.decode(seqs)
+            last = sample(logits, params, [step] * batch, greedy).tolist()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[5:])
+    finally:
+        for table in tables:
+            pool.allocator.free(table)
+
+
+def prefill_ms(runner: ModelRunner, length: int) -> float:
+    pool = runner.pool
+    table = pool.allocator.allocate(pool.blocks_needed(length))
+    prompt = torch.randint(0, runner.config.vocab_size, (length,)).tolist()
+    try:
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.prefill(prompt, table, 0)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return min(times[1:])
+    finally:
+        pool.allocator.free(table)
+
+
+def prefill_flops(runner: ModelRunner, n: int) -> float:
+    c = runner.config
+    linear = 2 * n * (weight_bytes(runner) // 2)
+    attention = 2 * n * n * c.num_heads * c.head_dim * c.num_layers  # QK^T and PV, causal half each
+    return float(linear + attention)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
+    p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--min-decode-bucket", type=int, default=1)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--json", default="bench/results/engine-h200.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: bench.engine measures a GPU; none is visible")
+    device = torch.device("cuda:0")
+    hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
+    print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s", flush=True)
+    runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
+                         max_batch_size=max(args.batches), max_model_len=max(*args.prefill_lens, args.context + 512),
+                         cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket)
+    wbytes = weight_bytes(runner)
+    doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
+           "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1), "weight_bytes": wbytes,
+           "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
+           "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {}}
+    print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
+    for batch in args.batches:
+        ms = decode_step_ms(runner, batch, args.context, args.steps)
+        floor = (wbytes + batch * (args.context + 1) * runner.layout.bytes_per_token) / (hbm * 1e9) * 1e3
+        doc["decode_ms"][str(batch)] = round(ms, 3)
+        doc["decode_floor_ms"][str(batch)] = round(floor, 3)
+        doc["decode_tok_per_s"][str(batch)] = round(batch / ms * 1e3, 1)
+        print(f"{batch:>12} {ms:>9.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}", flush=True)
+    print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7}")
+    for n in args.prefill_lens:
+        ms = prefill_ms(runner, n)
+        floor = prefill_flops(runner, n) / (tflops * 1e12) * 1e3
+        doc["prefill_ms"][str(n)] = round(ms, 2)
+        doc["prefill_floor_ms"][str(n)] = round(floor, 2)
+        print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%}", flush=True)
+    write_json(args.json, doc)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
