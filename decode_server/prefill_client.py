@@ -1,5 +1,5 @@
-"""The decode server's side of the pair: handshake with prefill servers, run remote prefills, and
-put the KV that comes back into this server's pool."""
+"""The decode server's side of the pair: find prefill servers, handshake with them, run remote
+prefills, and get the KV that comes back into this server's pool (decode_server.kv_receive)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
-from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
+from decode_server.kv_receive import Handoff, HandoffError
 from engine.grpc_common import GRPC_OPTIONS
 from engine.runner import ModelRunner
-from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.handshake import (
     choose_transport,
     layout_from_proto,
@@ -26,8 +26,12 @@ from engine.transport.handshake import (
     layout_to_proto,
     supported_transports,
 )
+from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+DNS_REFRESH_S = 10.0
+VERIFY_KV = os.environ.get("PD_VERIFY_KV", "") == "1"  # checksum every handoff (benchmarks, tests)
 
 
 class PrefillFailed(Exception):
@@ -41,12 +45,13 @@ class RemotePrefill:
     first_token: int
     prefill_s: float
     kv_transfer_s: float
+    kv_exposed_s: float
     kv_bytes: int
     transport: str
 
 
 class PrefillPeer:
-    """One prefill server: a channel, and the handshake's outcome (redone after a failure)."""
+    """One prefill server: a channel, and the pairing made at the handshake (redone after a failure)."""
 
     def __init__(self, address: str, runner: ModelRunner, requested_transport: str,
                  credentials: grpc.ChannelCredentials | None) -> None:
@@ -57,14 +62,17 @@ class PrefillPeer:
                         else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.transport: str | None = None
+        self.nccl: Any = None          # NcclPair
+        self.remote_pool: Any = None   # RemotePool (cuda-ipc)
         self.in_flight = 0
         self.peer_id = uuid.uuid4().hex[:12]
         self._handshake_lock = asyncio.Lock()
 
-    async def ensure_paired(self, timeout: float) -> str:
+    async def ensure_paired(self, timeout: float, writer: ThreadPoolExecutor) -> str:
         async with self._handshake_lock:
-            if self.transport is not None:
+            if self.transport is not None and not (self.nccl is not None and self.nccl.broken):
                 return self.transport
+            self.forget_pairing()
             ours = supported_transports(self.runner.device)
             offer = ours if self.requested_transport == "auto" else [self.requested_transport]
             gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
@@ -72,9 +80,9 @@ class PrefillPeer:
                                                    peer_id=self.peer_id, host=socket.gethostname(),
                                                    gpu_index=gpu if gpu is not None else 0, pid=os.getpid())
             try:
-                reply = await self.stub.Handshake(request, timeout=timeout, wait_for_ready=False)
+                reply = await self.stub.Handshake(request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
-                raise _peer_error(self.address, e, "handshake") from e
+                raise peer_error(self.address, e, "handshake") from e
             problem = layout_mismatch_message(self.runner.layout, layout_from_proto(reply.layout))
             if problem:
                 raise PrefillFailed(grpc.StatusCode.FAILED_PRECONDITION, f"prefill server {self.address}: {problem}")
@@ -83,95 +91,169 @@ class PrefillPeer:
                 raise PrefillFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"prefill server {self.address} chose KV transport {reply.transport!r}, "
                                     f"which this decode server does not run")
+            loop = asyncio.get_running_loop()
+            try:
+                if chosen == "nccl":
+                    self.nccl = await loop.run_in_executor(writer, self._join_nccl, reply, timeout)
+                elif chosen == "cuda-ipc":
+                    from engine.transport.cuda_ipc import RemotePool
+
+                    self.remote_pool = RemotePool(self.runner.layout, reply.ipc_pool_handle, reply.ipc_pool_offset,
+                                                  reply.ipc_pool_num_slots, self.runner.device)
+            except Exception as e:
+                raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
             self.transport = chosen
             log.info("paired with prefill server %s (%s) over %s", self.address, reply.server_id, chosen)
             return chosen
 
+    def _join_nccl(self, reply: prefill_pb2.HandshakeResponse, timeout: float) -> Any:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from engine.transport.nccl import DECODE_RANK, NcclPair
+
+        host, _, port = reply.nccl_store_addr.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
+        pair = NcclPair(store, reply.nccl_group, DECODE_RANK, self.runner.device, timeout)
+        pair.warm_up()
+        return pair
+
     def forget_pairing(self) -> None:
-        self.transport = None
+        if self.nccl is not None:
+            self.nccl.abort()
+        self.transport, self.nccl = None, None
 
 
-def _peer_error(address: str, e: grpc.aio.AioRpcError, what: str) -> PrefillFailed:
+def peer_error(address: str, e: grpc.aio.AioRpcError, what: str) -> PrefillFailed:
     code = e.code()
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.FAILED_PRECONDITION):
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return PrefillFailed(code, f"prefill server {address}: {e.details()}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return PrefillFailed(grpc.StatusCode.UNAVAILABLE,
-                             f"prefill server {address} did not finish the {what} in time")
+        return PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {address} did not finish the {what} in time")
     return PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {address} failed during the {what} "
                                                       f"({code.name}: {e.details()})")
 
 
 class PrefillRouter:
-    """Spreads remote prefills over the configured prefill servers (fewest in flight first)."""
+    """Spreads remote prefills over the prefill servers (fewest in flight first). `targets` are
+    host:port addresses or dns:///name:port, re-resolved as prefill pods come and go."""
 
-    def __init__(self, addresses: list[str], runner: ModelRunner, transport: str, timeout_s: float,
+    def __init__(self, targets: list[str], runner: ModelRunner, transport: str, timeout_s: float,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        if not addresses:
+        if not targets:
             raise ValueError("no prefill server address given")
-        self.runner = runner
-        self.timeout_s = timeout_s
-        self.peers = [PrefillPeer(a, runner, transport, credentials) for a in addresses]
+        self.runner, self.transport, self.timeout_s, self.credentials = runner, transport, timeout_s, credentials
+        self.targets = targets
+        self.peers: dict[str, PrefillPeer] = {}
+        self._resolved_at = -1e9
         self._rr = itertools.count()
         # One writer thread: KV writes never run on the event loop, and a barrier on this executor
         # proves every write of a request has landed before its blocks can be freed.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
 
-    def pick(self) -> PrefillPeer:
-        start = next(self._rr)
-        order = self.peers[start % len(self.peers):] + self.peers[:start % len(self.peers)]
-        return min(order, key=lambda p: p.in_flight)
+    async def _refresh(self) -> None:
+        if time.monotonic() - self._resolved_at < DNS_REFRESH_S and self.peers:
+            return
+        self._resolved_at = time.monotonic()
+        addresses: list[str] = []
+        for target in self.targets:
+            if target.startswith("dns:///"):
+                host, _, port = target.removeprefix("dns:///").rpartition(":")
+                try:
+                    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                    addresses += sorted({f"{i[4][0]}:{port}" for i in infos})
+                except OSError as e:
+                    log.warning("can't resolve %s: %s", target, e)
+            else:
+                addresses.append(target)
+        for address in addresses:
+            if address not in self.peers:
+                self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials)
+        for address in [a for a, p in self.peers.items() if a not in addresses and not p.in_flight]:
+            await self.peers.pop(address).channel.close()
+
+    async def pick(self) -> PrefillPeer:
+        await self._refresh()
+        peers = list(self.peers.values())
+        if not peers:
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server found at {', '.join(self.targets)}")
+        start = next(self._rr) % len(peers)
+        return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
     async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
                       block_table: list[int]) -> RemotePrefill:
-        peer = self.pick()
+        """Prefill remotely into `block_table`. If the KV might still land after a failure, the
+        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them."""
+        peer = await self.pick()
         peer.in_flight += 1
-        loop = asyncio.get_running_loop()
-        receiver = GrpcKVReceiver(self.runner.pool, block_table, len(prompt))
-        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        handoff: Handoff | None = None
         call = None
+        failed = True
         try:
-            transport = await peer.ensure_paired(self.timeout_s)
+            transport = await peer.ensure_paired(self.timeout_s, self.writer)
+            handoff = Handoff(transport, self.runner.pool, block_table, len(prompt), self.writer, peer)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
-                                                 transport=transport, peer_id=peer.peer_id)
+                                                 transport=transport, peer_id=peer.peer_id, verify_kv=VERIFY_KV)
             call = peer.stub.Prefill(request, timeout=self.timeout_s)
             done = None
             async for message in call:
-                kind = message.WhichOneof("payload")
-                if kind == "kv":
-                    c = message.kv
-                    await loop.run_in_executor(self.writer, receiver.write, c.layer, c.token_start, c.token_end,
-                                               c.data)
-                elif kind == "done":
+                if message.WhichOneof("payload") == "done":
                     done = message.done
-            if done is None or not receiver.complete():
-                raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill server {peer.address} ended the stream before all KV arrived")
-            await loop.run_in_executor(self.writer, self._sync_device)
-            total = time.perf_counter() - started
-            return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, total - done.prefill_s),
-                                 receiver.bytes_received, transport)
+                    done_at = time.monotonic()
+                else:
+                    await handoff.on_message(message, deadline)
+            if done is None:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
+            await handoff.wait_complete(deadline)
+            exposed = done.kv_send_s + (time.monotonic() - done_at)
+            if VERIFY_KV:
+                await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, done.kv_checksum)
+            failed = False
+            if transport == "cuda-ipc":
+                asyncio.ensure_future(self._release_ipc(peer, request_id))
+            total = time.monotonic() - (deadline - self.timeout_s)
+            return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, total - done.prefill_s), exposed,
+                                 handoff.bytes, transport)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()
-            raise _peer_error(peer.address, e, "prefill") from e
-        except ChunkError as e:
-            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address} sent bad KV: {e}") from e
+            raise peer_error(peer.address, e, "prefill") from e
+        except HandoffError as e:
+            peer.forget_pairing()
+            raise PrefillFailed(e.code, f"prefill server {peer.address}: {e}") from e
+        except asyncio.CancelledError:
+            failed = False  # the client left; the transfer itself is healthy
+            raise
         finally:
             peer.in_flight -= 1
-            if call is not None and not call.done():
+            if call is not None and not call.done() and (handoff is None or handoff.transport != "nccl"):
                 call.cancel()
-            # barrier: no write for this request may land after its blocks are freed
-            await asyncio.shield(loop.run_in_executor(self.writer, lambda: None))
+            if handoff is not None:
+                await asyncio.shield(self._settle(peer, handoff, request_id, block_table, failed))
 
-    def _sync_device(self) -> None:
-        if self.runner.device.type == "cuda":
-            import torch
+    async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
+                      failed: bool) -> None:
+        """Make sure nothing writes into the blocks once the caller frees them."""
+        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # grpc writes landed
+        if handoff.transport == "grpc" or (handoff.receiver is not None and handoff.receiver.complete()):
+            return
+        if not await handoff.abandon(failed):
+            block_table.clear()  # a transfer may still land: keep those blocks out of circulation
+        if handoff.transport == "cuda-ipc":
+            await self._release_ipc(peer, request_id)
 
-            torch.cuda.current_stream(self.runner.device).synchronize()
+    async def _release_ipc(self, peer: PrefillPeer, request_id: str) -> None:
+        try:
+            await peer.stub.ReleaseIpc(prefill_pb2.ReleaseIpcRequest(request_id=request_id, peer_id=peer.peer_id),
+                                       timeout=10)
+        except grpc.aio.AioRpcError as e:  # the prefill side frees on its own after its timeout
+            log.warning("ReleaseIpc to %s failed: %s", peer.address, e.code().name)
 
     async def close(self) -> None:
-        for peer in self.peers:
+        for peer in self.peers.values():
+            peer.forget_pairing()
             await peer.channel.close()
         self.writer.shutdown(wait=True)

@@ -1,6 +1,6 @@
 """The KV cache: its layout (shared by both servers byte for byte), and a paged pool of blocks.
 
-Pool storage per layer is one tensor `[2, num_slots, num_kv_heads, head_dim]` (K then V), where
+Pool storage is one tensor `[num_layers, 2, num_slots, num_kv_heads, head_dim]` (K then V), where
 slot = block * block_size + offset. A sequence owns a list of blocks (its block table); token t
 lives in slot `table[t // block_size] * block_size + t % block_size`.
 
@@ -119,11 +119,10 @@ class KVPool:
         self.device = device
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * layout.block_size
-        self.layers = [
-            torch.zeros(2, self.num_slots, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype,
-                        device=device)
-            for _ in range(layout.num_layers)
-        ]
+        # One allocation for every layer, so the cuda-ipc transport exports the pool with one handle.
+        self.storage = torch.zeros(layout.num_layers, 2, self.num_slots, layout.num_kv_heads, layout.head_dim,
+                                   dtype=layout.torch_dtype, device=device)
+        self.layers = list(self.storage.unbind(0))
         self.allocator = BlockAllocator(num_blocks, first=reserved_blocks)
 
     @staticmethod
@@ -144,10 +143,40 @@ class KVPool:
         bs = self.layout.block_size
         return (table[pos // bs] * bs + pos % bs).to(self.device, non_blocking=True)
 
-    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """K and V of `slots` in wire order: `[2, len(slots), num_kv_heads, head_dim]`."""
+    @staticmethod
+    def first_slot_if_contiguous(slots: torch.Tensor) -> int | None:
+        """The first slot when `slots` is one ascending run (then reads and writes are plain slices)."""
+        n = slots.numel()
+        if n == 0:
+            return None
+        first, last = int(slots[0]), int(slots[-1])
+        if last - first != n - 1 or (n > 1 and not bool((slots[1:] - slots[:-1] == 1).all())):
+            return None
+        return first
+
+    def read(self, layer: int, slots: torch.Tensor, first: int | None = None) -> torch.Tensor:
+        """K and V of `slots` in wire order: `[2, len(slots), num_kv_heads, head_dim]`; a view when
+        `first` says the slots are one run starting there."""
+        if first is not None:
+            return self.layers[layer].narrow(1, first, slots.numel())
         return self.layers[layer].index_select(1, slots)
 
-    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, first: int | None = None) -> None:
         """Store wire-ordered `[2, n, num_kv_heads, head_dim]` at `slots`."""
-        self.layers[layer].index_copy_(1, slots, kv)
+        if first is not None:
+            self.layers[layer].narrow(1, first, slots.numel()).copy_(kv)
+        else:
+            self.layers[layer].index_copy_(1, slots, kv)
+
+    def checksum(self, slots: torch.Tensor) -> int:
+        """Position-weighted sum of the KV bytes at `slots` (every layer, wire order), for verifying
+        a handoff bit for bit."""
+        total = 0
+        row = 2 * self.layout.num_kv_heads * self.layout.head_dim * self.layout.torch_dtype.itemsize // 2
+        cols = torch.arange(1, row + 1, device=self.device, dtype=torch.int32)
+        for layer in range(self.layout.num_layers):
+            words = self.read(layer, slots).transpose(0, 1).contiguous().view(torch.int16).view(-1, row).int()
+            rows = torch.arange(1, words.shape[0] + 1, device=self.device, dtype=torch.int64)
+            total += int((words.sum(1, dtype=torch.int64) * rows).sum()) * (layer + 1)
+            total += int((words * cols).sum(dtype=torch.int64))
+        return total % (1 << 64)

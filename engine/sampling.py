@@ -6,9 +6,14 @@ which server sampled it, so a request's tokens are the same in every mode and tr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# Temperatures below this sample greedily: dividing logits by a denormal temperature overflows to
+# inf, and softmax of inf is NaN (which would fail the whole batch's sampling).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -19,16 +24,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:  # also false for NaN
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> torch.Tensor:

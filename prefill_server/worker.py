@@ -15,7 +15,7 @@ from pd.v1 import prefill_pb2
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
-from engine.transport.grpc_stream import GrpcKVSender
+from engine.transport.grpc_stream import GrpcKVSender, kv_message
 from prefill_server import metrics
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ class PrefillJob:
     chunk_tokens: int
     emit: Emit
     make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
+    # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
+    hold_blocks: Callable[[PrefillJob], None] | None = None
+    verify_kv: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -75,7 +78,10 @@ class PrefillWorker:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
-                self.runner.pool.allocator.free(job.block_table)
+                if job.hold_blocks is not None:
+                    job.hold_blocks(job)
+                else:
+                    self.runner.pool.allocator.free(job.block_table)
                 metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)
@@ -84,11 +90,8 @@ class PrefillWorker:
         if job.make_sender is not None:
             return job.make_sender(job, slots)
 
-        def emit_chunk(layer: int, start: int, end: int, data: bytes) -> None:
-            chunk = prefill_pb2.KVChunk(layer=layer, token_start=start, token_end=end, data=data)
-            job.emit(prefill_pb2.PrefillResponse(kv=chunk))
-
-        return GrpcKVSender(self.runner.pool, slots, job.chunk_tokens, emit_chunk)
+        return GrpcKVSender(self.runner.pool, slots, job.chunk_tokens,
+                            lambda *chunk: job.emit(kv_message(*chunk)))
 
     def _run(self, job: PrefillJob) -> None:
         if job.cancelled.is_set():
@@ -98,7 +101,7 @@ class PrefillWorker:
         sender = self._sender(job, runner.pool.slots(job.block_table, 0, n))
 
         def layer_done(layer: int) -> None:
-            if job.cancelled.is_set():
+            if job.cancelled.is_set() and sender.cancellable:
                 raise TransferCancelled
             sender.layer_done(layer)
 
@@ -113,10 +116,11 @@ class PrefillWorker:
         if job.cancelled.is_set():
             raise TransferCancelled
         kv_bytes = n * runner.layout.bytes_per_token
+        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, 0, n)) if job.verify_kv else 0
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
-                                       kv_bytes=kv_bytes)
+                                       kv_bytes=kv_bytes, kv_checksum=checksum)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)

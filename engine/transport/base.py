@@ -17,6 +17,10 @@ class TransferCancelled(Exception):
 
 
 class KVSender(ABC):
+    # Whether a cancelled request may stop mid-transfer. NCCL may not: the peer has posted its
+    # receives, and the pair's sends and receives must stay matched.
+    cancellable: bool = True
+
     @abstractmethod
     def layer_done(self, layer: int) -> None:
         """Called on the engine thread once layer `layer`'s KV writes are enqueued on the device."""

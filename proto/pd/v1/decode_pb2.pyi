@@ -53,20 +53,26 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     SINCE_ARRIVAL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     first_token_s: float
     decode_step_s: float
     since_arrival_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ...) -> None: ...
+    kv_bytes: int
+    kv_exposed_s: float
+    kv_transport: str
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_exposed_s: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_id", "index", "text", "finish_reason", "timing", "request_id")

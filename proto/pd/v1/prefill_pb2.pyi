@@ -42,36 +42,44 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_store_addr", "nccl_rank")
+    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_store_addr", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     NCCL_STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
-    NCCL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NCCL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    IPC_POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_POOL_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transport: str
     server_id: str
     gpu_index: int
     nccl_store_addr: str
-    nccl_rank: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_rank: _Optional[int] = ...) -> None: ...
+    nccl_group: str
+    ipc_pool_handle: bytes
+    ipc_pool_offset: int
+    ipc_pool_num_slots: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
     transport: str
     peer_id: str
     kv_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ...) -> None: ...
+    verify_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")
@@ -85,49 +93,49 @@ class KVChunk(_message.Message):
     data: bytes
     def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class IpcHandle(_message.Message):
-    __slots__ = ("handle", "offset_bytes", "size_bytes", "device_index", "handle_id")
-    HANDLE_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
-    handle: bytes
-    offset_bytes: int
-    size_bytes: int
-    device_index: int
-    handle_id: str
-    def __init__(self, handle: _Optional[bytes] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., device_index: _Optional[int] = ..., handle_id: _Optional[str] = ...) -> None: ...
+class TransferStart(_message.Message):
+    __slots__ = ("sequence", "src_block_table", "src_block_size")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    src_block_table: _containers.RepeatedScalarFieldContainer[int]
+    src_block_size: int
+    def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
     kv_bytes: int
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    kv_checksum: int
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("kv", "layer_sent", "ipc", "done")
+    __slots__ = ("kv", "layer_sent", "start", "done")
     KV_FIELD_NUMBER: _ClassVar[int]
     LAYER_SENT_FIELD_NUMBER: _ClassVar[int]
-    IPC_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     kv: KVChunk
     layer_sent: int
-    ipc: IpcHandle
+    start: TransferStart
     done: PrefillDone
-    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., ipc: _Optional[_Union[IpcHandle, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReleaseIpcRequest(_message.Message):
-    __slots__ = ("handle_id",)
-    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
-    handle_id: str
-    def __init__(self, handle_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("request_id", "peer_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    peer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseIpcResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,203 @@
+"""`python -m bench.kv_transfer`: how fast a prompt's KV moves from the prefill side to the
+decode side, and whether it arrives bit for bit.
+
+--mode servers (GPU): real prefill and decode server processes with `--kv-transport T`; a
+prompt of --tokens is prefilled remotely (PD_VERIFY_KV=1 checksums every handoff); the figures
+are the decode server's own (ServerTiming): handoff time beyond the prefill compute, and the
+part exposed after the prefill's last layer.
+--mode endpoints (any machine; grpc only): the transport's real endpoints without a model: a
+subprocess streams a KV pool of the preset's layout, filled with random values, through
+GrpcKVSender over gRPC on loopback, into GrpcKVReceiver and a pool here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import torch
+
+from bench.common import metadata, write_json
+from bench.scenario import start, wait_ready
+from engine.grpc_common import GRPC_OPTIONS
+from engine.kv_cache import KVLayout, KVPool
+from engine.presets import PRESETS
+from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, kv_message
+from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+def make_pool(preset: str, tokens: int, seed: int) -> tuple[KVPool, list[int]]:
+    layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
+    pool = KVPool(layout, -(-tokens // 16) + 1, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
+                                                       dtype=torch.int16))
+    return pool, pool.allocator.allocate(pool.blocks_needed(tokens))
+
+
+class EndpointService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, preset: str, tokens: int) -> None:
+        self.pool, self.table = make_pool(preset, tokens, seed=1)
+        self.slots = self.pool.slots(self.table, 0, tokens)
+        self.checksum = self.pool.checksum(self.slots)
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any):  # type: ignore[no-untyped-def,override]
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def emit(layer: int, start: int, end: int, data: bytes) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, kv_message(layer, start, end, data))
+
+        def send_all() -> None:
+            sender = GrpcKVSender(self.pool, self.slots, chunk_tokens_for(self.pool.layout), emit)
+            for layer in range(self.pool.layout.num_layers):
+                sender.layer_done(layer)
+            sender.finish()
+            done = prefill_pb2.PrefillDone(kv_checksum=self.checksum)
+            loop.call_soon_threadsafe(out.put_nowait, prefill_pb2.PrefillResponse(done=done))
+
+        task = loop.run_in_executor(None, send_all)
+        while True:
+            item = await out.get()
+            yield item
+            if item.WhichOneof("payload") == "done":
+                break
+        await task
+
+
+async def serve_endpoint(port: int, preset: str, tokens: int) -> None:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(EndpointService(preset, tokens), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def receive_once(address: str, preset: str, tokens: int) -> tuple[float, int, bool]:
+    pool, table = make_pool(preset, tokens, seed=2)
+    receiver = GrpcKVReceiver(pool, table, tokens)
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        checksum = None
+        async for message in stub.Prefill(prefill_pb2.PrefillRequest(token_ids=[0])):
+            if message.WhichOneof("payload") == "kv":
+                c = message.kv
+                await loop.run_in_executor(None, receiver.write, c.layer, c.token_start, c.token_end, c.data)
+            else:
+                checksum = message.done.kv_checksum
+        seconds = time.perf_counter() - t0
+    return seconds, receiver.bytes_received, receiver.complete() and checksum == pool.checksum(receiver.slots)
+
+
+def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    port = 50090
+    proc = subprocess.Popen([sys.executable, "-m", "bench.kv_transfer", "--serve-endpoint", str(port), "--preset",
+                             args.preset, "--tokens", str(args.tokens)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rows = []
+        for i in range(args.repeats + 1):
+            seconds, nbytes, equal = asyncio.run(receive_once(f"127.0.0.1:{port}", args.preset, args.tokens))
+            if i:  # the first is a warm-up
+                rows.append({"transport": "grpc", "mode": "endpoints", "tokens": args.tokens, "bytes": nbytes,
+                             "seconds": round(seconds, 4), "gbps": round(nbytes / seconds / 1e9, 3),
+                             "exposed_ms": None, "bitwise_equal": equal})
+                print(f"grpc endpoints: {nbytes / 1e9:.2f} GB in {seconds * 1e3:.0f} ms = "
+                      f"{nbytes / seconds / 1e9:.2f} GB/s, bitwise equal: {equal}", flush=True)
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def servers_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "PD_VERIFY_KV": "1"}
+    common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", args.transport, "--metrics-port",
+              "0", "--max-model-len", str(args.tokens + 64)]
+    decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    logs = args.logs or "/tmp"
+    prefill = start("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"],
+                    _path(logs, "prefill.log"), env)
+    decode = None
+    try:
+        wait_ready(prefill, "127.0.0.1:50062", _path(logs, "prefill.log"))
+        decode = start("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
+                                         "127.0.0.1:50062", "--no-cuda-graphs", "--max-batch-size", "4"],
+                       _path(logs, "decode.log"), env)
+        wait_ready(decode, "127.0.0.1:50061", _path(logs, "decode.log"))
+        return asyncio.run(_timed_handoffs(args))
+    finally:
+        for proc in (decode, prefill):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+
+
+def _path(folder: str, name: str) -> Any:
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder) / name
+
+
+async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    async with grpc.aio.insecure_channel("127.0.0.1:50061") as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        for i in range(args.repeats + 1):
+            prompt = torch.randint(0, 256, (args.tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+            request = decode_pb2.GenerateRequest(token_ids=prompt, max_new_tokens=1, ignore_eos=True,
+                                                 prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED)
+            last = None
+            async for response in stub.Generate(request, timeout=300):
+                last = response
+            assert last is not None
+            t = last.timing
+            if i:
+                rows.append({"transport": t.kv_transport, "mode": "servers", "tokens": args.tokens,
+                             "bytes": t.kv_bytes, "seconds": round(t.kv_transfer_s, 5),
+                             "gbps": round(t.kv_bytes / max(t.kv_transfer_s, 1e-9) / 1e9, 2),
+                             "exposed_ms": round(t.kv_exposed_s * 1e3, 3), "prefill_ms": round(t.prefill_s * 1e3, 1),
+                             "bitwise_equal": True})  # PD_VERIFY_KV=1: a mismatch fails the request (DATA_LOSS)
+                print(f"{t.kv_transport}: {t.kv_bytes / 1e9:.2f} GB, handoff beyond prefill "
+                      f"{t.kv_transfer_s * 1e3:.2f} ms, exposed {t.kv_exposed_s * 1e3:.2f} ms, prefill "
+                      f"{t.prefill_s * 1e3:.0f} ms", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transport", default="grpc", choices=["grpc", "nccl", "cuda-ipc"])
+    p.add_argument("--mode", choices=["servers", "endpoints"], default=None,
+                   help="default: servers with a GPU, endpoints without")
+    p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--logs", default=None)
+    p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_endpoint:
+        asyncio.run(serve_endpoint(args.serve_endpoint, args.preset, args.tokens))
+        return
+    mode = args.mode or ("servers" if torch.cuda.is_available() else "endpoints")
+    if mode == "endpoints" and args.transport != "grpc":
+        sys.exit("error: --mode endpoints measures the grpc transport; nccl and cuda-ipc need --mode servers")
+    rows = endpoints_rows(args) if mode == "endpoints" else servers_rows(args)
+    if args.json:
+        write_json(args.json, {**metadata(), "preset": args.preset, "rows": rows})
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

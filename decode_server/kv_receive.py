@@ -1,0 +1,115 @@
+"""The decode side of one remote prefill's KV handoff, for every transport: put the KV that the
+prefill server sends into this server's pool, and say when it is all there."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from engine.kv_cache import KVPool
+from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
+from pd.v1 import prefill_pb2
+
+log = logging.getLogger(__name__)
+
+
+class HandoffError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Handoff:
+    """Feeds the control messages of one Prefill stream to the transport's receiver."""
+
+    def __init__(self, transport: str, pool: KVPool, block_table: list[int], num_tokens: int,
+                 writer: ThreadPoolExecutor, peer: Any) -> None:
+        self.transport, self.pool, self.block_table, self.num_tokens = transport, pool, block_table, num_tokens
+        self.writer, self.peer = writer, peer
+        self.receiver: Any = None
+        self.bytes = 0
+        if transport == "grpc":
+            self.receiver = GrpcKVReceiver(pool, block_table, num_tokens)
+
+    async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        kind = message.WhichOneof("payload")
+        if kind == "kv" and self.transport == "grpc":
+            c = message.kv
+            try:
+                await loop.run_in_executor(self.writer, self.receiver.write, c.layer, c.token_start, c.token_end,
+                                           c.data)
+            except ChunkError as e:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
+        elif kind == "start" and self.transport == "nccl":
+            from engine.transport.nccl import NcclKVReceiver, TransferFailed
+
+            self.receiver = NcclKVReceiver(self.peer.nccl, self.pool, self.block_table, self.num_tokens)
+            try:
+                await loop.run_in_executor(self.writer, self.receiver.post, message.start.sequence, deadline)
+            except TransferFailed as e:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        elif kind == "start" and self.transport == "cuda-ipc":
+            from engine.transport.cuda_ipc import IpcKVReceiver
+
+            self.receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
+            self.receiver.start(list(message.start.src_block_table), message.start.src_block_size)
+        elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
+            await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
+        elif kind in ("kv", "start", "layer_sent"):
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+
+    async def wait_complete(self, deadline: float) -> None:
+        if self.receiver is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
+        if self.transport == "grpc":
+            if not self.receiver.complete():
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before all KV arrived")
+            await asyncio.get_running_loop().run_in_executor(self.writer, _sync_device, self.pool)
+            self.bytes = self.receiver.bytes_received
+            return
+        while not self.receiver.complete():
+            if time.monotonic() > deadline:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
+            await asyncio.sleep(0.0002)
+        self.bytes = self.num_tokens * self.pool.layout.bytes_per_token
+
+    async def abandon(self, failed: bool) -> bool:
+        """After a failure or cancel: True once nothing can still write into our blocks (they may be
+        freed); False if a transfer may still land (the caller must not reuse them)."""
+        if self.receiver is None or self.transport == "grpc":
+            return True
+        if self.transport == "cuda-ipc":
+            marker = self.receiver.drain_marker()
+            while not marker.query():
+                await asyncio.sleep(0.0005)
+            return True
+        if not self.receiver.posted:
+            return True
+        if failed:
+            self.peer.nccl.abort()
+        limit = time.monotonic() + (5.0 if failed else 120.0)
+        while time.monotonic() < limit:
+            if self.receiver.complete():
+                return True
+            await asyncio.sleep(0.001)
+        log.error("an NCCL receive never finished; %d KV blocks stay reserved", len(self.block_table))
+        return False
+
+    def verify(self, expected: int) -> None:
+        got = self.pool.checksum(self.pool.slots(self.block_table, 0, self.num_tokens))
+        if got != expected:
+            raise HandoffError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch after the {self.transport} "
+                                                          f"handoff: got {got}, prefill sent {expected}")
+
+
+def _sync_device(pool: KVPool) -> None:
+    if pool.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(pool.device).synchronize()

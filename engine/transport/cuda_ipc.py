@@ -1,0 +1,158 @@
+"""KV over CUDA IPC (same host, both GPUs visible to both processes): the decode side maps the
+prefill server's whole KV pool once, at the handshake, and copies each request's KV straight
+out of it over NVLink, layer by layer as the prefill side reports each layer done. The prefill
+side keeps the request's blocks until the decode side acknowledges the copy (ReleaseIpc).
+
+The CUDA driver API is called through ctypes; handles are 64 raw bytes, never pickled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVLayout, KVPool
+from engine.transport.base import KVSender, TransferCancelled
+
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class IpcError(RuntimeError):
+    pass
+
+
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise IpcError(f"{what} failed with CUDA driver error {result}")
+
+
+def export_pool(pool: KVPool) -> tuple[bytes, int]:
+    """(IPC handle of the allocation holding the pool, the pool's byte offset in it)."""
+    lib = _driver()
+    ptr = ctypes.c_uint64(pool.storage.data_ptr())
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+    handle = _IpcHandle()
+    _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base.value)), "cuIpcGetMemHandle")
+    return bytes(handle.reserved), pool.storage.data_ptr() - base.value
+
+
+@dataclass
+class _DeviceArray:
+    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap a raw device pointer."""
+
+    ptr: int
+    shape: tuple[int, ...]
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return {"shape": self.shape, "typestr": "<i2", "data": (self.ptr, False), "strides": None, "version": 3}
+
+
+class RemotePool:
+    """The decode side's view of a prefill server's pool (opened once per pairing)."""
+
+    def __init__(self, layout: KVLayout, handle: bytes, offset: int, num_slots: int, device: torch.device) -> None:
+        if layout.torch_dtype.itemsize != 2:
+            raise IpcError("cuda-ipc moves 2-byte KV dtypes (bfloat16, float16)")
+        lib = _driver()
+        torch.cuda.set_device(device)
+        raw = _IpcHandle()
+        raw.reserved = handle
+        self._base = ctypes.c_uint64()
+        open_fn = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+        _check(open_fn(ctypes.byref(self._base), raw, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
+               "cuIpcOpenMemHandle")
+        shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
+        words = torch.as_tensor(_DeviceArray(self._base.value + offset, shape), device=device)
+        self.storage = words.view(layout.torch_dtype)
+        self.block_size = layout.block_size
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            _driver().cuIpcCloseMemHandle(ctypes.c_uint64(self._base.value))
+
+
+class IpcKVSender(KVSender):
+    """Prefill side: reports each layer once its KV is written (a side thread waits on the layer's
+    event, so the prefill never stalls); the KV itself stays in the pool for the decode side."""
+
+    def __init__(self, report: Callable[[int], None], cancelled: threading.Event) -> None:
+        self.report, self.cancelled = report, cancelled
+        self._events: queue.Queue[tuple[int, torch.cuda.Event] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ipc-report")
+        self._thread.start()
+
+    def layer_done(self, layer: int) -> None:
+        if self.cancelled.is_set():
+            raise TransferCancelled
+        event = torch.cuda.Event()
+        event.record()
+        self._events.put((layer, event))
+
+    def _loop(self) -> None:
+        while (item := self._events.get()) is not None:
+            layer, event = item
+            try:
+                event.synchronize()
+                self.report(layer)
+            except BaseException as e:  # surfaced by finish()
+                self._error = e
+
+    def finish(self) -> None:
+        self._events.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+class IpcKVReceiver:
+    """Decode side: copies layer l from the mapped prefill pool into this pool's slots, on its own
+    stream, when told the layer is done."""
+
+    def __init__(self, remote: RemotePool, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
+        self.remote, self.pool, self.num_tokens = remote, pool, num_tokens
+        self.dst = pool.slots(block_table, 0, num_tokens)
+        self.src: torch.Tensor | None = None
+        self.stream = torch.cuda.Stream(pool.device)
+        self.done = torch.cuda.Event()
+        self.copied = 0
+
+    def start(self, src_block_table: list[int], src_block_size: int) -> None:
+        table = torch.as_tensor(src_block_table, dtype=torch.long)
+        pos = torch.arange(self.num_tokens)
+        self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(self.pool.device)
+
+    def copy_layer(self, layer: int) -> None:
+        if self.src is None:
+            raise IpcError("layer reported before the transfer started")
+        with torch.cuda.stream(self.stream):
+            self.pool.layers[layer].index_copy_(1, self.dst, self.remote.storage[layer].index_select(1, self.src))
+            self.copied += 1
+            if self.copied == self.pool.layout.num_layers:
+                self.done.record(self.stream)
+
+    def complete(self) -> bool:
+        return self.copied == self.pool.layout.num_layers and self.done.query()
+
+    def drain_marker(self) -> torch.cuda.Event:
+        """An event that completes once every copy issued so far has (then either side may free)."""
+        marker = torch.cuda.Event()
+        marker.record(self.stream)
+        return marker

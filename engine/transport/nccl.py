@@ -1,0 +1,145 @@
+"""KV over NCCL between the pair's GPUs, layer by layer.
+
+Each prefill/decode pair gets its own two-rank `ProcessGroupNCCL`, made when the pair first
+meets (no global `init_process_group`, so any number of servers can pair, across pods and
+nodes): the prefill server hosts one TCPStore; each pairing is a `PrefixStore` in it.
+
+Sends and receives of one pair must be posted in the same order on both sides: the prefill side
+numbers its transfers (`TransferStart.sequence`) and the decode side posts its receives in that
+order. A send waits on the prefill stream's pending work, so layer l leaves as soon as its
+prefill kernels finish while later layers compute. Nothing is ever blocked on forever: every wait
+polls with a deadline, and a pair that fails is aborted and made anew at the next handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVPool
+from engine.transport.base import KVSender, TransferCancelled
+
+log = logging.getLogger(__name__)
+
+# Our own deadlines abort a stuck pair; NCCL's watchdog must not tear the whole server down.
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+
+
+class TransferFailed(Exception):
+    """The peer stopped answering mid-transfer; the pair is aborted."""
+
+
+def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
+    while not done():
+        if time.monotonic() > deadline:
+            raise TransferFailed(f"{what} did not finish in time")
+        time.sleep(0.0002)
+
+
+class NcclPair:
+    """One side of a pair's process group."""
+
+    def __init__(self, store: dist.Store, group: str, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.group, self.rank, self.device, self.timeout_s = group, rank, device, timeout_s
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=max(60.0, timeout_s * 4))
+        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2, opts)
+        self.peer = 1 - rank
+        self.lock = threading.Lock()     # posts of one pair never interleave
+        self.next_sequence = 0
+        self.broken = False
+
+    def warm_up(self) -> None:
+        """The first p2p call creates the communicator (both ranks must take part)."""
+        torch.cuda.set_device(self.device)
+        t = torch.zeros(1, device=self.device)
+        work = self.pg.send([t], self.peer, 0) if self.rank == PREFILL_RANK else self.pg.recv([t], self.peer, 0)
+        wait_until(work.is_completed, time.monotonic() + 120, f"NCCL pairing {self.group}")
+
+    def abort(self) -> None:
+        self.broken = True
+        try:
+            self.pg.abort()
+        except Exception:  # already gone
+            log.debug("abort of NCCL pair %s failed", self.group, exc_info=True)
+
+
+class NcclKVSender(KVSender):
+    """Prefill side: one send per layer of the prompt's KV, gathered out of the pool."""
+
+    cancellable = False
+
+    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float,
+                 cancelled: threading.Event) -> None:
+        self.pair, self.pool, self.slots, self.cancelled = pair, pool, slots, cancelled
+        self.deadline_s = deadline_s
+        self._inflight: list[tuple[torch.Tensor, dist.Work]] = []
+        self.sequence = pair.next_sequence
+        pair.next_sequence += 1
+
+    def layer_done(self, layer: int) -> None:
+        if self.pair.broken:
+            raise TransferCancelled
+        buf = self.pool.read(layer, self.slots)
+        self._inflight.append((buf, self.pair.pg.send([buf], self.pair.peer, 0)))
+
+    def finish(self) -> None:
+        """Every layer is sent (the decode side's receives are posted before the sends can finish).
+        A cancelled request still completes its sends: the peer has posted the receives."""
+        deadline = time.monotonic() + self.deadline_s
+        try:
+            for _, work in self._inflight:
+                wait_until(work.is_completed, deadline, "NCCL send of the KV")
+        except TransferFailed:
+            self.pair.abort()
+            raise
+        finally:
+            self._inflight.clear()
+
+
+class NcclKVReceiver:
+    """Decode side: posts a receive per layer into a staging buffer on its own stream, then
+    scatters each into the pool's slots. The engine's stream never waits on the network."""
+
+    def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
+        self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
+        self.slots = pool.slots(block_table, 0, num_tokens)
+        self.stream = torch.cuda.Stream(pool.device)
+        self.done = torch.cuda.Event()
+        self.posted = False
+        self._keep: list[object] = []  # staging buffers and works live until the copy is done
+
+    def post(self, sequence: int, deadline: float) -> None:
+        """Post every layer's receive once the pair reaches `sequence` (runs on a worker thread)."""
+        pair = self.pair
+        wait_until(lambda: pair.next_sequence >= sequence or pair.broken, deadline, "earlier NCCL transfers")
+        with pair.lock:
+            if pair.broken or pair.next_sequence != sequence:
+                raise TransferFailed(f"NCCL pair {pair.group} is out of step (at {pair.next_sequence}, "
+                                     f"transfer {sequence})")
+            torch.cuda.set_device(self.pool.device)
+            lay = self.pool.layout
+            with torch.cuda.stream(self.stream):
+                for layer in range(lay.num_layers):
+                    buf = torch.empty(2, self.num_tokens, lay.num_kv_heads, lay.head_dim, dtype=lay.torch_dtype,
+                                      device=self.pool.device)
+                    work = pair.pg.recv([buf], pair.peer, 0)
+                    work.wait()  # this stream (not the host, not the engine's stream) waits for it
+                    self.pool.write(layer, self.slots, buf)
+                    self._keep += [buf, work]
+                self.done.record(self.stream)
+            pair.next_sequence += 1
+            self.posted = True
+
+    def complete(self) -> bool:
+        return self.posted and self.done.query()

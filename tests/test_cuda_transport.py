@@ -1,0 +1,95 @@
+"""NCCL and CUDA IPC handoffs between real server processes. Needs GPUs (nccl: two)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pd.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import ServerProcess
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+
+
+def needs(transport: str) -> None:
+    if transport == "nccl" and GPUS < 2:
+        pytest.skip("NCCL between two processes needs two GPUs")
+
+
+def gpu_pair(transport: str, logs: Path, extra: list[str] | None = None) -> tuple[ServerProcess, ServerProcess]:
+    os.environ["PD_VERIFY_KV"] = "1"  # every handoff checksummed bit for bit (DATA_LOSS otherwise)
+    common = ["--kv-transport", transport, "--max-model-len", "8192", "--kv-cache-gb", "2"]
+    prefill = ServerProcess("prefill_server", [*common, "--device", "cuda:0"], logs)
+    prefill.args = [a if a != "cpu" else "cuda:0" for a in prefill.args]
+    prefill.start(timeout=300)
+    decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, *(extra or [])], logs)
+    decode.args = [a if a != "cpu" else f"cuda:{min(1, GPUS - 1)}" for a in decode.args]
+    decode.start(timeout=300)
+    return prefill, decode
+
+
+def generate(address: str, prompt: list[int], mode: int, n: int = 24, timeout: float = 120) -> list[int]:
+    with grpc.insecure_channel(address) as ch:
+        replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+            token_ids=prompt, max_new_tokens=n, ignore_eos=True, prefill_mode=mode), timeout=timeout)
+        return [r.token_id for r in replies]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
+def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> None:
+    needs(transport)
+    prefill, decode = gpu_pair(transport, server_logs)
+    try:
+        for length in (5, 700, 3000):
+            prompt = [(i * 31 + length) % 256 for i in range(length)]
+            disagg = generate(decode.address, prompt, decode_pb2.PREFILL_MODE_DISAGGREGATED)
+            assert disagg == generate(decode.address, prompt, decode_pb2.PREFILL_MODE_COLOCATED)
+        assert f"over {transport}" in decode.log()
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc"])
+def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs: Path) -> None:
+    needs(transport)
+    prefill, decode = gpu_pair(transport, server_logs, ["--prefill-timeout-s", "20"])
+    try:
+        prompt = list(range(256)) * 28
+        errors: list[grpc.StatusCode] = []
+
+        def victim() -> None:
+            try:
+                generate(decode.address, prompt, decode_pb2.PREFILL_MODE_DISAGGREGATED)
+            except grpc.RpcError as e:
+                errors.append(e.code())
+
+        thread = threading.Thread(target=victim)
+        thread.start()
+        time.sleep(0.05)
+        prefill.kill()
+        thread.join(60)
+        assert not thread.is_alive()
+        # the decode server keeps serving (colocated needs no prefill server)
+        assert generate(decode.address, prompt[:100], decode_pb2.PREFILL_MODE_COLOCATED)
+        restarted = ServerProcess("prefill_server", ["--kv-transport", transport, "--max-model-len", "8192",
+                                                     "--kv-cache-gb", "2"], server_logs, port=prefill.port)
+        restarted.args = [a if a != "cpu" else "cuda:0" for a in restarted.args]
+        restarted.start(timeout=300)
+        try:
+            short = prompt[:500]
+            assert generate(decode.address, short, decode_pb2.PREFILL_MODE_DISAGGREGATED) == generate(
+                decode.address, short, decode_pb2.PREFILL_MODE_COLOCATED)
+        finally:
+            restarted.stop()
+        assert errors in ([], [grpc.StatusCode.UNAVAILABLE])
+    finally:
+        decode.stop()
+        prefill.stop()
