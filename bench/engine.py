@@ -48,6 +48,26 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) ->
             pool.allocator.free(table)
 
 
+def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
+    """Where a decode step's GPU time goes: kernels by total time over 10 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool = runner.pool
+    tables = [pool.allocator.allocate(pool.blocks_needed(context + 64)) for _ in range(batch)]
+    try:
+        seqs = [DecodeSeq(1, context, t) for t in tables]
+        runner.decode(seqs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                runner.decode(seqs)[1].tolist()
+        print(f"--- decode step profile, batch {batch} (10 steps) ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    finally:
+        for t in tables:
+            pool.allocator.free(t)
+
+
 def prefill_ms(runner: ModelRunner, length: int) -> float:
     pool = runner.pool
     table = pool.allocator.allocate(pool.blocks_needed(length))
@@ -82,6 +102,7 @@ def main() -> None:
     p.add_argument("--min-decode-bucket", type=int, default=1)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--json", default="bench/results/engine-h200.json")
+    p.add_argument("--profile", action="store_true", help="print the costliest kernels of a decode step")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench.engine measures a GPU; none is visible")
@@ -111,6 +132,9 @@ def main() -> None:
         doc["prefill_ms"][str(n)] = round(ms, 2)
         doc["prefill_floor_ms"][str(n)] = round(floor, 2)
         print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%}", flush=True)
+    if args.profile:
+        for batch in (1, max(args.batches)):
+            profile_decode(runner, batch, args.context)
     write_json(args.json, doc)
     print(f"wrote {args.json}")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import torch
+from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
 from bench.scenario import start, wait_ready
@@ -29,7 +30,6 @@ from engine.grpc_common import GRPC_OPTIONS
 from engine.kv_cache import KVLayout, KVPool
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, kv_message
-from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
 def make_pool(preset: str, tokens: int, seed: int) -> tuple[KVPool, list[int]]:

@@ -45,7 +45,7 @@ def plot_gaps(rows: list[Row], path: str) -> None:
     for ax, b_len in zip(axes[:, 0], b_lens, strict=True):
         for r in (r for r in rows if r.b_len == b_len):
             (line,) = ax.plot(range(1, len(r.a_gaps_ms) + 1), r.a_gaps_ms, label=mode_label(r), lw=1.2)
-            if r.b_first_token_during_gap is not None:
+            if r.b_first_token_during_gap is not None and 0 <= r.b_first_token_during_gap < len(r.a_gaps_ms):
                 i = r.b_first_token_during_gap
                 ax.plot([i + 1], [r.a_gaps_ms[i]], marker="o", color=line.get_color())
         trigger = next((r.b_sent_after_a_token for r in rows if r.b_sent_after_a_token is not None), None)

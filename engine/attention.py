@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVPool
@@ -32,6 +33,11 @@ class DecodeMeta:
     use_kernel: bool = False    # Triton paged kernel (CUDA only)
 
 
+# Whole-prompt prefill on Hopper: cuDNN's attention is the fastest PyTorch has; flash next.
+_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
@@ -48,7 +54,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     kh = _expand_kv(k.transpose(0, 1), groups).unsqueeze(0)    # [1, H, L, D]
     vh = _expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
     if kh.shape[2] == qh.shape[2]:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        if qh.is_cuda:
+            with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
+                out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qh.shape[2], kh.shape[2]))
     return out.squeeze(0).transpose(0, 1)

@@ -34,11 +34,15 @@ class DecodeGraphs:
         self.max_batch = runner.max_batch_size
         self.buckets = bucket_sizes(self.max_batch, min(min_bucket, self.max_batch))
         dev, n, nb = runner.device, self.max_batch, runner.max_blocks_per_seq
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(n, dtype=torch.long, device=dev)
-        self.lens = torch.ones(n, dtype=torch.int32, device=dev)
+        # rows: ids, positions, new slots, context lengths; one pinned staging copy of each buffer,
+        # so a step uploads its metadata in two copies
+        self.meta = torch.zeros(4, n, dtype=torch.long, device=dev)
+        self.ids, self.positions, self.slots, self.lens = self.meta.unbind(0)
         self.tables = torch.zeros(n, nb, dtype=torch.int32, device=dev)
+        self.meta_host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self.tables_host = torch.zeros(n, nb, dtype=torch.int32, pin_memory=True)
+        self._meta_np = self.meta_host.numpy()
+        self._tables_np = self.tables_host.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -73,16 +77,20 @@ class DecodeGraphs:
         """Logits [n, V] and greedy tokens [n] of one decode step (device tensors)."""
         n = len(seqs)
         b = self.bucket_for(n)
-        ids, positions, slots, tables, lens = self.runner.decode_meta_tensors(seqs)
-        used = tables.shape[1]
-        self.ids[:n].copy_(ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(slots, non_blocking=True)
-        self.lens[:n].copy_(lens, non_blocking=True)
-        self.tables[:n, :used].copy_(tables, non_blocking=True)
-        if b > n:  # padding rows: reserved block 0, one token
-            self.slots[n:b].zero_()
-            self.lens[n:b].fill_(1)
-            self.tables[n:b, :1].zero_()
+        bs = self.runner.layout.block_size
+        meta, tables = self._meta_np, self._tables_np
+        width = 1
+        for row, s in enumerate(seqs):
+            used = s.position // bs + 1
+            meta[0, row], meta[1, row] = s.token, s.position
+            meta[2, row], meta[3, row] = s.block_table[used - 1] * bs + s.position % bs, s.position + 1
+            tables[row, :used] = s.block_table[:used]
+            width = max(width, used)
+        meta[:, n:b] = 0  # padding rows: reserved block 0, one token
+        meta[3, n:b] = 1
+        tables[n:b, 0] = 0
+        # the previous step's copies finished: its tokens were read back before this step began
+        self.meta[:, :b].copy_(self.meta_host[:, :b], non_blocking=True)
+        self.tables[:b, :width].copy_(self.tables_host[:b, :width], non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]

@@ -12,10 +12,10 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import KVSender
-from pd.v1 import prefill_pb2
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -39,8 +39,7 @@ def chunk_tokens_for(layout: KVLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -
 def tensor_bytes(kv: torch.Tensor) -> bytes:
     """K then V of a `[2, n, heads, dim]` tensor (any strides) as one bytes object, one copy."""
     halves = (kv[0].contiguous(), kv[1].contiguous())
-    return b"".join(memoryview(h.view(torch.int16 if h.element_size() == 2 else torch.uint8).numpy())
-                    for h in halves)
+    return b"".join(h.view(torch.int16 if h.element_size() == 2 else torch.uint8).numpy().data for h in halves)
 
 
 class ChunkError(ValueError):

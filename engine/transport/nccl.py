@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,8 @@ class NcclPair:
         self.group, self.rank, self.device, self.timeout_s = group, rank, device, timeout_s
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=max(60.0, timeout_s * 4))
-        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2, opts)
+        # a Backend: send/recv take lists of tensors (the typing stubs don't say so)
+        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2, opts)
         self.peer = 1 - rank
         self.lock = threading.Lock()     # posts of one pair never interleave
         self.next_sequence = 0
