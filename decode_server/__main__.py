@@ -8,9 +8,8 @@ import asyncio
 import logging
 
 import grpc
-from pd.v1 import decode_pb2_grpc
 
-from decode_server.config import DecodeConfig
+from decode_server.config import DecodeConfig, DecodeFaults
 from engine.cli_args import add_dataclass_args, dataclass_from_args
 from engine.grpc_common import (
     Health,
@@ -49,10 +48,11 @@ def prefill_addresses(spec: str) -> list[str]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
-async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
+async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> int:
+    from decode_server import metrics
     from decode_server.engine import DecodeEngine
     from decode_server.prefill_client import PrefillRouter
-    from decode_server.service import DecodeService
+    from decode_server.service import DecodeService, add_to_server
 
     check_port_free(cfg)
     health = Health([SERVICE])
@@ -60,7 +60,9 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
-    engine = DecodeEngine(runner, cfg.max_batch_size)
+    engine = DecodeEngine(runner, cfg.max_batch_size, die_after_steps=faults.engine_die_after_steps)
+    if faults.engine_die_after_steps is not None:
+        log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
     if cfg.prefill_addr:
         creds = None
@@ -70,10 +72,13 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds)
     service = DecodeService(cfg, runner, engine, tokenizer, router)
+    allocator = runner.pool.allocator
+    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(engine.running),
+                             service.num_waiting)
     engine.on_blocks_freed = lambda: loop.call_soon_threadsafe(service.notify_blocks_freed)
     fatal = asyncio.Event()
     engine.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
-    server = make_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(service, s), [SERVICE], health)
+    server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
     start_metrics(cfg)
     engine.start()
@@ -85,7 +90,8 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
     def stop() -> None:
         engine.stop()
 
-    code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=stop, fatal=fatal)
+    code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=stop, fatal=fatal,
+                                       on_drain=service.start_draining, in_flight=lambda: len(service.in_flight))
     if router is not None:
         await router.close()
     return code
@@ -94,7 +100,7 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None) -> int:
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_config(argv)
     setup_logging(cfg.log_level)
-    run_main(lambda: serve(cfg, args.tls_ca))
+    run_main(lambda: serve(cfg, args.tls_ca, DecodeFaults.from_env()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from engine.server_config import ServerConfig, opt
@@ -36,3 +37,26 @@ class DecodeConfig(ServerConfig):
     @property
     def default_mode(self) -> str:
         return self.mode or ("disaggregated" if self.prefill_addr else "colocated")
+
+
+# Fault injection, for tests only; read once at start-up. Declared here and nowhere else.
+ENV_FAULT_ENGINE_DIE_AFTER_STEPS = "PD_FAULT_ENGINE_DIE_AFTER_STEPS"
+
+
+@dataclass(frozen=True)
+class DecodeFaults:
+    """`PD_FAULT_ENGINE_DIE_AFTER_STEPS=N`: the engine loop raises after N decode steps, so tests can
+    see what an engine crash does (health NOT_SERVING, in-flight streams UNAVAILABLE, exit 1)."""
+
+    engine_die_after_steps: int | None = None
+
+    @classmethod
+    def from_env(cls) -> DecodeFaults:
+        raw = os.environ.get(ENV_FAULT_ENGINE_DIE_AFTER_STEPS, "").strip()
+        if not raw:
+            return cls()
+        try:
+            steps = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_FAULT_ENGINE_DIE_AFTER_STEPS} must be a number of steps, got {raw!r}") from None
+        return cls(engine_die_after_steps=steps)

@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 
 
 class DecodeEngine:
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_size: int, die_after_steps: int | None = None) -> None:
         self.runner = runner
         self.max_batch_size = max_batch_size
+        self.die_after_steps = die_after_steps  # fault injection (PD_FAULT_ENGINE_DIE_AFTER_STEPS)
+        self._submit_lock = threading.Lock()       # orders submit() against the loop's death
         self._inbox: queue.Queue[Sequence] = queue.Queue()
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
@@ -53,9 +55,16 @@ class DecodeEngine:
         self._thread.join(timeout=10)
 
     def submit(self, seq: Sequence) -> None:
-        """Hand a sequence over: it needs a local prefill (no output yet) or is ready to decode."""
-        seq.in_engine = True
-        self._inbox.put_nowait(seq)
+        """Hand a sequence over: it needs a local prefill (no output yet) or is ready to decode.
+
+        From here on only the engine thread frees its blocks; if the engine has died, the sequence
+        gets its error at once (and its blocks back) instead of waiting for a loop that is gone."""
+        with self._submit_lock:
+            seq.in_engine = True
+            if self.failed is None:
+                self._inbox.put_nowait(seq)
+                return
+        self._fail(seq, self.failed)
 
     @property
     def num_waiting(self) -> int:
@@ -68,11 +77,29 @@ class DecodeEngine:
                 self.step()
         except BaseException as e:  # the engine is gone: health must say so and the process exit
             log.exception("decode engine loop died")
-            self.failed = e
-            for seq in [*self.prefilling, *self.ready, *self.running]:
-                seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"decode engine failed: {e}"))
+            with self._submit_lock:
+                self.failed = e
+            stranded = [*self.prefilling, *self.ready, *self.running]
+            self.prefilling.clear()
+            self.ready.clear()
+            self.running.clear()
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    stranded.append(item)
+            for seq in stranded:
+                self._fail(seq, e)
             for callback in self.on_failure:
                 callback()
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        seq.emit(ErrorEvent(grpc.StatusCode.UNAVAILABLE,
+                            f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
+                            "retry on another replica"))
+        self._finish(seq)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -104,14 +131,13 @@ class DecodeEngine:
         self._drop_cancelled()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
-        metrics.REQUESTS_RUNNING.set(len(self.running))
-        metrics.REQUESTS_WAITING.set(self.num_waiting)
         # run + postprocess
         if self.prefilling:
             self._prefill_piece(self.prefilling[0])
         if self.running:
             self._decode_step()
-        metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
+        if self.die_after_steps is not None and self.steps >= self.die_after_steps:
+            raise RuntimeError(f"fault injection: PD_FAULT_ENGINE_DIE_AFTER_STEPS={self.die_after_steps} reached")
 
     def _prefill_piece(self, seq: Sequence) -> None:
         """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
@@ -124,6 +150,12 @@ class DecodeEngine:
         except torch.cuda.OutOfMemoryError as e:
             self.prefilling.popleft()
             seq.emit(ErrorEvent(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {e}"))
+            self._finish(seq)
+            return
+        except Exception as e:  # one prompt's prefill failed: that request fails, the batch goes on
+            log.exception("local prefill of %s failed", seq.request_id)
+            self.prefilling.popleft()
+            seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
             self._finish(seq)
             return
         seq.prefilled += len(piece)
@@ -147,8 +179,8 @@ class DecodeEngine:
         seqs = self.running
         t0 = time.perf_counter()
         batch = [DecodeSeq(s.output[-1], len(s.prompt) + len(s.output) - 1, s.block_table) for s in seqs]
-        logits = self.runner.decode(batch)
-        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs]).tolist()
+        logits, greedy = self.runner.decode(batch)
+        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs], greedy).tolist()
         elapsed = time.perf_counter() - t0
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)

@@ -1,5 +1,7 @@
 """Prometheus metrics of the decode server, named as serving users know them."""
 
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
@@ -17,8 +19,21 @@ KV_TRANSFER_SECONDS = Histogram("kv_transfer_seconds", "Remote prefill start to 
                                 "less the prefill compute", buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("kv_transfer_bytes_total", "KV bytes received from prefill servers", ["transport"])
 REQUESTS_RUNNING = Gauge("num_requests_running", "Sequences in the decode batch")
-REQUESTS_WAITING = Gauge("num_requests_waiting", "Requests admitted but not yet decoding")
+REQUESTS_WAITING = Gauge("num_requests_waiting", "Requests accepted but not yet decoding: waiting for KV blocks, "
+                         "in prefill (remote or local), or waiting for a batch slot")
 KV_CACHE_USAGE = Gauge("kv_cache_usage_perc", "Fraction of KV pool blocks in use")
+KV_FREE_BLOCKS = Gauge("kv_cache_free_blocks", "KV pool blocks free right now")
+KV_TOTAL_BLOCKS = Gauge("kv_cache_total_blocks", "KV pool blocks that requests can use")
 REQUEST_SUCCESS = Counter("request_success_total", "Finished requests by finish reason", ["finish_reason"])
 REQUEST_FAILURE = Counter("request_failure_total", "Failed requests by gRPC status code", ["code"])
 DECODE_STEP = Histogram("decode_step_seconds", "One batched decode step", buckets=LATENCY_BUCKETS)
+
+
+def bind_live_gauges(free_blocks: Callable[[], int], total_blocks: int, running: Callable[[], int],
+                     waiting: Callable[[], int]) -> None:
+    """The gauges read the live state when scraped, so they are exact even while the engine idles."""
+    KV_FREE_BLOCKS.set_function(free_blocks)
+    KV_TOTAL_BLOCKS.set(total_blocks)
+    KV_CACHE_USAGE.set_function(lambda: 1.0 - free_blocks() / total_blocks)
+    REQUESTS_RUNNING.set_function(running)
+    REQUESTS_WAITING.set_function(waiting)

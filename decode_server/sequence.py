@@ -36,6 +36,9 @@ class Timing:
     admitted: float = 0.0
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
+    kv_exposed_s: float = 0.0   # KV handoff time after the prefill's last layer finished
+    kv_bytes: int = 0
+    kv_transport: str = ""      # "" when prefilled here
     first_token: float = 0.0
 
 

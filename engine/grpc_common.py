@@ -31,10 +31,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # what bounds the keepalive ping's wait in grpc 1.84
     ("grpc.http2.max_pings_without_data", 0),
 ]
 # Servers: requests are capped at MAX_REQUEST_BYTES (the prefill server's replies carry the KV, so

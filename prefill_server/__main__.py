@@ -21,7 +21,7 @@ from engine.grpc_common import (
     start_metrics,
 )
 from engine.setup import build_runner
-from prefill_server.config import PrefillConfig
+from prefill_server.config import PrefillConfig, PrefillFaults
 
 log = logging.getLogger("prefill_server")
 SERVICE = "pd.v1.Prefill"
@@ -43,7 +43,8 @@ def parse_config(argv: list[str] | None = None) -> PrefillConfig:
         raise  # unreachable
 
 
-async def serve(cfg: PrefillConfig) -> int:
+async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
+    from prefill_server import metrics
     from prefill_server.service import PrefillService
     from prefill_server.worker import PrefillWorker
 
@@ -54,7 +55,11 @@ async def serve(cfg: PrefillConfig) -> int:
         build_runner, cfg, "prefill", 1, False, 4.0,
         cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()))
     worker = PrefillWorker(runner)
-    service = PrefillService(cfg, runner, worker)
+    service = PrefillService(cfg, runner, worker, faults)
+    if faults.layer_delay_s:
+        log.warning("fault injection: every prefill layer is delayed by %.3fs", faults.layer_delay_s)
+    allocator = runner.pool.allocator
+    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
     server = make_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
     start_metrics(cfg)
@@ -62,7 +67,8 @@ async def serve(cfg: PrefillConfig) -> int:
     await server.start()
     await health.set(True)
     log.info("prefill server SERVING on %s:%d (%s, %s)", cfg.host, port, runner.device, runner.config.name)
-    return await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=worker.stop)
+    return await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=worker.stop,
+                                       on_drain=service.start_draining, in_flight=lambda: service.in_flight)
 
 
 def _cuda_available() -> bool:
@@ -74,7 +80,7 @@ def _cuda_available() -> bool:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     setup_logging(cfg.log_level)
-    run_main(lambda: serve(cfg))
+    run_main(lambda: serve(cfg, PrefillFaults.from_env()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from engine.server_config import ServerConfig, opt
@@ -20,3 +21,28 @@ class PrefillConfig(ServerConfig):
         if self.kv_cache_gb is not None:
             return self.kv_cache_gb
         return 8.0 if on_gpu else None
+
+
+# Fault injection, for tests only; read once at start-up. Declared here and nowhere else.
+ENV_FAULT_LAYER_DELAY_S = "PD_FAULT_PREFILL_LAYER_DELAY_S"
+
+
+@dataclass(frozen=True)
+class PrefillFaults:
+    """`PD_FAULT_PREFILL_LAYER_DELAY_S=T`: the prefill worker sleeps T seconds after each layer (before
+    that layer's KV is sent), so a test can kill or cancel a request mid-prefill and mid-transfer."""
+
+    layer_delay_s: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> PrefillFaults:
+        raw = os.environ.get(ENV_FAULT_LAYER_DELAY_S, "").strip()
+        if not raw:
+            return cls()
+        try:
+            delay = float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_FAULT_LAYER_DELAY_S} must be seconds, got {raw!r}") from None
+        if not 0 <= delay <= 60:
+            raise ValueError(f"{ENV_FAULT_LAYER_DELAY_S} must be in [0, 60] seconds, got {delay}")
+        return cls(layer_delay_s=delay)

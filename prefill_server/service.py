@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from collections import OrderedDict
 
 import grpc
+import torch
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.transport.grpc_stream import chunk_tokens_for
+from engine.transport.base import KVSender, TransferCancelled
+from engine.transport.grpc_stream import GrpcKVSender, chunk_tokens_for, kv_message
 from engine.transport.handshake import (
     choose_transport,
     layout_from_proto,
@@ -22,18 +26,28 @@ from engine.transport.handshake import (
 )
 from engine.validation import InvalidRequest, check_lengths, check_token_ids
 from prefill_server import metrics
-from prefill_server.config import PrefillConfig
+from prefill_server.config import PrefillConfig, PrefillFaults
 from prefill_server.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
 
+MAX_PAIRED_PEERS = 4096  # decode server instances remembered (oldest forgotten first)
+
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, cfg: PrefillConfig, runner: ModelRunner, worker: PrefillWorker) -> None:
+    def __init__(self, cfg: PrefillConfig, runner: ModelRunner, worker: PrefillWorker,
+                 faults: PrefillFaults | None = None) -> None:
         self.cfg, self.runner, self.worker = cfg, runner, worker
+        self.faults = faults or PrefillFaults()
         self.server_id = uuid.uuid4().hex[:12]
         self.transports = supported_transports(runner.device) if cfg.kv_transport == "auto" else [cfg.kv_transport]
         self.in_flight = 0
+        self.draining = False
+        # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
+        self.paired: OrderedDict[str, str] = OrderedDict()
+
+    def start_draining(self) -> None:
+        self.draining = True
 
     async def Handshake(self, request: prefill_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> prefill_pb2.HandshakeResponse:
@@ -49,28 +63,52 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no KV transport in common: decode server offers {list(request.transports)}, "
                                 f"prefill server {self.transports}")
+        assert transport is not None  # abort() raised otherwise
+        if not request.peer_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handshake without a peer_id")
+        self.paired[request.peer_id] = transport
+        self.paired.move_to_end(request.peer_id)
+        while len(self.paired) > MAX_PAIRED_PEERS:
+            self.paired.popitem(last=False)
         gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
         log.info("paired with decode server %s over %s", request.peer_id, transport)
         return prefill_pb2.HandshakeResponse(layout=layout_to_proto(self.runner.layout), transport=transport,
                                              server_id=self.server_id, gpu_index=gpu if gpu is not None else 0)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
-        tokens = list(request.token_ids)
+        if self.draining:
+            metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill server is shutting down")
+        agreed = self.paired.get(request.peer_id)
+        if agreed is None:
+            metrics.REQUESTS_TOTAL.labels("FAILED_PRECONDITION").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peer {request.peer_id!r} has no handshake with this prefill server (it may have "
+                                "restarted); call Handshake first")
+        if request.transport != agreed:
+            metrics.REQUESTS_TOTAL.labels("FAILED_PRECONDITION").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV transport {request.transport!r} was not agreed (the handshake chose {agreed!r}); "
+                                "handshake again")
+        if agreed != "grpc":
+            metrics.REQUESTS_TOTAL.labels("FAILED_PRECONDITION").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV transport {agreed!r} is not served by this prefill server yet; "
+                                "use --kv-transport grpc")
         try:
+            check_lengths(len(request.token_ids), 1, self.runner.max_model_len)
+            tokens = list(request.token_ids)
             check_token_ids(tokens, self.runner.config.vocab_size)
-            check_lengths(len(tokens), 1, self.runner.max_model_len)
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
         except (InvalidRequest, ValueError) as e:
             metrics.REQUESTS_TOTAL.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if request.transport not in ("", "grpc"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV transport {request.transport!r} was not agreed; handshake again")
         if self.worker.waiting >= self.cfg.max_queued_requests:
             metrics.REQUESTS_TOTAL.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"prefill queue is full ({self.cfg.max_queued_requests} waiting)")
+                                f"prefill queue is full: {self.worker.waiting} prefills wait "
+                                f"(--max-queued-requests {self.cfg.max_queued_requests})")
         pool = self.runner.pool
         try:
             table = pool.allocator.allocate(pool.blocks_needed(len(tokens)))
@@ -82,18 +120,50 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         out: asyncio.Queue[object] = asyncio.Queue()
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
         job = PrefillJob(request.request_id, tokens, params, table, "grpc", chunk,
-                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
+                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
+                         make_sender=self._slow_sender if self.faults.layer_delay_s else None)
+        self.in_flight += 1
         self.worker.submit(job)
         status = "OK"
         try:
             while (item := await out.get()) is not None:
                 if isinstance(item, Exception):
                     status = "INTERNAL"
-                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")
+                assert isinstance(item, prefill_pb2.PrefillResponse)
+                if item.WhichOneof("payload") == "kv":
+                    metrics.KV_STREAMED_BYTES.inc(len(item.kv.data))
                 yield item
-        except asyncio.CancelledError:
-            status = "CANCELLED"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
             raise
         finally:
             job.cancelled.set()  # the worker frees the blocks once it lets go of them
+            self.in_flight -= 1
             metrics.REQUESTS_TOTAL.labels(status).inc()
+
+    def _slow_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """The usual gRPC sender, with the PD_FAULT_PREFILL_LAYER_DELAY_S pause before each layer's KV."""
+
+        def emit_chunk(layer: int, start: int, end: int, data: bytes) -> None:
+            job.emit(kv_message(layer, start, end, data))
+
+        sender = GrpcKVSender(self.runner.pool, slots, job.chunk_tokens, emit_chunk)
+        delay = self.faults.layer_delay_s
+
+        class Slow(KVSender):
+            def layer_done(self, layer: int) -> None:
+                time.sleep(delay)
+                if job.cancelled.is_set():
+                    raise TransferCancelled
+                sender.layer_done(layer)
+
+            def finish(self) -> None:
+                sender.finish()
+
+        return Slow()
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
