@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVPool
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
-from pd.v1 import prefill_pb2
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import Handoff, HandoffError
 from engine.grpc_common import GRPC_OPTIONS
@@ -26,7 +27,6 @@ from engine.transport.handshake import (
     layout_to_proto,
     supported_transports,
 )
-from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from engine.transport.handshake import (
 from engine.validation import InvalidRequest, check_lengths, check_token_ids
 from prefill_server import metrics
 from prefill_server.config import PrefillConfig, PrefillFaults
+from prefill_server.transports import TransportHub
 from prefill_server.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.draining = False
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
         self.paired: OrderedDict[str, str] = OrderedDict()
+        self.hub = TransportHub(runner, advertised_host(cfg))
 
     def start_draining(self) -> None:
         self.draining = True
@@ -58,7 +61,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         problem = layout_mismatch_message(theirs, self.runner.layout)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        transport = choose_transport("auto", self.transports, list(request.transports))
+        # cuda-ipc maps this process's memory: only for a peer on the same host
+        offered = [t for t in request.transports if t != "cuda-ipc" or request.host == socket.gethostname()]
+        transport = choose_transport("auto", self.transports, offered)
         if transport is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no KV transport in common: decode server offers {list(request.transports)}, "
@@ -66,6 +71,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         assert transport is not None  # abort() raised otherwise
         if not request.peer_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handshake without a peer_id")
+        try:
+            extra = await asyncio.to_thread(self.hub.pair, request.peer_id, transport)
+        except Exception as e:
+            log.exception("setting up %s for %s failed", transport, request.peer_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill server could not set up {transport}: {e}")
         self.paired[request.peer_id] = transport
         self.paired.move_to_end(request.peer_id)
         while len(self.paired) > MAX_PAIRED_PEERS:
@@ -73,14 +83,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
         log.info("paired with decode server %s over %s", request.peer_id, transport)
         return prefill_pb2.HandshakeResponse(layout=layout_to_proto(self.runner.layout), transport=transport,
-                                             server_id=self.server_id, gpu_index=gpu if gpu is not None else 0)
+                                             server_id=self.server_id, gpu_index=gpu if gpu is not None else 0,
+                                             **extra)
+
+    async def ReleaseIpc(self, request: prefill_pb2.ReleaseIpcRequest,
+                         context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseIpcResponse:
+        self.hub.release(request.peer_id, request.request_id)
+        return prefill_pb2.ReleaseIpcResponse()
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
         if self.draining:
             metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill server is shutting down")
-        agreed = self.paired.get(request.peer_id)
-        if agreed is None:
+        agreed = self.paired.get(request.peer_id, "")
+        if not agreed:
             metrics.REQUESTS_TOTAL.labels("FAILED_PRECONDITION").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"peer {request.peer_id!r} has no handshake with this prefill server (it may have "
@@ -90,11 +106,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV transport {request.transport!r} was not agreed (the handshake chose {agreed!r}); "
                                 "handshake again")
-        if agreed != "grpc":
-            metrics.REQUESTS_TOTAL.labels("FAILED_PRECONDITION").inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV transport {agreed!r} is not served by this prefill server yet; "
-                                "use --kv-transport grpc")
         try:
             check_lengths(len(request.token_ids), 1, self.runner.max_model_len)
             tokens = list(request.token_ids)
@@ -119,9 +130,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[object] = asyncio.Queue()
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
-        job = PrefillJob(request.request_id, tokens, params, table, "grpc", chunk,
+        job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
                          emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
-                         make_sender=self._slow_sender if self.faults.layer_delay_s else None)
+                         make_sender=self._slow_sender if self.faults.layer_delay_s else None,
+                         verify_kv=request.verify_kv)
+        try:
+            self.hub.configure(job, request.peer_id, agreed)
+        except LookupError as e:
+            pool.allocator.free(table)
+            metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.in_flight += 1
         self.worker.submit(job)
         status = "OK"
@@ -162,6 +180,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 sender.finish()
 
         return Slow()
+
+
+def advertised_host(cfg: PrefillConfig) -> str:
+    """Where decode servers reach this one for NCCL rendezvous."""
+    if cfg.advertise_host:
+        return cfg.advertise_host
+    if cfg.host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return cfg.host
 
 
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from pd.v1 import prefill_pb2
 
 from engine.runner import ModelRunner
 from engine.transport.base import KVSender
-from pd.v1 import prefill_pb2
 from prefill_server.worker import PrefillJob
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
 from pd.v1 import decode_pb2, decode_pb2_grpc
+
 from tests.servers import ServerProcess
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

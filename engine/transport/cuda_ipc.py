@@ -92,7 +92,7 @@ class IpcKVSender(KVSender):
     """Prefill side: reports each layer once its KV is written (a side thread waits on the layer's
     event, so the prefill never stalls); the KV itself stays in the pool for the decode side."""
 
-    def __init__(self, report: Callable[[int], None], cancelled: threading.Event) -> None:
+    def __init__(self, report: Callable[[int], object], cancelled: threading.Event) -> None:
         self.report, self.cancelled = report, cancelled
         self._events: queue.Queue[tuple[int, torch.cuda.Event] | None] = queue.Queue()
         self._error: BaseException | None = None

@@ -65,7 +65,7 @@ class GrpcKVSender(KVSender):
     """
 
     def __init__(self, pool: KVPool, slots: torch.Tensor, chunk_tokens: int,
-                 emit: Callable[[int, int, int, bytes], None]) -> None:
+                 emit: Callable[[int, int, int, bytes], object]) -> None:
         self.pool, self.slots, self.chunk_tokens, self.emit = pool, slots, chunk_tokens, emit
         self.first = pool.first_slot_if_contiguous(slots)
         self.cuda = pool.device.type == "cuda"
