@@ -73,6 +73,7 @@ class DecodeEngine:
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            self.runner.bind_thread()
             while not self._stop.is_set():
                 self.step()
         except BaseException as e:  # the engine is gone: health must say so and the process exit

@@ -33,23 +33,26 @@ class Handoff:
         self.writer, self.peer = writer, peer
         self.receiver: Any = None
         self.bytes = 0
-        if transport == "grpc":
-            self.receiver = GrpcKVReceiver(pool, block_table, num_tokens)
+
+    def _write_chunk(self, chunk: prefill_pb2.KVChunk) -> None:
+        """On the writer thread (the receiver's slot upload is device work too)."""
+        if self.receiver is None:
+            self.receiver = GrpcKVReceiver(self.pool, self.block_table, self.num_tokens)
+        self.receiver.write(chunk.layer, chunk.token_start, chunk.token_end, chunk.data)
 
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         kind = message.WhichOneof("payload")
         if kind == "kv" and self.transport == "grpc":
-            c = message.kv
             try:
-                await loop.run_in_executor(self.writer, self.receiver.write, c.layer, c.token_start, c.token_end,
-                                           c.data)
+                await loop.run_in_executor(self.writer, self._write_chunk, message.kv)
             except ChunkError as e:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
         elif kind == "start" and self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
-            self.receiver = NcclKVReceiver(self.peer.nccl, self.pool, self.block_table, self.num_tokens)
+            self.receiver = await loop.run_in_executor(self.writer, NcclKVReceiver, self.peer.nccl, self.pool,
+                                                       self.block_table, self.num_tokens)
             try:
                 await loop.run_in_executor(self.writer, self.receiver.post, message.start.sequence, deadline)
             except TransferFailed as e:
@@ -57,8 +60,10 @@ class Handoff:
         elif kind == "start" and self.transport == "cuda-ipc":
             from engine.transport.cuda_ipc import IpcKVReceiver
 
-            self.receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
-            self.receiver.start(list(message.start.src_block_table), message.start.src_block_size)
+            receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
+            await loop.run_in_executor(self.writer, receiver.start, list(message.start.src_block_table),
+                                       message.start.src_block_size)
+            self.receiver = receiver
         elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
             await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
         elif kind in ("kv", "start", "layer_sent"):

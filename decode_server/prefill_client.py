@@ -98,8 +98,9 @@ class PrefillPeer:
                 elif chosen == "cuda-ipc":
                     from engine.transport.cuda_ipc import RemotePool
 
-                    self.remote_pool = RemotePool(self.runner.layout, reply.ipc_pool_handle, reply.ipc_pool_offset,
-                                                  reply.ipc_pool_num_slots, self.runner.device)
+                    self.remote_pool = await loop.run_in_executor(
+                        writer, RemotePool, self.runner.layout, reply.ipc_pool_handle, reply.ipc_pool_offset,
+                        reply.ipc_pool_num_slots, self.runner.device)
             except Exception as e:
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
@@ -151,7 +152,8 @@ class PrefillRouter:
         self._rr = itertools.count()
         # One writer thread: KV writes never run on the event loop, and a barrier on this executor
         # proves every write of a request has landed before its blocks can be freed.
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer",
+                                         initializer=runner.bind_thread)
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._resolved_at < DNS_REFRESH_S and self.peers:

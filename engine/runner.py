@@ -68,6 +68,11 @@ class ModelRunner:
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
 
+    def bind_thread(self) -> None:
+        """Make this thread's current CUDA device the runner's (Triton launches on the current one)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def prefill(self, token_ids: list[int], block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""

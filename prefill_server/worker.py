@@ -63,6 +63,7 @@ class PrefillWorker:
         metrics.REQUESTS_WAITING.set(self._jobs.qsize())
 
     def _loop(self) -> None:
+        self.runner.bind_thread()
         while (job := self._jobs.get()) is not None:
             metrics.REQUESTS_WAITING.set(self._jobs.qsize())
             self.busy = 1

@@ -29,7 +29,8 @@ def gpu_pair(transport: str, logs: Path, extra: list[str] | None = None) -> tupl
     prefill = ServerProcess("prefill_server", [*common, "--device", "cuda:0"], logs)
     prefill.args = [a if a != "cpu" else "cuda:0" for a in prefill.args]
     prefill.start(timeout=300)
-    decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, *(extra or [])], logs)
+    decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, "--max-batch-size", "4",
+                                             *(extra or [])], logs)
     decode.args = [a if a != "cpu" else f"cuda:{min(1, GPUS - 1)}" for a in decode.args]
     decode.start(timeout=300)
     return prefill, decode

@@ -127,23 +127,28 @@ class IpcKVReceiver:
     stream, when told the layer is done."""
 
     def __init__(self, remote: RemotePool, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
-        self.remote, self.pool, self.num_tokens = remote, pool, num_tokens
-        self.dst = pool.slots(block_table, 0, num_tokens)
+        self.remote, self.pool, self.num_tokens, self.block_table = remote, pool, num_tokens, block_table
+        self.dst: torch.Tensor | None = None
         self.src: torch.Tensor | None = None
         self.stream = torch.cuda.Stream(pool.device)
         self.done = torch.cuda.Event()
         self.copied = 0
 
     def start(self, src_block_table: list[int], src_block_size: int) -> None:
+        """On the writer thread: the two slot lists to the devices that index with them."""
         table = torch.as_tensor(src_block_table, dtype=torch.long)
         pos = torch.arange(self.num_tokens)
-        self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(self.pool.device)
+        self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(
+            self.remote.storage.device)
+        self.dst = self.pool.slots(self.block_table, 0, self.num_tokens)
 
     def copy_layer(self, layer: int) -> None:
-        if self.src is None:
+        if self.src is None or self.dst is None:
             raise IpcError("layer reported before the transfer started")
         with torch.cuda.stream(self.stream):
-            self.pool.layers[layer].index_copy_(1, self.dst, self.remote.storage[layer].index_select(1, self.src))
+            # the gather runs where torch places the mapped memory; .to() then moves it over NVLink
+            kv = self.remote.storage[layer].index_select(1, self.src).to(self.pool.device, non_blocking=True)
+            self.pool.layers[layer].index_copy_(1, self.dst, kv)
             self.copied += 1
             if self.copied == self.pool.layout.num_layers:
                 self.done.record(self.stream)
