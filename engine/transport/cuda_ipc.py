@@ -23,7 +23,7 @@ _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # c_char would cut the bytes at the first NUL
 
 
 class IpcError(RuntimeError):
@@ -70,8 +70,10 @@ class RemotePool:
             raise IpcError("cuda-ipc moves 2-byte KV dtypes (bfloat16, float16)")
         lib = _driver()
         torch.cuda.set_device(device)
+        if len(handle) != 64:
+            raise IpcError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
         raw = _IpcHandle()
-        raw.reserved = handle
+        ctypes.memmove(ctypes.addressof(raw), handle, 64)
         self._base = ctypes.c_uint64()
         open_fn = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
         _check(open_fn(ctypes.byref(self._base), raw, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
