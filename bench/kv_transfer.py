@@ -29,7 +29,8 @@ from bench.scenario import start, wait_ready
 from engine.grpc_common import GRPC_OPTIONS
 from engine.kv_cache import KVLayout, KVPool
 from engine.presets import PRESETS
-from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, kv_message
+from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
+from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
 
 
 def make_pool(preset: str, tokens: int, seed: int) -> tuple[KVPool, list[int]]:
@@ -51,8 +52,8 @@ class EndpointService(prefill_pb2_grpc.PrefillServicer):
         out: asyncio.Queue[Any] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def emit(layer: int, start: int, end: int, data: bytes) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, kv_message(layer, start, end, data))
+        def emit(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, encode_kv(layer, start, end, parts))
 
         def send_all() -> None:
             sender = GrpcKVSender(self.pool, self.slots, chunk_tokens_for(self.pool.layout), emit)
@@ -66,14 +67,14 @@ class EndpointService(prefill_pb2_grpc.PrefillServicer):
         while True:
             item = await out.get()
             yield item
-            if item.WhichOneof("payload") == "done":
+            if not isinstance(item, bytes):  # the PrefillDone that ends the stream
                 break
         await task
 
 
 async def serve_endpoint(port: int, preset: str, tokens: int) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(EndpointService(preset, tokens), server)
+    add_prefill_servicer(EndpointService(preset, tokens), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
@@ -84,13 +85,13 @@ async def receive_once(address: str, preset: str, tokens: int) -> tuple[float, i
     pool, table = make_pool(preset, tokens, seed=2)
     receiver = GrpcKVReceiver(pool, table, tokens)
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        stub = prefill_pb2_grpc.PrefillStub(channel)
+        call = prefill_stream(channel)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         checksum = None
-        async for message in stub.Prefill(prefill_pb2.PrefillRequest(token_ids=[0])):
-            if message.WhichOneof("payload") == "kv":
-                c = message.kv
+        async for message in call(prefill_pb2.PrefillRequest(token_ids=[0])):
+            if isinstance(message, KVView):
+                c = message
                 await loop.run_in_executor(None, receiver.write, c.layer, c.token_start, c.token_end, c.data)
             else:
                 checksum = message.done.kv_checksum
@@ -187,6 +188,7 @@ def main() -> None:
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    keep_freed_memory()  # as the servers do (engine.grpc_common.run_main)
     if args.serve_endpoint:
         asyncio.run(serve_endpoint(args.serve_endpoint, args.preset, args.tokens))
         return

@@ -14,6 +14,7 @@ from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVPool
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
+from engine.transport.grpc_wire import KVView
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +35,26 @@ class Handoff:
         self.receiver: Any = None
         self.bytes = 0
 
-    def _write_chunk(self, chunk: prefill_pb2.KVChunk) -> None:
+    def _write_chunk(self, chunk: KVView) -> None:
         """On the writer thread (the receiver's slot upload is device work too)."""
         if self.receiver is None:
             self.receiver = GrpcKVReceiver(self.pool, self.block_table, self.num_tokens)
         self.receiver.write(chunk.layer, chunk.token_start, chunk.token_end, chunk.data)
 
+    async def on_kv(self, chunk: KVView) -> None:
+        if self.transport != "grpc":
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"a KV chunk does not fit transport {self.transport}")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.writer, self._write_chunk, chunk)
+        except ChunkError as e:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
+
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         kind = message.WhichOneof("payload")
-        if kind == "kv" and self.transport == "grpc":
-            try:
-                await loop.run_in_executor(self.writer, self._write_chunk, message.kv)
-            except ChunkError as e:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
+        if kind == "kv":  # a standard-encoded chunk (grpc_wire decodes ours as KVView)
+            c = message.kv
+            await self.on_kv(KVView(c.layer, c.token_start, c.token_end, memoryview(c.data)))
         elif kind == "start" and self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 

@@ -20,6 +20,7 @@ from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 from decode_server.kv_receive import Handoff, HandoffError
 from engine.grpc_common import GRPC_OPTIONS
 from engine.runner import ModelRunner
+from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
     choose_transport,
     layout_from_proto,
@@ -61,6 +62,7 @@ class PrefillPeer:
         self.channel = (grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS) if credentials
                         else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
+        self.prefill_call = prefill_stream(self.channel)  # KV chunks arrive as views, not copies
         self.transport: str | None = None
         self.nccl: Any = None          # NcclPair
         self.remote_pool: Any = None   # RemotePool (cuda-ipc)
@@ -199,10 +201,12 @@ class PrefillRouter:
             handoff = Handoff(transport, self.runner.pool, block_table, len(prompt), self.writer, peer)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=transport, peer_id=peer.peer_id, verify_kv=VERIFY_KV)
-            call = peer.stub.Prefill(request, timeout=self.timeout_s)
+            call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
-                if message.WhichOneof("payload") == "done":
+                if isinstance(message, KVView):
+                    await handoff.on_kv(message)
+                elif message.WhichOneof("payload") == "done":
                     done = message.done
                     done_at = time.monotonic()
                 else:

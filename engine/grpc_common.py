@@ -177,6 +177,9 @@ async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, d
 
 def run_main(main: Callable[[], object]) -> None:
     """Run an async main under uvloop; turn StartupError and bad flags into one line and exit 2."""
+    from engine.transport.grpc_stream import keep_freed_memory
+
+    keep_freed_memory()
     try:
         import uvloop
 

@@ -6,8 +6,6 @@ import argparse
 import asyncio
 import logging
 
-from pd.v1 import prefill_pb2_grpc
-
 from engine.cli_args import add_dataclass_args, dataclass_from_args
 from engine.grpc_common import (
     Health,
@@ -21,6 +19,7 @@ from engine.grpc_common import (
     start_metrics,
 )
 from engine.setup import build_runner
+from engine.transport.grpc_wire import add_prefill_servicer
 from prefill_server.config import PrefillConfig, PrefillFaults
 
 log = logging.getLogger("prefill_server")
@@ -60,7 +59,7 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
         log.warning("fault injection: every prefill layer is delayed by %.3fs", faults.layer_delay_s)
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
-    server = make_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(service, s), [SERVICE], health)
+    server = make_server(lambda s: add_prefill_servicer(service, s), [SERVICE], health)
     port = bind(server, cfg)
     start_metrics(cfg)
     worker.start()

@@ -17,7 +17,8 @@ from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.transport.base import KVSender, TransferCancelled
-from engine.transport.grpc_stream import GrpcKVSender, chunk_tokens_for, kv_message
+from engine.transport.grpc_stream import GrpcKVSender, chunk_tokens_for
+from engine.transport.grpc_wire import encode_kv, kv_payload_bytes
 from engine.transport.handshake import (
     choose_transport,
     layout_from_proto,
@@ -148,9 +149,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 if isinstance(item, Exception):
                     status = "INTERNAL"
                     await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")
-                assert isinstance(item, prefill_pb2.PrefillResponse)
-                if item.WhichOneof("payload") == "kv":
-                    metrics.KV_STREAMED_BYTES.inc(len(item.kv.data))
+                if isinstance(item, bytes):  # a pre-encoded KV chunk (engine.transport.grpc_wire)
+                    metrics.KV_STREAMED_BYTES.inc(kv_payload_bytes(item))
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             status = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
@@ -163,8 +163,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def _slow_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         """The usual gRPC sender, with the PD_FAULT_PREFILL_LAYER_DELAY_S pause before each layer's KV."""
 
-        def emit_chunk(layer: int, start: int, end: int, data: bytes) -> None:
-            job.emit(kv_message(layer, start, end, data))
+        def emit_chunk(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
+            job.emit(encode_kv(layer, start, end, parts))
 
         sender = GrpcKVSender(self.runner.pool, slots, job.chunk_tokens, emit_chunk)
         delay = self.faults.layer_delay_s

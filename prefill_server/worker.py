@@ -15,7 +15,8 @@ from pd.v1 import prefill_pb2
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
-from engine.transport.grpc_stream import GrpcKVSender, kv_message
+from engine.transport.grpc_stream import GrpcKVSender
+from engine.transport.grpc_wire import encode_kv
 from prefill_server import metrics
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class PrefillWorker:
             return job.make_sender(job, slots)
 
         return GrpcKVSender(self.runner.pool, slots, job.chunk_tokens,
-                            lambda *chunk: job.emit(kv_message(*chunk)))
+                            lambda *chunk: job.emit(encode_kv(*chunk)))
 
     def _run(self, job: PrefillJob) -> None:
         if job.cancelled.is_set():
