@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from pd.v1 import prefill_pb2
 
 from engine.transport.grpc_wire import KVView, decode_response, encode_kv
-from pd.v1 import prefill_pb2
 
 
 @pytest.mark.parametrize(("layer", "start", "end", "size"), [(0, 0, 1, 0), (3, 0, 7, 100), (27, 300, 70000, 1 << 20)])
