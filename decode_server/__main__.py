@@ -10,7 +10,8 @@ import logging
 import grpc
 
 from decode_server.config import DecodeConfig, DecodeFaults
-from engine.cli_args import add_dataclass_args, dataclass_from_args
+from engine.cli_args import add_dataclass_args
+from engine.cli_args import parse_config as parse_into
 from engine.grpc_common import (
     Health,
     bind,
@@ -35,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespace]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return dataclass_from_args(DecodeConfig, args), args
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable
+    return parse_into(build_parser(), DecodeConfig, argv)
 
 
 def prefill_addresses(spec: str) -> list[str]:

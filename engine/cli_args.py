@@ -45,3 +45,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
     names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_config(parser: argparse.ArgumentParser, cls: type[T],
+                 argv: list[str] | None = None) -> tuple[T, argparse.Namespace]:
+    """Parse flags into the config dataclass; its own validation errors exit like argparse's."""
+    args = parser.parse_args(argv)
+    try:
+        return dataclass_from_args(cls, args), args
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: error() exits

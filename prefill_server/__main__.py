@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from engine.cli_args import add_dataclass_args, dataclass_from_args
+from engine.cli_args import add_dataclass_args
+from engine.cli_args import parse_config as parse_into
 from engine.grpc_common import (
     Health,
     StartupError,
@@ -33,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> PrefillConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return dataclass_from_args(PrefillConfig, args)
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable
+    return parse_into(build_parser(), PrefillConfig, argv)[0]
 
 
 async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:

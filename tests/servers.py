@@ -26,17 +26,19 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m <module> --port <free> ...` with its log in `log_dir`; waits for SERVING."""
 
-    def __init__(self, module: str, args: list[str], log_dir: Path, port: int | None = None) -> None:
+    def __init__(self, module: str, args: list[str], log_dir: Path, port: int | None = None,
+                 device: str = "cpu") -> None:
         self.module = module
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0", "--device", "cpu",
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0", "--device", device,
                      *args]
+        self.env: dict[str, str] = {}
         self.log_path = log_dir / f"{module}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=env,
                                          stdout=log, stderr=subprocess.STDOUT)
@@ -44,10 +46,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
-            if is_serving(self.address, timeout=0.5):
+            if self.ready():
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"{self.module} on {self.address} not SERVING after {timeout}s:\n{self.log()}")
+
+    def ready(self) -> bool:
+        return is_serving(self.address, timeout=0.5)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

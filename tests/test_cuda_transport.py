@@ -26,12 +26,9 @@ def needs(transport: str) -> None:
 def gpu_pair(transport: str, logs: Path, extra: list[str] | None = None) -> tuple[ServerProcess, ServerProcess]:
     os.environ["PD_VERIFY_KV"] = "1"  # every handoff checksummed bit for bit (DATA_LOSS otherwise)
     common = ["--kv-transport", transport, "--max-model-len", "8192", "--kv-cache-gb", "2"]
-    prefill = ServerProcess("prefill_server", [*common, "--device", "cuda:0"], logs)
-    prefill.args = [a if a != "cpu" else "cuda:0" for a in prefill.args]
-    prefill.start(timeout=300)
+    prefill = ServerProcess("prefill_server", common, logs, device="cuda:0").start(timeout=300)
     decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, "--max-batch-size", "4",
-                                             *(extra or [])], logs)
-    decode.args = [a if a != "cpu" else f"cuda:{min(1, GPUS - 1)}" for a in decode.args]
+                                             *(extra or [])], logs, device=f"cuda:{min(1, GPUS - 1)}")
     decode.start(timeout=300)
     return prefill, decode
 
@@ -81,9 +78,8 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
         # the decode server keeps serving (colocated needs no prefill server)
         assert generate(decode.address, prompt[:100], decode_pb2.PREFILL_MODE_COLOCATED)
         restarted = ServerProcess("prefill_server", ["--kv-transport", transport, "--max-model-len", "8192",
-                                                     "--kv-cache-gb", "2"], server_logs, port=prefill.port)
-        restarted.args = [a if a != "cpu" else "cuda:0" for a in restarted.args]
-        restarted.start(timeout=300)
+                                                     "--kv-cache-gb", "2"], server_logs, port=prefill.port,
+                                  device="cuda:0").start(timeout=300)
         try:
             short = prompt[:500]
             expected = generate(decode.address, short, decode_pb2.PREFILL_MODE_COLOCATED)

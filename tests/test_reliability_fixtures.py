@@ -6,10 +6,7 @@ There are no tests in this module; its fixtures are session-scoped so one pair s
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd.v1 import decode_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import ROOT, ServerProcess, free_port
+from tests.servers import ServerProcess, free_port
 
 
 class Server(ServerProcess):
@@ -40,19 +37,8 @@ class Server(ServerProcess):
         self.env = env or {}
         self.tls_ca = tls_ca
 
-    def start(self, timeout: float = 120.0) -> Server:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=env,
-                                         stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
-            if health_status(self.address, self.tls_ca) == "SERVING":
-                return self
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.module} on {self.address} not SERVING after {timeout}s:\n{self.log()}")
+    def ready(self) -> bool:
+        return health_status(self.address, self.tls_ca) == "SERVING"
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.metrics_port)
