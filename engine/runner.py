@@ -87,7 +87,7 @@ class ModelRunner:
         return self.model(ids, positions, self.pool, meta, logits_rows=last, on_layer_done=on_layer_done)[0]
 
     def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for every sequence: logits [B, V] (model dtype) and greedy tokens [B]."""
+        """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             return self.graphs.run(seqs)
         return self.decode_eager(seqs)

@@ -37,7 +37,7 @@ class SamplingParams:
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> torch.Tensor:
-    logits = logits.float() / p.temperature
+    logits = logits / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -52,7 +52,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> torch.Te
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
            greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (long, on the logits' device). `greedy`, when given,
+    """logits [B, V] float32 -> token ids [B] (long, on the logits' device). `greedy`, when given,
     is logits.argmax(-1) already computed (inside a CUDA graph)."""
     if all(p.greedy for p in params):
         return greedy if greedy is not None else logits.argmax(dim=-1)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64      # context tokens per inner step
-TARGET_PROGRAMS = 132  # one wave on a 132-SM H200: more splits only add merge work
+TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _merge_kernel(OUT, ML, RESULT, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_O
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
     splits = max(1, TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return min(64, 1 << (splits.bit_length() - 1))  # a power of two, at most the target
+    return min(64, triton.next_power_of_2(splits))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,

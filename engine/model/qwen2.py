@@ -92,8 +92,7 @@ class Qwen2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
                 meta: PrefillMeta | DecodeMeta, logits_rows: torch.Tensor | None = None,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits (model dtype) of `logits_rows` (default: every row) of the flattened `input_ids` [T].
-        Greedy argmax reads them as they are; sampling upcasts its rows (`engine.sampling`)."""
+        """Float32 logits of `logits_rows` (default: every row) of the flattened `input_ids` [T]."""
         x = self.embed(input_ids)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -103,4 +102,4 @@ class Qwen2Model(nn.Module):
         if logits_rows is not None:
             x, delta = x.index_select(0, logits_rows), delta.index_select(0, logits_rows)  # type: ignore[union-attr]
         h, _ = self.norm(x, delta)
-        return self.lm_head(h)
+        return self.lm_head(h).float()
