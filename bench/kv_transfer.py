@@ -17,6 +17,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -125,7 +126,7 @@ def servers_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", args.transport, "--metrics-port",
               "0", "--max-model-len", str(args.tokens + 64)]
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    logs = args.logs or "/tmp"
+    logs = args.logs or tempfile.mkdtemp()
     prefill = start("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"],
                     _path(logs, "prefill.log"), env)
     decode = None
