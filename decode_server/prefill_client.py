@@ -32,6 +32,7 @@ from engine.transport.handshake import (
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
+HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is as good as down
 VERIFY_KV = os.environ.get("PD_VERIFY_KV", "") == "1"  # checksum every handoff (benchmarks, tests)
 
 
@@ -82,7 +83,7 @@ class PrefillPeer:
                                                    peer_id=self.peer_id, host=socket.gethostname(),
                                                    gpu_index=gpu if gpu is not None else 0, pid=os.getpid())
             try:
-                reply = await self.stub.Handshake(request, timeout=timeout)
+                reply = await self.stub.Handshake(request, timeout=min(timeout, HANDSHAKE_TIMEOUT_S))
             except grpc.aio.AioRpcError as e:
                 raise peer_error(self.address, e, "handshake") from e
             problem = layout_mismatch_message(self.runner.layout, layout_from_proto(reply.layout))
