@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from pd.v1 import prefill_pb2
 
+from engine.grpc_common import StatusError
 from engine.kv_cache import KVPool
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
@@ -19,10 +20,8 @@ from engine.transport.grpc_wire import KVView
 log = logging.getLogger(__name__)
 
 
-class HandoffError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class HandoffError(StatusError):
+    """The KV did not arrive whole."""
 
 
 class Handoff:

@@ -18,7 +18,7 @@ import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import Handoff, HandoffError
-from engine.grpc_common import GRPC_OPTIONS
+from engine.grpc_common import GRPC_OPTIONS, StatusError
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
@@ -36,10 +36,8 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is 
 VERIFY_KV = os.environ.get("PD_VERIFY_KV", "") == "1"  # checksum every handoff (benchmarks, tests)
 
 
-class PrefillFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class PrefillFailed(StatusError):
+    """A remote prefill failed; the request is answered with `code`."""
 
 
 @dataclass

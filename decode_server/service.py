@@ -29,6 +29,7 @@ from decode_server.config import DecodeConfig
 from decode_server.engine import DecodeEngine
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.sequence import ErrorEvent, Event, Sequence, TokenEvent
+from engine.grpc_common import StatusError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
@@ -48,10 +49,8 @@ MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per co
 TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event loop
 
 
-class Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class Rejected(StatusError):
+    """Ends the Generate stream with its status."""
 
 
 @dataclass

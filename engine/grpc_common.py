@@ -48,6 +48,14 @@ SERVER_OPTIONS = [
 ]
 
 
+class StatusError(Exception):
+    """A request's failure, with the gRPC status code it is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class StartupError(Exception):
     """A one-line reason the server can't start, and what to do about it."""
 

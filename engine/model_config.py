@@ -64,10 +64,3 @@ class ModelConfig:
         shape = {k: v for k, v in asdict(self).items() if k not in ("name", "eos_token_ids")}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.name}-{digest}"
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        qkv = h * qkv_out + qkv_out
-        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
-        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h

@@ -96,7 +96,7 @@ class TransportHub:
         from engine.transport.nccl import NcclKVSender
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
-            sender = NcclKVSender(pair, self.runner.pool, slots, self.timeout_s, job.cancelled)
+            sender = NcclKVSender(pair, self.runner.pool, slots, self.timeout_s)
             job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
             return sender
 
@@ -107,7 +107,7 @@ class TransportHub:
 
         job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
             src_block_table=job.block_table, src_block_size=self.runner.layout.block_size)))
-        return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)), job.cancelled)
+        return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)))
 
     # --- cuda-ipc block ownership --------------------------------------------------------------
     def _hold(self, peer_id: str, job: PrefillJob) -> None:
@@ -141,7 +141,3 @@ class TransportHub:
             self.runner.pool.allocator.free(b)
         if expired:
             log.warning("freed the KV of %d cuda-ipc transfers never acknowledged", len(expired))
-
-    @property
-    def held_requests(self) -> int:
-        return len(self._held)

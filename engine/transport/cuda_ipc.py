@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVLayout, KVPool
-from engine.transport.base import KVSender, TransferCancelled
+from engine.transport.base import KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -92,18 +92,17 @@ class RemotePool:
 
 class IpcKVSender(KVSender):
     """Prefill side: reports each layer once its KV is written (a side thread waits on the layer's
-    event, so the prefill never stalls); the KV itself stays in the pool for the decode side."""
+    event, so the prefill never stalls); the KV itself stays in the pool for the decode side.
+    A cancelled request stops at the worker's check before the next layer (`cancellable`)."""
 
-    def __init__(self, report: Callable[[int], object], cancelled: threading.Event) -> None:
-        self.report, self.cancelled = report, cancelled
+    def __init__(self, report: Callable[[int], object]) -> None:
+        self.report = report
         self._events: queue.Queue[tuple[int, torch.cuda.Event] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="ipc-report")
         self._thread.start()
 
     def layer_done(self, layer: int) -> None:
-        if self.cancelled.is_set():
-            raise TransferCancelled
         event = torch.cuda.Event()
         event.record()
         self._events.put((layer, event))

@@ -81,9 +81,8 @@ class NcclKVSender(KVSender):
 
     cancellable = False
 
-    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float,
-                 cancelled: threading.Event) -> None:
-        self.pair, self.pool, self.slots, self.cancelled = pair, pool, slots, cancelled
+    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float) -> None:
+        self.pair, self.pool, self.slots = pair, pool, slots
         self.deadline_s = deadline_s
         self._inflight: list[tuple[torch.Tensor, dist.Work]] = []
         self.sequence = pair.next_sequence
