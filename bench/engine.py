@@ -15,6 +15,7 @@ import time
 import torch
 
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
+from engine import ops
 from engine.offline import make_runner
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import SamplingParams, sample
@@ -68,6 +69,25 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
             pool.allocator.free(t)
 
 
+def profile_prefill(runner: ModelRunner, length: int) -> None:
+    """Where one prefill's GPU time goes, kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool = runner.pool
+    table = pool.allocator.allocate(pool.blocks_needed(length))
+    prompt = torch.randint(0, runner.config.vocab_size, (length,)).tolist()
+    try:
+        runner.prefill(prompt, table, 0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.prefill(prompt, table, 0)
+            torch.cuda.synchronize()
+        print(f"--- prefill profile, {length} tokens ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    finally:
+        pool.allocator.free(table)
+
+
 def prefill_ms(runner: ModelRunner, length: int) -> float:
     pool = runner.pool
     table = pool.allocator.allocate(pool.blocks_needed(length))
@@ -101,12 +121,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--min-decode-bucket", type=int, default=1)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
     p.add_argument("--json", default="bench/results/engine-h200.json")
-    p.add_argument("--profile", action="store_true", help="print the costliest kernels of a decode step")
+    p.add_argument("--profile", action="store_true",
+                   help="print the costliest kernels of a decode step and of the longest prefill")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
+    ops.SKINNY_GEMV = not args.no_skinny_gemv
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s", flush=True)
     runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
@@ -116,6 +139,7 @@ def main() -> None:
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
            "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1), "weight_bytes": wbytes,
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
+           "skinny_gemv": ops.SKINNY_GEMV,
            "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
     for batch in args.batches:
@@ -135,6 +159,7 @@ def main() -> None:
     if args.profile:
         for batch in (1, max(args.batches)):
             profile_decode(runner, batch, args.context)
+        profile_prefill(runner, max(args.prefill_lens))
     write_json(args.json, doc)
     print(f"wrote {args.json}")
 

@@ -11,8 +11,13 @@ import torch.nn.functional as F
 
 try:
     from engine.kernels import fused as _fused
+    from engine.kernels import gemv as _gemv
 except ImportError:  # no Triton: CPU-only installs
     _fused = None  # type: ignore[assignment]
+    _gemv = None  # type: ignore[assignment]
+
+# Decode-sized matmuls (at most 16 rows) through the Triton skinny kernel rather than cuBLAS.
+SKINNY_GEMV = True
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -29,6 +34,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * normed, x
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    if SKINNY_GEMV and _fast(x) and _gemv.supports(x, layer.weight):
+        return _gemv.gemv(x, layer.weight, layer.bias)
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

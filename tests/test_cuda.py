@@ -84,6 +84,23 @@ def test_fused_ops_match_pytorch() -> None:
     assert rel_err(kv.cpu(), kv_ref2) < 1e-2
 
 
+def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
+    from engine.kernels.gemv import gemv, supports
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    for n, k, has_bias in ((4608, 3584, True), (3584, 18944, False), (1000, 512, False)):
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5
+        b = torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None
+        x = torch.randn(16, k, dtype=torch.bfloat16, device=dev)
+        assert supports(x, w)
+        full = gemv(x, w, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert rel_err(full, ref) < 1e-2
+        for m in (1, 2, 5, 15):
+            assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
+
+
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
 def test_graph_tokens_equal_eager(batch: int) -> None:
     from engine.offline import generate, make_runner

@@ -66,14 +66,14 @@ class DecoderLayer(nn.Module):
                 pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output still to be added to it)."""
         h, x = self.input_norm(x, delta)
-        q, k, v = ops.rope_and_store(self.qkv(h), positions, rope.cos, rope.sin, pool.layers[layer], meta.new_slots,
-                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.rope_and_store(ops.linear(h, self.qkv), positions, rope.cos, rope.sin, pool.layers[layer],
+                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim)
         if isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
             attn = decode_attention(q, pool, layer, meta)
-        h, x = self.post_norm(x, self.o_proj(attn.reshape(x.shape[0], -1)))
-        return x, self.down(ops.silu_mul(self.gate_up(h)))
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj))
+        return x, ops.linear(ops.silu_mul(ops.linear(h, self.gate_up)), self.down)
 
 
 class Qwen2Model(nn.Module):
@@ -102,4 +102,4 @@ class Qwen2Model(nn.Module):
         if logits_rows is not None:
             x, delta = x.index_select(0, logits_rows), delta.index_select(0, logits_rows)  # type: ignore[union-attr]
         h, _ = self.norm(x, delta)
-        return self.lm_head(h).float()
+        return ops.linear(h, self.lm_head).float()

@@ -1,0 +1,102 @@
+"""`python -m bench.gemv`: decode-time projections (Qwen2.5-7B shapes, bf16) through cuBLAS and
+through the Triton skinny matmul (`engine.kernels.gemv`), as a fraction of HBM bandwidth.
+
+Each figure is one CUDA-graph replay over one weight copy per layer (so nothing is served from
+L2, as in a real step), divided by the layer count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import measure_hbm_gbps, metadata, write_json
+from engine.kernels.gemv import GemvConfig, config_for, gemv
+
+SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
+          "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
+
+
+def graph_us(calls: list[Callable[[], torch.Tensor]], replays: int = 20) -> float:
+    """Microseconds per call, from CUDA-graph replays of all `calls` in a row."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays / len(calls)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.gemv", description=__doc__)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--layers", type=int, default=28, help="weight copies cycled through (lm_head: 4)")
+    p.add_argument("--sweep", action="store_true", help="try every tile configuration, not only the default")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda:0")
+    hbm = measure_hbm_gbps(dev)
+    print(f"HBM copy {hbm:.0f} GB/s (read + write)")
+    configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
+    if args.sweep:
+        configs = [GemvConfig(n, k, w, s) for n, k, w, s in
+                   itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
+    rows_out = []
+    for name in args.shapes:
+        n, k, has_bias = SHAPES[name]
+        copies = 4 if name == "lm_head" else args.layers
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(copies)]
+        biases = [torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None for _ in range(copies)]
+        floor_us = n * k * 2 / (hbm * 1e9) * 1e6
+        for m in args.rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            ref = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+            pairs = list(zip(weights, biases, strict=True))
+            cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
+            best: tuple[float, GemvConfig | None] | None = None
+            for cfg in configs:
+                try:
+                    got = gemv(x, weights[0], biases[0], cfg)
+                    err = (got.float() - ref[0].float()).abs().max().item()
+                    us = graph_us([partial(gemv, x, w, b, cfg) for w, b in pairs])
+                except Exception as e:  # a tile that does not fit this GPU's shared memory
+                    print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+                if args.sweep:
+                    print(f"  {name} m={m} {cfg}: {us:7.1f} us  max err {err:.3g}")
+            assert best is not None
+            chosen = best[1] or config_for(weights[0])
+            print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
+                  f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
+            rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+                             "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen)})
+        del weights, biases
+        torch.cuda.empty_cache()
+    if args.json:
+        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
+                               "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()
