@@ -56,7 +56,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
         k = torch.cat((cached[0], k))
         v = torch.cat((cached[1], v))
     groups = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1).contiguous().unsqueeze(0)           # [1, H, T, D]: cuDNN's fastest layout
+    qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, T, D]
     kh = _expand_kv(k.transpose(0, 1), groups).unsqueeze(0)    # [1, H, L, D]
     vh = _expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
     if kh.shape[2] == qh.shape[2]:

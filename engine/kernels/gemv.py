@@ -28,13 +28,14 @@ class GemvConfig:
 
 # Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md). Chosen by the weight's
 # shape only, never by the row count, so a row's result is the same at every batch size.
-WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)  # gate_up, lm_head: many columns
-NARROW = GemvConfig()                                                  # qkv, o_proj, down
+WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)  # gate_up, lm_head
+TALL = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)  # qkv: a few more columns than K
+SQUARE = GemvConfig()                                                  # o_proj, down
 
 
 def config_for(weight: torch.Tensor) -> GemvConfig:
     n, k = weight.shape
-    return WIDE if n >= 4 * k else NARROW
+    return WIDE if n >= 4 * k else TALL if n > k else SQUARE
 
 
 @triton.jit
