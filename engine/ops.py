@@ -42,17 +42,6 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                layer: torch.nn.Linear, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer(rms_norm(x + delta) * norm_weight), x + delta); with `glu`, silu_mul of that. Decode-sized
-    inputs on CUDA run as one kernel."""
-    if SKINNY_GEMV and _fast(x) and _gemv.supports(x, layer.weight):
-        return _gemv.norm_gemv(x, delta, norm_weight, eps, layer.weight, layer.bias, glu)
-    h, x = add_rms_norm(x, norm_weight, eps, delta)
-    out = linear(h, layer)
-    return (silu_mul(out) if glu else out), x
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _fast(gate_up):
         return _fused.silu_mul(gate_up)

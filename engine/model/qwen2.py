@@ -20,12 +20,13 @@ from engine.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """The norm's weight and eps; applied together with the matmul that follows (`ops.norm_linear`)."""
-
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
 
 class RotaryTable(nn.Module):
@@ -64,16 +65,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: RotaryTable,
                 pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output still to be added to it)."""
-        qkv, x = ops.norm_linear(x, delta, self.input_norm.weight, self.input_norm.eps, self.qkv)
-        q, k, v = ops.rope_and_store(qkv, positions, rope.cos, rope.sin, pool.layers[layer], meta.new_slots,
-                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        h, x = self.input_norm(x, delta)
+        q, k, v = ops.rope_and_store(ops.linear(h, self.qkv), positions, rope.cos, rope.sin, pool.layers[layer],
+                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim)
         if isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
             attn = decode_attention(q, pool, layer, meta)
-        act, x = ops.norm_linear(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj), self.post_norm.weight,
-                                 self.post_norm.eps, self.gate_up, glu=True)
-        return x, ops.linear(act, self.down)
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj))
+        return x, ops.linear(ops.silu_mul(ops.linear(h, self.gate_up)), self.down)
 
 
 class Qwen2Model(nn.Module):
@@ -101,5 +101,5 @@ class Qwen2Model(nn.Module):
                 on_layer_done(i)
         if logits_rows is not None:
             x, delta = x.index_select(0, logits_rows), delta.index_select(0, logits_rows)  # type: ignore[union-attr]
-        logits, _ = ops.norm_linear(x, delta, self.norm.weight, self.norm.eps, self.lm_head)
-        return logits.float()
+        h, _ = self.norm(x, delta)
+        return ops.linear(h, self.lm_head).float()
