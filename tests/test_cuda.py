@@ -148,3 +148,33 @@ def test_chunked_prefill_matches_whole(preset: str) -> None:
     # differently; float32 agrees to 1e-6 (a real bug shows as O(1) error)
     assert rel_err(chunked, whole) < 5e-2
     assert rel_err(kv_chunk, kv_whole) < 5e-2
+
+
+def test_skinny_decode_at_the_7b_shape() -> None:
+    """At the real shape (where the skinny matmul runs): graph == eager tokens, and a step's
+    logits agree with the cuBLAS path."""
+    from engine import ops
+    from engine.offline import generate, make_runner
+    from engine.runner import DecodeSeq
+
+    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_batch_size=4,
+                         max_model_len=512, kv_gb=1.0, cuda_graphs=True)
+    prompts = [[(i * 7 + j * 13) % 1000 for i in range(40 + 30 * j)] for j in range(3)]
+    graphed = generate(runner, prompts, 12)
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        assert generate(runner, prompts, 12) == graphed
+        pool = runner.pool
+        table = pool.allocator.allocate(pool.blocks_needed(100))
+        runner.prefill(prompts[2], table, 0)
+        seq = [DecodeSeq(5, len(prompts[2]), table)]
+        skinny = runner.decode(seq)[0]
+        ops.SKINNY_GEMV = False
+        try:
+            cublas = runner.decode(seq)[0]
+        finally:
+            ops.SKINNY_GEMV = True
+            pool.allocator.free(table)
+        assert rel_err(skinny, cublas) < 2e-2
+    finally:
+        runner.graphs = graphs
