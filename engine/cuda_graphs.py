@@ -34,15 +34,15 @@ class DecodeGraphs:
         self.max_batch = runner.max_batch_size
         self.buckets = bucket_sizes(self.max_batch, min(min_bucket, self.max_batch))
         dev, n, nb = runner.device, self.max_batch, runner.max_blocks_per_seq
-        # rows: ids, positions, new slots, context lengths; one pinned staging copy of each buffer,
-        # so a step uploads its metadata in two copies
-        self.meta = torch.zeros(4, n, dtype=torch.long, device=dev)
-        self.ids, self.positions, self.slots, self.lens = self.meta.unbind(0)
-        self.tables = torch.zeros(n, nb, dtype=torch.int32, device=dev)
-        self.meta_host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
-        self.tables_host = torch.zeros(n, nb, dtype=torch.int32, pin_memory=True)
-        self._meta_np = self.meta_host.numpy()
-        self._tables_np = self.tables_host.numpy()
+        # One int32 buffer: ids, positions, new slots, context lengths [4, n], then block tables
+        # [n, nb]. A step uploads one contiguous prefix of its pinned twin (a strided or pageable
+        # copy would stage through the driver and cost tens of microseconds of host time).
+        self.staging = torch.zeros(4 * n + n * nb, dtype=torch.int32, device=dev)
+        self.staging_host = torch.zeros(4 * n + n * nb, dtype=torch.int32, pin_memory=True)
+        self.ids, self.positions, self.slots, self.lens = self.staging[:4 * n].view(4, n).unbind(0)
+        self.tables = self.staging[4 * n:].view(n, nb)
+        self._meta_np = self.staging_host[:4 * n].view(4, n).numpy()
+        self._tables_np = self.staging_host[4 * n:].view(n, nb).numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -79,18 +79,16 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         bs = self.runner.layout.block_size
         meta, tables = self._meta_np, self._tables_np
-        width = 1
         for row, s in enumerate(seqs):
             used = s.position // bs + 1
             meta[0, row], meta[1, row] = s.token, s.position
             meta[2, row], meta[3, row] = s.block_table[used - 1] * bs + s.position % bs, s.position + 1
-            tables[row, :used] = s.block_table[:used]
-            width = max(width, used)
+            tables[row, :used] = s.block_table[:used]  # entries past `used` are never read
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
         tables[n:b, 0] = 0
-        # the previous step's copies finished: its tokens were read back before this step began
-        self.meta[:, :b].copy_(self.meta_host[:, :b], non_blocking=True)
-        self.tables[:b, :width].copy_(self.tables_host[:b, :width], non_blocking=True)
+        # the previous step's copy finished: its tokens were read back before this step began
+        upload = self.lens.numel() * 4 + b * self.tables.shape[1]
+        self.staging[:upload].copy_(self.staging_host[:upload], non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]
