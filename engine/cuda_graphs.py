@@ -34,15 +34,16 @@ class DecodeGraphs:
         self.max_batch = runner.max_batch_size
         self.buckets = bucket_sizes(self.max_batch, min(min_bucket, self.max_batch))
         dev, n, nb = runner.device, self.max_batch, runner.max_blocks_per_seq
-        # One int32 buffer: ids, positions, new slots, context lengths [4, n], then block tables
-        # [n, nb]. A step uploads one contiguous prefix of its pinned twin (a strided or pageable
-        # copy would stage through the driver and cost tens of microseconds of host time).
-        self.staging = torch.zeros(4 * n + n * nb, dtype=torch.int32, device=dev)
-        self.staging_host = torch.zeros(4 * n + n * nb, dtype=torch.int32, pin_memory=True)
+        # One int32 buffer: ids, positions, new slots, context lengths [4, n], then the block tables
+        # stored block-major [nb, n]. A step uploads one contiguous prefix of its pinned twin, as
+        # far as the longest table reaches (a strided or pageable copy would stage through the
+        # driver and cost tens of microseconds of host time).
+        self.staging = torch.zeros(4 * n + nb * n, dtype=torch.int32, device=dev)
+        self.staging_host = torch.zeros(4 * n + nb * n, dtype=torch.int32, pin_memory=True)
         self.ids, self.positions, self.slots, self.lens = self.staging[:4 * n].view(4, n).unbind(0)
-        self.tables = self.staging[4 * n:].view(n, nb)
+        self.tables = self.staging[4 * n:].view(nb, n).t()  # [n, nb], strides (1, n)
         self._meta_np = self.staging_host[:4 * n].view(4, n).numpy()
-        self._tables_np = self.staging_host[4 * n:].view(n, nb).numpy()
+        self._tables_np = self.staging_host[4 * n:].view(nb, n).numpy()  # block-major
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -79,16 +80,18 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         bs = self.runner.layout.block_size
         meta, tables = self._meta_np, self._tables_np
+        width = 1
         for row, s in enumerate(seqs):
             used = s.position // bs + 1
             meta[0, row], meta[1, row] = s.token, s.position
             meta[2, row], meta[3, row] = s.block_table[used - 1] * bs + s.position % bs, s.position + 1
-            tables[row, :used] = s.block_table[:used]  # entries past `used` are never read
+            tables[:used, row] = s.block_table[:used]  # entries past `used` are never read
+            width = max(width, used)
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
-        tables[n:b, 0] = 0
+        tables[0, n:b] = 0
         # the previous step's copy finished: its tokens were read back before this step began
-        upload = self.lens.numel() * 4 + b * self.tables.shape[1]
+        upload = self.max_batch * (4 + width)
         self.staging[:upload].copy_(self.staging_host[:upload], non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]
