@@ -31,6 +31,7 @@ class DecodeMeta:
     context_lens: torch.Tensor  # [B] int32, including the new token
     max_context: int            # host-side bound on context_lens (sizes the gather path)
     use_kernel: bool = False    # Triton paged kernel (CUDA only)
+    table_stride: torch.Tensor | None = None  # device scalar: the tables' row stride (packed, graphs)
 
 
 # Whole-prompt prefill on Hopper: cuDNN's attention is the fastest PyTorch has; flash next.
@@ -76,7 +77,7 @@ def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta
         from engine.kernels.paged_decode import paged_decode_attention
 
         return paged_decode_attention(q, pool.layers[layer], meta.block_tables, meta.context_lens,
-                                      pool.layout.block_size)
+                                      pool.layout.block_size, meta.table_stride)
     return gather_decode_attention(q, pool, layer, meta)
 
 

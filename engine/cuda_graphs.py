@@ -34,16 +34,18 @@ class DecodeGraphs:
         self.max_batch = runner.max_batch_size
         self.buckets = bucket_sizes(self.max_batch, min(min_bucket, self.max_batch))
         dev, n, nb = runner.device, self.max_batch, runner.max_blocks_per_seq
-        # One int32 buffer: ids, positions, new slots, context lengths [4, n], then the block tables
-        # stored block-major [nb, n]. A step uploads one contiguous prefix of its pinned twin, as
-        # far as the longest table reaches (a strided or pageable copy would stage through the
-        # driver and cost tens of microseconds of host time).
-        self.staging = torch.zeros(4 * n + nb * n, dtype=torch.int32, device=dev)
-        self.staging_host = torch.zeros(4 * n + nb * n, dtype=torch.int32, pin_memory=True)
+        # One int32 buffer: ids, positions, new slots, context lengths [4, n], the tables' row
+        # length `width`, then the block tables packed row-major [b, width], width being the longest
+        # table of the step. A step uploads one contiguous prefix of its pinned twin (a strided or
+        # pageable copy would stage through the driver and cost tens of microseconds of host time);
+        # the attention kernel reads the row stride from the device.
+        self.staging = torch.zeros(4 * n + 1 + n * nb, dtype=torch.int32, device=dev)
+        self.staging_host = torch.zeros(4 * n + 1 + n * nb, dtype=torch.int32, pin_memory=True)
         self.ids, self.positions, self.slots, self.lens = self.staging[:4 * n].view(4, n).unbind(0)
-        self.tables = self.staging[4 * n:].view(nb, n).t()  # [n, nb], strides (1, n)
-        self._meta_np = self.staging_host[:4 * n].view(4, n).numpy()
-        self._tables_np = self.staging_host[4 * n:].view(nb, n).numpy()  # block-major
+        self.width = self.staging[4 * n:4 * n + 1]
+        self.tables = self.staging[4 * n + 1:].view(n, nb)  # nominal shape; rows are `width` apart
+        self._host = self.staging_host.numpy()
+        self._meta_np = self._host[:4 * n].reshape(4, n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -55,7 +57,8 @@ class DecodeGraphs:
                  time.perf_counter() - started)
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = DecodeMeta(self.slots[:b], self.tables[:b], self.lens[:b], self.runner.max_model_len, use_kernel=True)
+        meta = DecodeMeta(self.slots[:b], self.tables[:b], self.lens[:b], self.runner.max_model_len, use_kernel=True,
+                          table_stride=self.width)
         logits = self.runner.model(self.ids[:b], self.positions[:b], self.runner.pool, meta)
         return logits, logits.argmax(dim=-1)
 
@@ -79,19 +82,21 @@ class DecodeGraphs:
         n = len(seqs)
         b = self.bucket_for(n)
         bs = self.runner.layout.block_size
-        meta, tables = self._meta_np, self._tables_np
-        width = 1
+        meta = self._meta_np
+        width = max(s.position // bs + 1 for s in seqs)
+        off = 4 * self.max_batch
+        self._host[off] = width
+        tables = self._host[off + 1:off + 1 + b * width].reshape(b, width)
         for row, s in enumerate(seqs):
             used = s.position // bs + 1
             meta[0, row], meta[1, row] = s.token, s.position
             meta[2, row], meta[3, row] = s.block_table[used - 1] * bs + s.position % bs, s.position + 1
-            tables[:used, row] = s.block_table[:used]  # entries past `used` are never read
-            width = max(width, used)
+            tables[row, :used] = s.block_table[:used]  # entries past `used` are never read
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
-        tables[0, n:b] = 0
+        tables[n:b, 0] = 0
         # the previous step's copy finished: its tokens were read back before this step began
-        upload = self.max_batch * (4 + width)
+        upload = off + 1 + b * width
         self.staging[:upload].copy_(self.staging_host[:upload], non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]

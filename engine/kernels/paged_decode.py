@@ -16,13 +16,16 @@ TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200
 
 
 @triton.jit
-def _split_kernel(Q, KV, BT, CTX, OUT, ML,
-                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_btc, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
+def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
+                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
                   scale_log2,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  STRIDE_ON_DEVICE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    if STRIDE_ON_DEVICE:  # packed tables whose row length changes step to step (CUDA graphs)
+        s_bt = tl.load(BT_STRIDE)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b)
     split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -39,7 +42,7 @@ def _split_kernel(Q, KV, BT, CTX, OUT, ML,
     for t0 in tl.range(start, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        block = tl.load(BT + b * s_bt + (offs_n // BLOCK_SIZE) * s_btc, mask=valid, other=0)
+        block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
         k = tl.load(base, mask=valid[:, None], other=0.0)
@@ -82,9 +85,11 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 (any strides); context_lens [B]
-    int32 -> [B, H, D]. Shapes only, no host sync: safe inside a CUDA graph."""
+                           context_lens: torch.Tensor, block_size: int,
+                           table_stride: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
+    stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
+    overrides the tables' row stride. Shapes only, no host sync: safe inside a CUDA graph."""
     batch, heads, dim = q.shape
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
@@ -94,12 +99,13 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
     out = torch.empty_like(q)
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
     _split_kernel[(batch, kv_heads, splits)](
-        q, kv_layer, block_tables, context_lens, partial, ml,
+        q, kv_layer, block_tables, table_stride if table_stride is not None else context_lens, context_lens,
+        partial, ml,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), block_tables.stride(0),
-        block_tables.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
+        num_warps=4, num_stages=2)
     _merge_kernel[(batch, heads)](
         partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
         ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4)
