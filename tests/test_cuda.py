@@ -101,6 +101,31 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
 
 
+def test_heads_first_rope_matches_token_major() -> None:
+    """The whole-prompt rope kernel writes the same values as the token-major one, transposed and
+    with K/V repeated per query head, and the same pool entries."""
+    from engine import ops
+    from engine.kernels import fused
+    from engine.model.qwen2 import RotaryTable
+
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    rope = RotaryTable(128, 1e6, 8192)
+    rope.to(dev).reset()
+    tokens = 1000
+    qkv = torch.randn(tokens, (28 + 8) * 128, dtype=torch.bfloat16, device=dev)
+    pos = torch.arange(tokens, device=dev) + 77
+    slots = torch.randperm(3000, device=dev)[:tokens]
+    kv_ref = torch.zeros(2, 3000, 4, 128, dtype=torch.bfloat16, device=dev)
+    kv = torch.zeros_like(kv_ref)
+    q0, k0, v0 = fused.rope_and_store(qkv, pos, rope.cos, rope.sin, kv_ref, slots, 28, 4, 128)
+    q1, k1, v1 = fused.rope_and_store_heads_first(qkv, pos, rope.cos, rope.sin, kv, slots, 28, 4, 128)
+    assert torch.equal(q1, q0.transpose(0, 1))
+    assert torch.equal(k1, ops.expand_kv(k0.transpose(0, 1), 7))
+    assert torch.equal(v1, ops.expand_kv(v0.transpose(0, 1), 7))
+    assert torch.equal(kv, kv_ref)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
 def test_graph_tokens_equal_eager(batch: int) -> None:
     from engine.offline import generate, make_runner

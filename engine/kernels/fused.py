@@ -109,3 +109,71 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         num_warps=1)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
     return q, k, v
+
+
+@triton.jit
+def _rope_store_heads_first_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
+                                   s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
+                                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   BLOCK_T: tl.constexpr):
+    h = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = (t < T)[:, None]
+    t64 = t.to(tl.int64)
+    offs = tl.arange(0, half)[None, :]
+    src = QKV + t64[:, None] * s_qkv + h * HEAD_DIM + offs
+    x1 = tl.load(src, mask=t_ok, other=0.0)
+    x2 = tl.load(src + half, mask=t_ok, other=0.0)
+    slot = tl.load(SLOTS + t, mask=t < T, other=0).to(tl.int64)[:, None]
+    if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
+        kvh = h - NUM_HEADS - NUM_KV_HEADS
+        o1, o2 = x1, x2
+        cache = KV + s_kv_kind + slot * s_kv_slot + kvh * s_kv_head + offs
+        tl.store(cache, o1, mask=t_ok)
+        tl.store(cache + half, o2, mask=t_ok)
+        expanded = V_OUT
+    else:
+        pos = tl.load(POS + t, mask=t < T, other=0).to(tl.int64)[:, None]
+        dt = x1.dtype
+        c1 = tl.load(COS + pos * s_cos + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
+        c2 = tl.load(COS + pos * s_cos + half + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
+        s1 = tl.load(SIN + pos * s_cos + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + pos * s_cos + half + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        # the same rounding as _rope_store_kernel, so both layouts hold the same values
+        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+        kvh = h - NUM_HEADS
+        if h >= NUM_HEADS:
+            cache = KV + slot * s_kv_slot + kvh * s_kv_head + offs
+            tl.store(cache, o1, mask=t_ok)
+            tl.store(cache + half, o2, mask=t_ok)
+        expanded = K_OUT
+    if h < NUM_HEADS:
+        dst = Q_OUT + (h * T + t64[:, None]) * HEAD_DIM + offs
+        tl.store(dst, o1, mask=t_ok)
+        tl.store(dst + half, o2, mask=t_ok)
+    else:  # one copy for each query head this KV head serves
+        for g in tl.static_range(group):
+            dst = expanded + ((kvh * group + g) * T + t64[:, None]) * HEAD_DIM + offs
+            tl.store(dst, o1, mask=t_ok)
+            tl.store(dst + half, o2, mask=t_ok)
+
+
+def rope_and_store_heads_first(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `rope_and_store`, but q, k and v come back heads-first [H, T, D], K and V repeated for
+    every query head of their group: the layout whole-prompt attention reads fastest, written
+    once here instead of transposed and expanded by copies afterwards."""
+    tokens = qkv.shape[0]
+    shape = (num_heads, tokens, head_dim)
+    q, k, v = (torch.empty(shape, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    block_t = 32
+    _rope_store_heads_first_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
+        kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_T=block_t, num_warps=4)
+    return q, k, v
