@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVLayout, KVPool
@@ -25,24 +26,33 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 def keep_freed_memory() -> None:
     """Let glibc reuse freed KV messages instead of handing each back to the kernel: every fresh
-    8 MB message otherwise page-faults in, which halves the gRPC transport's throughput."""
+    8 MB message otherwise page-faults in, which halves the gRPC transport's throughput.
+
+    The trim threshold covers the main heap; the threads' arenas (gRPC's, the executors') unmap
+    each 64 MB sub-heap as soon as it empties, whatever that threshold, unless the top pad is at
+    least a sub-heap."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     libc.mallopt(m_mmap_threshold, 256 << 20)
     libc.mallopt(m_trim_threshold, 4 << 30)
+    libc.mallopt(m_top_pad, 64 << 20)
 
 
 def chunk_tokens_for(layout: KVLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // layout.bytes_per_token_per_layer)
 
 
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of plain integers (numpy has no bfloat16)."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy()
+
+
 def tensor_parts(kv: torch.Tensor) -> list[memoryview]:
     """K then V of a `[2, n, heads, dim]` tensor as views of its memory (copied once, into the message)."""
-    halves = (kv[0].contiguous(), kv[1].contiguous())
-    return [h.view(torch.int16 if h.element_size() == 2 else torch.uint8).numpy().data for h in halves]
+    return [_raw(kv[0].contiguous()).data, _raw(kv[1].contiguous()).data]
 
 
 class ChunkError(ValueError):
@@ -132,7 +142,12 @@ class GrpcKVReceiver:
     def write(self, layer: int, start: int, end: int, data: bytes | memoryview) -> None:
         kv = parse_chunk(self.pool.layout, self.num_tokens, layer, start, end, data)
         first = None if self.first is None else self.first + start
-        self.pool.write(layer, self.slots[start:end], kv.to(self.pool.device, non_blocking=True), first)
+        if first is not None and self.pool.device.type == "cpu":
+            # One memcpy per half on this thread: torch's copy fans out to its intra-op threads,
+            # and runs at half speed while gRPC's threads hold the other cores.
+            np.copyto(_raw(self.pool.layers[layer].narrow(1, first, end - start)), _raw(kv))
+        else:
+            self.pool.write(layer, self.slots[start:end], kv.to(self.pool.device, non_blocking=True), first)
         self.bytes_received += memoryview(data).nbytes
         self._covered[layer] += end - start
 
