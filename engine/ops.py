@@ -51,7 +51,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[..., Hkv, L, D] -> [..., Hkv * groups, L, D], each KV head repeated for its query heads, in
-    one strided copy (about 10x cheaper than repeat_interleave's gather at 32k tokens)."""
+    one strided copy (about half the time of repeat_interleave's gather at 32k tokens)."""
     if groups == 1:
         return x
     *lead, hkv, length, dim = x.shape
