@@ -1,6 +1,11 @@
-"""`python -m bench.load`: the same seeded many-user load against one decode server per GPU,
-colocated against chunked (client.load --compare), recorded with date, hardware, commit and command.
-With one GPU there is one server and the mode is sent per request."""
+"""`python -m bench.load`: the same seeded many-user load against each deployment (client.load
+--compare), recorded with date, hardware, commit and command.
+
+One device: one decode server, colocated against chunked (the mode is sent per request).
+Two devices: the split pair (prefill server on the first, decode server on the second, KV over
+--kv-transport) against one decode server per device, colocated and chunked; every server runs
+at once, each with --kv-cache-gb, and only the deployment under test gets requests.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import metadata, write_json
@@ -19,38 +25,85 @@ LOAD = ("--rate 2 --duration 30 --prompt-len uniform:512:2048 --output-len 128 -
         "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --seed 7")
 
 
+@dataclass
+class Server:
+    module: str
+    port: int
+    args: list[str]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | None,
+           port: int) -> tuple[list[Server], list[str]]:
+    """The servers to start (on ports from `port` up) and the --compare items that address them."""
+    common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset]
+    kv = ["--kv-cache-gb", str(kv_gb)] if kv_gb else []
+    if len(devices) == 1:
+        one = Server("decode_server", port, [*common, *kv, "--device", devices[0], "--mode", "colocated"])
+        return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
+                       f"chunked-2048={one.address}@chunked:2048"]
+    first, second = devices
+    prefill = Server("prefill_server", port + 3, [*common, *kv, "--device", first, "--kv-transport", kv_transport])
+    split = Server("decode_server", port, [*common, *kv, "--device", second, "--mode", "disaggregated",
+                                           "--prefill-addr", prefill.address, "--kv-transport", kv_transport])
+    solo = [Server("decode_server", port + i, [*common, *kv, "--device", dev, "--mode", "colocated"])
+            for i, dev in ((1, first), (2, second))]
+    both = ",".join(s.address for s in solo)
+    return [prefill, split, *solo], [f"split={split.address}@disaggregated", f"colocated={both}@colocated",
+                                     f"chunked-512={both}@chunked:512", f"chunked-2048={both}@chunked:2048"]
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen2.5-7b")
-    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--devices", nargs="+", default=["cuda:0"], help="one or two devices (default: %(default)s)")
+    p.add_argument("--kv-transport", default="auto", help="the split pair's KV transport (two devices)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="each server's KV pool (two devices: default 30, as two servers share each GPU)")
     p.add_argument("--load-args", default=LOAD, help="client.load flags (default: %(default)s)")
-    p.add_argument("--compare", nargs="+", default=["colocated=@colocated", "chunked-512=@chunked:512",
-                                                      "chunked-2048=@chunked:2048"])
+    p.add_argument("--compare", nargs="+", default=None, help="client.load --compare items (default: the layout's)")
+    p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
     p.add_argument("--json", default="bench/results/load-h200.json")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
+    if len(args.devices) not in (1, 2):
+        p.error("--devices takes one or two devices")
+    kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 else None)
+    servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port)
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = start("decode_server", ["--host", "127.0.0.1", "--port", "50071", "--metrics-port", "0", "--preset",
-                                     args.preset, "--device", args.device, "--mode", "colocated"],
-                   logs / "decode.log", env)
+    procs = [start(s.module, [*s.args, "--port", str(s.port)], logs / f"{s.module}-{s.port}.log", env)
+             for s in servers]
     try:
-        wait_ready(server, "127.0.0.1:50071", logs / "decode.log")
+        for server, proc in zip(servers, procs, strict=True):
+            wait_ready(proc, server.address, logs / f"{server.module}-{server.port}.log")
         out = logs / "load.json"
-        cmd = [sys.executable, "-m", "client.load", "--target", "127.0.0.1:50071", "--no-progress", "--json",
-               str(out), *args.load_args.split(), "--compare", *args.compare]
+        cmd = [sys.executable, "-m", "client.load", "--no-progress", "--json", str(out), *args.load_args.split(),
+               "--compare", *(args.compare or compare)]
         if subprocess.run(cmd, env=env).returncode != 0:
-            sys.exit("error: the load run failed; server log in " + str(logs))
+            sys.exit("error: the load run failed; server logs in " + str(logs))
         doc = json.loads(out.read_text())
-        doc.update({**metadata(), "preset": args.preset, "deployment": "one decode server on one GPU, no prefill "
-                    "server; prefill_mode sent per request", "load_command": " ".join(cmd[2:])})
+        deployment = ("one decode server on one device, no prefill server; prefill_mode sent per request"
+                      if len(servers) == 1 else
+                      f"split: prefill server on {args.devices[0]}, decode server on {args.devices[1]} "
+                      f"(KV over {args.kv_transport}); colocated and chunked: one decode server per device, "
+                      "requests spread over both")
+        doc.update({**metadata(), "preset": args.preset, "devices": args.devices, "deployment": deployment,
+                    "servers": [f"python -m {s.module} {' '.join(s.args)} --port {s.port}" for s in servers],
+                    "load_command": " ".join(cmd[2:])})
         write_json(args.json, doc)
         print(f"wrote {args.json}")
     finally:
-        if server.poll() is None:
-            server.terminate()
-            server.wait(60)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            proc.wait(60)
 
 
 if __name__ == "__main__":

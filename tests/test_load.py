@@ -145,3 +145,24 @@ def test_failures_are_counted_by_status_not_raised(pair: tuple[ServerProcess, Se
     assert runs["dead"]["failures"] == {"UNAVAILABLE": planned} and runs["dead"]["completed"] == 0
     assert runs["too-long"]["failures"] == {"INVALID_ARGUMENT": planned}
     assert runs["too-long"]["ttft_ms"]["p50"] is None
+
+
+def test_bench_load_two_device_layout(tmp_path: Path) -> None:
+    """`bench.load --devices A B` starts the split pair and one decode server per device, and sends the
+    same load to each deployment (on the CPU here: the layout and the wiring, not the speed)."""
+    out = tmp_path / "load.json"
+    load_args = ("--rate 4 --duration 1.5 --prompt-len uniform:16:64 --output-len 6 --background-users 1 "
+                 "--long-prompt-frac 0.25 --long-prompt-len 300 --seed 3")
+    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu", "cpu",
+                           "--kv-cache-gb", "0.1", "--port", str(free_port()), "--load-args", load_args,
+                           "--json", str(out), "--logs", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert list(runs) == ["split", "colocated", "chunked-512", "chunked-2048"]
+    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "colocated", "chunked", "chunked"]
+    assert len(runs["split"]["targets"]) == 1 and all(len(runs[n]["targets"]) == 2 for n in list(runs)[1:])
+    for run in runs.values():
+        assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
+    assert doc["devices"] == ["cpu", "cpu"] and len(doc["servers"]) == 4 and doc["commit"]
