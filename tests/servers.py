@@ -23,6 +23,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that are free now."""
+    while True:
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
 class ServerProcess:
     """`python -m <module> --port <free> ...` with its log in `log_dir`; waits for SERVING."""
 

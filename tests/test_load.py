@@ -15,7 +15,7 @@ from client.load import parse_compare
 from client.load_plan import Length, LoadPlan, LoadSpec, build_plan
 from client.load_run import Deployment, Record, RunResult
 from client.load_stats import Slo, summarize
-from tests.servers import ROOT, ServerProcess, free_port
+from tests.servers import ROOT, ServerProcess, free_port, free_port_run
 
 SPEC = LoadSpec(rate=8, duration=2, prompt_len="uniform:16:64", output_len="8", background_users=2,
                 long_prompt_frac=0.25, long_prompt_len=300, seed=1)
@@ -154,7 +154,7 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     load_args = ("--rate 4 --duration 1.5 --prompt-len uniform:16:64 --output-len 6 --background-users 1 "
                  "--long-prompt-frac 0.25 --long-prompt-len 300 --seed 3")
     done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu", "cpu",
-                           "--kv-cache-gb", "0.1", "--port", str(free_port()), "--load-args", load_args,
+                           "--kv-cache-gb", "0.1", "--port", str(free_port_run(4)), "--load-args", load_args,
                            "--json", str(out), "--logs", str(tmp_path / "logs")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
