@@ -3,8 +3,8 @@
 At batch 1-16 a decode step's projections are pure weight streaming. cuBLAS picks split-K
 kernels for the narrower ones (qkv, o_proj), reaching about two thirds of HBM bandwidth and
 adding a reduce kernel; this kernel gives each program a strip of output columns and the whole
-K loop, so one pass reads W once with no reduce. Rows past M are zero padding of the MMA tile:
-a row's result does not depend on how many other rows ride along, nor on the tile chosen for N.
+K loop, so one pass reads W once with no reduce. Rows past M are zero padding of the MMA tile,
+so a row's result does not depend on how many other rows ride along (tested).
 """
 
 from __future__ import annotations
