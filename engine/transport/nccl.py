@@ -4,6 +4,8 @@ Each prefill/decode pair gets its own two-rank `ProcessGroupNCCL`, made when the
 meets (no global `init_process_group`, so any number of servers can pair, across pods and
 nodes): the prefill server hosts one TCPStore; each pairing is a `PrefixStore` in it.
 
+On CPU pools (tests) the same protocol runs over Gloo, with each receive waited on by the host.
+
 Sends and receives of one pair must be posted in the same order on both sides: the prefill side
 numbers its transfers (`TransferStart.sequence`) and the decode side posts its receives in that
 order. A send waits on the prefill stream's pending work, so layer l leaves as soon as its
@@ -13,6 +15,7 @@ polls with a deadline, and a pair that fails is aborted and made anew at the nex
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -47,15 +50,34 @@ def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         time.sleep(0.0002)
 
 
+def wait_work(work: Any, device: torch.device, deadline: float, what: str) -> None:
+    """NCCL works complete on their own (polled, so nothing blocks past the deadline); Gloo's p2p
+    works only progress inside wait()."""
+    if device.type == "cuda":
+        wait_until(work.is_completed, deadline, what)
+        return
+    try:
+        work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    except RuntimeError as e:
+        raise TransferFailed(f"{what} did not finish in time ({e})") from e
+
+
+def _process_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
+    """A two-rank Backend (send/recv take lists of tensors; the typing stubs don't say so)."""
+    timeout = timedelta(seconds=max(60.0, timeout_s * 4))
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
 class NcclPair:
     """One side of a pair's process group."""
 
     def __init__(self, store: dist.Store, group: str, rank: int, device: torch.device, timeout_s: float) -> None:
         self.group, self.rank, self.device, self.timeout_s = group, rank, device, timeout_s
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=max(60.0, timeout_s * 4))
-        # a Backend: send/recv take lists of tensors (the typing stubs don't say so)
-        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2, opts)
+        self.pg = _process_group(dist.PrefixStore(group, store), rank, device, timeout_s)
         self.peer = 1 - rank
         self.lock = threading.Lock()     # posts of one pair never interleave
         self.next_sequence = 0
@@ -63,10 +85,11 @@ class NcclPair:
 
     def warm_up(self) -> None:
         """The first p2p call creates the communicator (both ranks must take part)."""
-        torch.cuda.set_device(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         t = torch.zeros(1, device=self.device)
         work = self.pg.send([t], self.peer, 0) if self.rank == PREFILL_RANK else self.pg.recv([t], self.peer, 0)
-        wait_until(work.is_completed, time.monotonic() + 120, f"NCCL pairing {self.group}")
+        wait_work(work, self.device, time.monotonic() + 120, f"NCCL pairing {self.group}")
 
     def abort(self) -> None:
         self.broken = True
@@ -100,7 +123,7 @@ class NcclKVSender(KVSender):
         deadline = time.monotonic() + self.deadline_s
         try:
             for _, work in self._inflight:
-                wait_until(work.is_completed, deadline, "NCCL send of the KV")
+                wait_work(work, self.pair.device, deadline, "NCCL send of the KV")
         except TransferFailed:
             self.pair.abort()
             raise
@@ -115,8 +138,9 @@ class NcclKVReceiver:
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
         self.slots = pool.slots(block_table, 0, num_tokens)
-        self.stream = torch.cuda.Stream(pool.device)
-        self.done = torch.cuda.Event()
+        cuda = pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(pool.device) if cuda else None
+        self.done = torch.cuda.Event() if cuda else None
         self.posted = False
         self._keep: list[object] = []  # staging buffers and works live until the copy is done
 
@@ -128,19 +152,21 @@ class NcclKVReceiver:
             if pair.broken or pair.next_sequence != sequence:
                 raise TransferFailed(f"NCCL pair {pair.group} is out of step (at {pair.next_sequence}, "
                                      f"transfer {sequence})")
-            torch.cuda.set_device(self.pool.device)
+            if self.stream is not None:
+                torch.cuda.set_device(self.pool.device)
             lay = self.pool.layout
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 for layer in range(lay.num_layers):
                     buf = torch.empty(2, self.num_tokens, lay.num_kv_heads, lay.head_dim, dtype=lay.torch_dtype,
                                       device=self.pool.device)
                     work = pair.pg.recv([buf], pair.peer, 0)
-                    work.wait()  # this stream (not the host, not the engine's stream) waits for it
+                    work.wait()  # CUDA: this stream waits (not the host, not the engine's stream); CPU: the host
                     self.pool.write(layer, self.slots, buf)
                     self._keep += [buf, work]
-                self.done.record(self.stream)
+                if self.done is not None:
+                    self.done.record(self.stream)
             pair.next_sequence += 1
             self.posted = True
 
     def complete(self) -> bool:
-        return self.posted and self.done.query()
+        return self.posted and (self.done is None or self.done.query())

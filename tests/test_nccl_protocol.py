@@ -1,0 +1,116 @@
+"""The NCCL transport's pairing protocol, run over Gloo on CPU pools: a pair made through a prefix of
+one TCPStore, layer-by-layer sends matched by receives in transfer order, the out-of-step and
+aborted cases. (The same classes run NCCL between GPUs; tests/test_cuda_transport.py covers that.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVLayout, KVPool
+from engine.transport.base import TransferCancelled
+from engine.transport.nccl import DECODE_RANK, PREFILL_RANK, NcclKVReceiver, NcclKVSender, NcclPair, TransferFailed
+
+LAYOUT = KVLayout("m", "float32", 3, 2, 8, 4)
+CPU = torch.device("cpu")
+
+
+def in_threads(*calls: Callable[[], object]) -> list[object]:
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture()
+def pairs() -> Iterator[tuple[NcclPair, NcclPair]]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    peer_store = dist.TCPStore("127.0.0.1", store.port, is_master=False, use_libuv=True)
+    prefill, decode = in_threads(lambda: NcclPair(store, "decode-1/1", PREFILL_RANK, CPU, 5.0),
+                                 lambda: NcclPair(peer_store, "decode-1/1", DECODE_RANK, CPU, 5.0))
+    assert isinstance(prefill, NcclPair) and isinstance(decode, NcclPair)
+    in_threads(prefill.warm_up, decode.warm_up)
+    yield prefill, decode
+    prefill.abort()
+    decode.abort()
+
+
+def filled_pool(tokens: int, seed: int) -> tuple[KVPool, list[int]]:
+    pool = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    table = pool.allocator.allocate(pool.blocks_needed(tokens))
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(LAYOUT.num_layers):
+        kv = torch.randn(2, tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim, generator=gen)
+        pool.write(layer, pool.slots(table, 0, tokens), kv)
+    return pool, table
+
+
+def transfer(prefill: NcclPair, decode: NcclPair, src: KVPool, src_table: list[int], dst: KVPool,
+             dst_table: list[int], tokens: int) -> NcclKVReceiver:
+    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, tokens), deadline_s=5.0)
+    receiver = NcclKVReceiver(decode, dst, dst_table, tokens)
+
+    def send() -> None:
+        for layer in range(LAYOUT.num_layers):
+            sender.layer_done(layer)
+        sender.finish()
+
+    in_threads(lambda: receiver.post(sender.sequence, time.monotonic() + 5), send)
+    return receiver
+
+
+def same_kv(a: KVPool, a_table: list[int], b: KVPool, b_table: list[int], tokens: int) -> bool:
+    return all(torch.equal(a.read(layer, a.slots(a_table, 0, tokens)), b.read(layer, b.slots(b_table, 0, tokens)))
+               for layer in range(LAYOUT.num_layers))
+
+
+def test_transfers_arrive_whole_and_in_order(pairs: tuple[NcclPair, NcclPair]) -> None:
+    prefill, decode = pairs
+    dst = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    for seed, tokens in ((1, 21), (2, 5)):  # two transfers: the second is sequence 1 on both sides
+        src, src_table = filled_pool(tokens, seed)
+        dst_table = dst.allocator.allocate(dst.blocks_needed(tokens))
+        receiver = transfer(prefill, decode, src, src_table, dst, dst_table, tokens)
+        assert receiver.complete() and same_kv(src, src_table, dst, dst_table, tokens)
+    assert prefill.next_sequence == decode.next_sequence == 2
+
+
+def test_out_of_step_receive_fails_within_its_deadline(pairs: tuple[NcclPair, NcclPair]) -> None:
+    _, decode = pairs
+    dst = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    receiver = NcclKVReceiver(decode, dst, dst.allocator.allocate(2), 5)
+    started = time.monotonic()
+    with pytest.raises(TransferFailed, match="did not finish in time"):
+        receiver.post(3, time.monotonic() + 0.3)  # transfers 0-2 never came
+    assert time.monotonic() - started < 2 and not receiver.posted
+
+
+def test_aborted_pair_refuses_new_sends_and_receives(pairs: tuple[NcclPair, NcclPair]) -> None:
+    prefill, decode = pairs
+    src, src_table = filled_pool(8, 3)
+    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, 8), deadline_s=1.0)
+    prefill.abort()
+    with pytest.raises(TransferCancelled):
+        sender.layer_done(0)
+    decode.abort()
+    dst = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    with pytest.raises(TransferFailed, match="out of step"):
+        NcclKVReceiver(decode, dst, dst.allocator.allocate(2), 8).post(0, time.monotonic() + 1)
