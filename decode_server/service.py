@@ -29,7 +29,7 @@ from decode_server.config import DecodeConfig
 from decode_server.engine import DecodeEngine
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.sequence import ErrorEvent, Event, Sequence, TokenEvent
-from engine.grpc_common import StatusError
+from engine.grpc_common import StatusError, deadline_passed
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
@@ -238,7 +238,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             status = e.code.name
             await context.abort(e.code, str(e))
         except (asyncio.CancelledError, GeneratorExit):
-            status = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+            status = "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
             raise
         except Exception as e:
             status = "INTERNAL"
@@ -348,16 +348,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             "prefill_s": round(t.prefill_s, 6), "kv_transfer_s": round(t.kv_transfer_s, 6),
             "ttft_s": round(t.first_token - t.arrival, 6) if t.first_token else None,
             "e2e_s": round(time.perf_counter() - t.arrival, 6)}))
-
-
-# The client's deadline fires first and cancels the call; the server's copy of it started when the
-# request arrived, so it runs out a transit time later.
-DEADLINE_SLACK_S = 0.1
-
-
-def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 def add_to_server(service: DecodeService, server: grpc.aio.Server) -> None:

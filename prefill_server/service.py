@@ -13,6 +13,7 @@ import grpc
 import torch
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
 
+from engine.grpc_common import deadline_passed
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -153,7 +154,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     metrics.KV_STREAMED_BYTES.inc(kv_payload_bytes(item))
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
-            status = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+            status = "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
             raise
         finally:
             job.cancelled.set()  # the worker frees the blocks once it lets go of them
@@ -189,8 +190,3 @@ def advertised_host(cfg: PrefillConfig) -> str:
     if cfg.host in ("0.0.0.0", "::", ""):
         return socket.gethostbyname(socket.gethostname())
     return cfg.host
-
-
-def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0
