@@ -12,10 +12,9 @@ import threading
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
+from engine.kv_cache import KVLayout, KVPool, raw_view
 from engine.transport.base import KVSender
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -45,14 +44,9 @@ def chunk_tokens_for(layout: KVLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -
     return max(1, chunk_bytes // layout.bytes_per_token_per_layer)
 
 
-def _raw(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as a numpy array of plain integers (numpy has no bfloat16)."""
-    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy()
-
-
 def tensor_parts(kv: torch.Tensor) -> list[memoryview]:
     """K then V of a `[2, n, heads, dim]` tensor as views of its memory (copied once, into the message)."""
-    return [_raw(kv[0].contiguous()).data, _raw(kv[1].contiguous()).data]
+    return [raw_view(kv[0].contiguous()).data, raw_view(kv[1].contiguous()).data]
 
 
 class ChunkError(ValueError):
@@ -142,12 +136,7 @@ class GrpcKVReceiver:
     def write(self, layer: int, start: int, end: int, data: bytes | memoryview) -> None:
         kv = parse_chunk(self.pool.layout, self.num_tokens, layer, start, end, data)
         first = None if self.first is None else self.first + start
-        if first is not None and self.pool.device.type == "cpu":
-            # One memcpy per half on this thread: torch's copy fans out to its intra-op threads,
-            # and runs at half speed while gRPC's threads hold the other cores.
-            np.copyto(_raw(self.pool.layers[layer].narrow(1, first, end - start)), _raw(kv))
-        else:
-            self.pool.write(layer, self.slots[start:end], kv.to(self.pool.device, non_blocking=True), first)
+        self.pool.write(layer, self.slots[start:end], kv.to(self.pool.device, non_blocking=True), first)
         self.bytes_received += memoryview(data).nbytes
         self._covered[layer] += end - start
 
