@@ -11,6 +11,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -69,40 +71,41 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
             pool.allocator.free(t)
 
 
+@contextmanager
+def prefill_prompt(runner: ModelRunner, length: int) -> Iterator[tuple[list[int], list[int]]]:
+    """A random prompt of `length` tokens and a block table for it, freed afterwards."""
+    pool = runner.pool
+    table = pool.allocator.allocate(pool.blocks_needed(length))
+    try:
+        yield torch.randint(0, runner.config.vocab_size, (length,)).tolist(), table
+    finally:
+        pool.allocator.free(table)
+
+
 def profile_prefill(runner: ModelRunner, length: int) -> None:
     """Where one prefill's GPU time goes, kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
-    pool = runner.pool
-    table = pool.allocator.allocate(pool.blocks_needed(length))
-    prompt = torch.randint(0, runner.config.vocab_size, (length,)).tolist()
-    try:
+    with prefill_prompt(runner, length) as (prompt, table):
         runner.prefill(prompt, table, 0)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.prefill(prompt, table, 0)
             torch.cuda.synchronize()
-        print(f"--- prefill profile, {length} tokens ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-    finally:
-        pool.allocator.free(table)
+    print(f"--- prefill profile, {length} tokens ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def prefill_ms(runner: ModelRunner, length: int) -> float:
-    pool = runner.pool
-    table = pool.allocator.allocate(pool.blocks_needed(length))
-    prompt = torch.randint(0, runner.config.vocab_size, (length,)).tolist()
-    try:
-        times = []
+    times = []
+    with prefill_prompt(runner, length) as (prompt, table):
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             runner.prefill(prompt, table, 0)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-        return min(times[1:])
-    finally:
-        pool.allocator.free(table)
+    return min(times[1:])
 
 
 def prefill_flops(runner: ModelRunner, n: int) -> float:
