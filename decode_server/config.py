@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from engine.server_config import ServerConfig, opt
+from engine.server_config import ServerConfig, env_number, opt
 
 MODES = ("disaggregated", "colocated", "chunked")
 
@@ -52,11 +51,4 @@ class DecodeFaults:
 
     @classmethod
     def from_env(cls) -> DecodeFaults:
-        raw = os.environ.get(ENV_FAULT_ENGINE_DIE_AFTER_STEPS, "").strip()
-        if not raw:
-            return cls()
-        try:
-            steps = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_FAULT_ENGINE_DIE_AFTER_STEPS} must be a number of steps, got {raw!r}") from None
-        return cls(engine_die_after_steps=steps)
+        return cls(engine_die_after_steps=env_number(ENV_FAULT_ENGINE_DIE_AFTER_STEPS, int, "a number of steps"))

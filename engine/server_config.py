@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.presets import PRESETS
 
 KV_TRANSPORTS = ("auto", "grpc", "nccl", "cuda-ipc")
+
+
+N = TypeVar("N", int, float)
+
+
+def env_number(name: str, convert: Callable[[str], N], unit: str) -> N | None:
+    """The number in $name (fault injection), None when unset or blank; one line naming it otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return convert(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {unit}, got {raw!r}") from None
 
 
 def opt(help_text: str, **extra: object) -> dict[str, object]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from engine.server_config import ServerConfig, opt
+from engine.server_config import ServerConfig, env_number, opt
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,9 @@ class PrefillFaults:
 
     @classmethod
     def from_env(cls) -> PrefillFaults:
-        raw = os.environ.get(ENV_FAULT_LAYER_DELAY_S, "").strip()
-        if not raw:
+        delay = env_number(ENV_FAULT_LAYER_DELAY_S, float, "seconds")
+        if delay is None:
             return cls()
-        try:
-            delay = float(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_FAULT_LAYER_DELAY_S} must be seconds, got {raw!r}") from None
         if not 0 <= delay <= 60:
             raise ValueError(f"{ENV_FAULT_LAYER_DELAY_S} must be in [0, 60] seconds, got {delay}")
         return cls(layer_delay_s=delay)
