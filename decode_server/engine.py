@@ -39,6 +39,7 @@ class DecodeEngine:
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
         self._stop = threading.Event()
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
         self.failed: BaseException | None = None
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
@@ -47,7 +48,9 @@ class DecodeEngine:
 
     # --- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; returns once it is ready to run requests."""
         self._thread.start()
+        self._ready.wait()
 
     def stop(self) -> None:
         self._stop.set()
@@ -73,7 +76,10 @@ class DecodeEngine:
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            self.runner.bind_thread()
+            try:
+                self.runner.prepare_engine_thread()
+            finally:
+                self._ready.set()
             while not self._stop.is_set():
                 self.step()
         except BaseException as e:  # the engine is gone: health must say so and the process exit

@@ -19,6 +19,18 @@ from engine.kv_cache import KVPool
 from engine.ops import expand_kv
 
 
+def attention_rows(tokens: int, device: torch.device) -> int:
+    """Rows a whole prompt's attention runs on. cuDNN builds an execution plan for every new shape
+    (50-60 ms on an H200, `bench.attention --new-lengths`), so on CUDA prompts are padded to one of
+    eight lengths per octave (at most 12.5% more rows; powers of two exactly): a server meets a
+    bounded set of shapes and builds their plans once (`prepare_prefill_plans`). Causal attention
+    leaves the real rows untouched by the zero rows after them."""
+    if device.type != "cuda":
+        return tokens
+    step = max(16, 1 << max(0, (tokens - 1).bit_length() - 4))
+    return -(-tokens // step) * step
+
+
 @dataclass
 class PrefillMeta:
     new_slots: torch.Tensor            # [T] long: where the chunk's KV goes
@@ -26,8 +38,12 @@ class PrefillMeta:
 
     @property
     def whole_prompt(self) -> bool:
-        """No cached prefix: attention takes q, k, v heads-first with K/V expanded (ops.rope_and_store)."""
+        """No cached prefix: attention takes q, k, v padded to `rows` (ops.rope_and_store)."""
         return self.prior_slots is None or self.prior_slots.numel() == 0
+
+    @property
+    def rows(self) -> int:
+        return attention_rows(self.new_slots.numel(), self.new_slots.device)
 
 
 @dataclass
@@ -47,17 +63,12 @@ _PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDP
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
                       meta: PrefillMeta) -> torch.Tensor:
-    """Causal attention of a prefill chunk -> [T, H, D]. A whole prompt comes heads-first with K/V
-    expanded (q, k, v [H, T, D]: cuDNN runs faster on expanded heads than on its own GQA path,
-    `bench.attention`); a chunk after a cached prefix comes token-major (q [T, H, D], k/v [T, Hkv, D])."""
+    """Causal attention of a prefill chunk (q [T, H, D], k/v [T, Hkv, D]) -> [T, H, D]. A whole
+    prompt comes padded to `meta.rows` and runs token-major with grouped KV heads as they are
+    (cuDNN's fastest layout at this shape, `bench.attention --new-lengths`); a chunk after a cached
+    prefix reads the prefix from the pool."""
     if meta.whole_prompt:
-        qh, kh, vh = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        if qh.is_cuda:
-            with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
-                out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        return out.squeeze(0).transpose(0, 1)
+        return whole_prompt_attention(q, k, v)[:meta.new_slots.numel()]
     cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
     k = torch.cat((cached[0], k))
     v = torch.cat((cached[1], v))
@@ -67,6 +78,32 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     vh = expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qh.shape[2], kh.shape[2]))
     return out.squeeze(0).transpose(0, 1)
+
+
+def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]."""
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views of [T, H, D]
+    if qh.is_cuda:
+        with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device, max_tokens: int) -> int:
+    """Build cuDNN's plan for every whole-prompt length bucket up to `max_tokens` on this thread
+    (PyTorch caches cuDNN plans per thread); returns how many."""
+    if device.type != "cuda":
+        return 0
+    buckets = sorted({attention_rows(n, device) for n in range(1, max_tokens + 1)})
+    for rows in buckets:
+        q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        whole_prompt_attention(q, kv, kv)
+    torch.cuda.synchronize(device)
+    return len(buckets)
 
 
 def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:

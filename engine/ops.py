@@ -65,19 +65,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int, heads_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   head_dim: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (H + 2 Hkv) D], rotate q and k, write k and v into the pool layer at `slots`.
-    Returns q [T, H, D], k and v [T, Hkv, D]; with `heads_first`, q, k and v [H, T, D] with K and V
-    repeated for each query head of their group (what whole-prompt attention reads)."""
-    if heads_first:
-        if _fast(qkv):
-            return _fused.rope_and_store_heads_first(qkv, positions, cos, sin, kv_layer, slots, num_heads,
-                                                     num_kv_heads, head_dim)
-        q, k, v = rope_and_store(qkv, positions, cos, sin, kv_layer, slots, num_heads, num_kv_heads, head_dim)
-        groups = num_heads // num_kv_heads
-        return q.transpose(0, 1), expand_kv(k.transpose(0, 1), groups), expand_kv(v.transpose(0, 1), groups)
+    Returns q [T, H, D], k and v [T, Hkv, D]; with `rows` (>= T), [rows, ...] with zeros past T
+    (what padded whole-prompt attention reads)."""
     if _fast(qkv):
-        return _fused.rope_and_store(qkv, positions, cos, sin, kv_layer, slots, num_heads, num_kv_heads, head_dim)
+        return _fused.rope_and_store(qkv, positions, cos, sin, kv_layer, slots, num_heads, num_kv_heads, head_dim,
+                                     rows)
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].view(t, num_heads, head_dim)
@@ -87,4 +81,6 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     s = sin[positions].to(q.dtype).unsqueeze(1)
     q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     kv_layer.index_copy_(1, slots, torch.stack((k, v)))
+    if rows is not None and rows > t:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, rows - t)) for x in (q, k, v))
     return q, k, v

@@ -7,12 +7,13 @@ runs eagerly. Everything here runs on one thread (the engine's), never on the ev
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention import DecodeMeta, PrefillMeta
+from engine.attention import DecodeMeta, PrefillMeta, prepare_prefill_plans
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import LoadedModel
 
@@ -72,6 +73,19 @@ class ModelRunner:
         """Make this thread's current CUDA device the runner's (Triton launches on the current one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    def prepare_engine_thread(self) -> None:
+        """Bind this thread and build cuDNN's attention plan for every prompt-length bucket on it, so
+        no request waits for one (PyTorch keeps cuDNN plans per thread)."""
+        self.bind_thread()
+        if self.device.type != "cuda":
+            return
+        cfg = self.config
+        started = time.perf_counter()
+        n = prepare_prefill_plans(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+                                  self.max_model_len)
+        log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
+                 self.max_model_len, time.perf_counter() - started)
 
     def prefill(self, token_ids: list[int], block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:

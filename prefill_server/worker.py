@@ -46,10 +46,13 @@ class PrefillWorker:
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
         self.failed = threading.Event()
+        self._ready = threading.Event()
         self.busy = 0
 
     def start(self) -> None:
+        """Start the engine thread; returns once it is ready to run jobs."""
         self._thread.start()
+        self._ready.wait()
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -64,7 +67,10 @@ class PrefillWorker:
         metrics.REQUESTS_WAITING.set(self._jobs.qsize())
 
     def _loop(self) -> None:
-        self.runner.bind_thread()
+        try:
+            self.runner.prepare_engine_thread()
+        finally:
+            self._ready.set()
         while (job := self._jobs.get()) is not None:
             metrics.REQUESTS_WAITING.set(self._jobs.qsize())
             self.busy = 1

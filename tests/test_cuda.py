@@ -101,10 +101,9 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
 
 
-def test_heads_first_rope_matches_token_major() -> None:
-    """The whole-prompt rope kernel writes the same values as the token-major one, transposed and
-    with K/V repeated per query head, and the same pool entries."""
-    from engine import ops
+def test_padded_rope_matches_unpadded() -> None:
+    """The whole-prompt rope kernel's padded q, k, v hold the unpadded values, zeros after them, and
+    write the same pool entries."""
     from engine.kernels import fused
     from engine.model.qwen2 import RotaryTable
 
@@ -112,18 +111,38 @@ def test_heads_first_rope_matches_token_major() -> None:
     dev = torch.device("cuda")
     rope = RotaryTable(128, 1e6, 8192)
     rope.to(dev).reset()
-    tokens = 1000
+    tokens, rows = 1000, 1024
     qkv = torch.randn(tokens, (28 + 8) * 128, dtype=torch.bfloat16, device=dev)
     pos = torch.arange(tokens, device=dev) + 77
     slots = torch.randperm(3000, device=dev)[:tokens]
     kv_ref = torch.zeros(2, 3000, 4, 128, dtype=torch.bfloat16, device=dev)
     kv = torch.zeros_like(kv_ref)
     q0, k0, v0 = fused.rope_and_store(qkv, pos, rope.cos, rope.sin, kv_ref, slots, 28, 4, 128)
-    q1, k1, v1 = fused.rope_and_store_heads_first(qkv, pos, rope.cos, rope.sin, kv, slots, 28, 4, 128)
-    assert torch.equal(q1, q0.transpose(0, 1))
-    assert torch.equal(k1, ops.expand_kv(k0.transpose(0, 1), 7))
-    assert torch.equal(v1, ops.expand_kv(v0.transpose(0, 1), 7))
+    padded = fused.rope_and_store(qkv, pos, rope.cos, rope.sin, kv, slots, 28, 4, 128, rows)
+    for got, want in zip(padded, (q0, k0, v0), strict=True):
+        assert got.shape[0] == rows and torch.equal(got[:tokens], want)
+        assert not got[tokens:].any()
     assert torch.equal(kv, kv_ref)
+
+
+def test_padded_prefill_matches_unpadded() -> None:
+    """cuDNN on a prompt padded to its bucket gives the real rows what it gives the bare prompt, to
+    bf16 rounding (7B head shape)."""
+    from engine.attention import attention_rows, whole_prompt_attention
+
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    tokens = 1000
+    rows = attention_rows(tokens, dev)
+    assert rows > tokens
+    q = torch.randn(rows, 28, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(rows, 4, 128, dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    for t in (q, k, v):
+        t[tokens:] = 0
+    full = whole_prompt_attention(q, k, v)[:tokens]
+    exact = whole_prompt_attention(q[:tokens].contiguous(), k[:tokens].contiguous(), v[:tokens].contiguous())
+    assert (full.float() - exact.float()).abs().max() < 2e-2
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])

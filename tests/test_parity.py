@@ -34,3 +34,27 @@ def test_batched_and_chunked_match_single(tiny_checkpoint: Path) -> None:
     assert generate(runner, PROMPTS, 24) == singles
     assert [generate(runner, [p], 24, chunk_size=16)[0] for p in PROMPTS] == singles
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
+
+
+def test_attention_rows_bucket_prompts_on_cuda() -> None:
+    """Whole-prompt attention pads CUDA prompts to a bounded set of lengths (cuDNN plans per shape),
+    wasting at most an eighth past 256 tokens, powers of two exactly; CPU prompts stay as they are."""
+    from engine.attention import attention_rows
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    rows = [attention_rows(n, cuda) for n in range(1, 32769)]
+    assert all(r >= n for n, r in enumerate(rows, 1))
+    assert all(r <= n * 1.125 for n, r in enumerate(rows, 1) if n >= 256)
+    assert all(attention_rows(1 << e, cuda) == 1 << e for e in range(4, 17))
+    assert len(set(rows)) <= 80
+    assert all(attention_rows(n, cpu) == n for n in (1, 1000, 32769))
+
+
+def test_paddedwhole_prompt_attention_matches_unpadded() -> None:
+    """Zero rows after a prompt change nothing before them under the causal mask."""
+    from engine.attention import whole_prompt_attention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(37, 4, 16), torch.randn(37, 2, 16), torch.randn(37, 2, 16)
+    pad = [torch.cat((t, torch.zeros(11, *t.shape[1:]))) for t in (q, k, v)]
+    assert torch.allclose(whole_prompt_attention(*pad)[:37], whole_prompt_attention(q, k, v), atol=1e-6)

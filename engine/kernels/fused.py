@@ -56,9 +56,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, KV, SLOTS,
+def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS,
                        s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
-                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       WRITE_V: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -68,9 +69,14 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, KV, SLOTS,
     slot = tl.load(SLOTS + t).to(tl.int64)
     if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
         x2 = tl.load(src + half + offs)
-        dst = KV + s_kv_kind + slot * s_kv_slot + (h - NUM_HEADS - NUM_KV_HEADS) * s_kv_head
+        vh = h - NUM_HEADS - NUM_KV_HEADS
+        dst = KV + s_kv_kind + slot * s_kv_slot + vh * s_kv_head
         tl.store(dst + offs, x1)
         tl.store(dst + half + offs, x2)
+        if WRITE_V:
+            out = V_OUT + (t * NUM_KV_HEADS + vh) * HEAD_DIM
+            tl.store(out + offs, x1)
+            tl.store(out + half + offs, x2)
     else:
         x2 = tl.load(src + half + offs)
         pos = tl.load(POS + t).to(tl.int64)
@@ -97,83 +103,21 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, KV, SLOTS,
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   head_dim: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) D] -> rotated q [T, H, D], k [T, Hkv, D], and v (a view); K and V are
-    also written into the pool layer at `slots`."""
+    also written into the pool layer at `slots`. With `rows` (>= T), q, k and v are [rows, ...]
+    buffers whose rows past T are zero (padded whole-prompt attention, `engine.attention`)."""
     tokens = qkv.shape[0]
-    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
-        qkv, positions, cos, sin, q, k, kv_layer, slots, qkv.stride(0), kv_layer.stride(0), kv_layer.stride(1),
-        kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        num_warps=1)
+    n = tokens if rows is None else rows
+    q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
-    return q, k, v
-
-
-@triton.jit
-def _rope_store_heads_first_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
-                                   s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
-                                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   BLOCK_T: tl.constexpr):
-    h = tl.program_id(1)
-    half: tl.constexpr = HEAD_DIM // 2
-    group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = (t < T)[:, None]
-    t64 = t.to(tl.int64)
-    offs = tl.arange(0, half)[None, :]
-    src = QKV + t64[:, None] * s_qkv + h * HEAD_DIM + offs
-    x1 = tl.load(src, mask=t_ok, other=0.0)
-    x2 = tl.load(src + half, mask=t_ok, other=0.0)
-    slot = tl.load(SLOTS + t, mask=t < T, other=0).to(tl.int64)[:, None]
-    if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
-        kvh = h - NUM_HEADS - NUM_KV_HEADS
-        o1, o2 = x1, x2
-        cache = KV + s_kv_kind + slot * s_kv_slot + kvh * s_kv_head + offs
-        tl.store(cache, o1, mask=t_ok)
-        tl.store(cache + half, o2, mask=t_ok)
-        expanded = V_OUT
-    else:
-        pos = tl.load(POS + t, mask=t < T, other=0).to(tl.int64)[:, None]
-        dt = x1.dtype
-        c1 = tl.load(COS + pos * s_cos + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
-        c2 = tl.load(COS + pos * s_cos + half + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
-        s1 = tl.load(SIN + pos * s_cos + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
-        s2 = tl.load(SIN + pos * s_cos + half + offs, mask=t_ok, other=0.0).to(dt).to(tl.float32)
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # the same rounding as _rope_store_kernel, so both layouts hold the same values
-        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
-        kvh = h - NUM_HEADS
-        if h >= NUM_HEADS:
-            cache = KV + slot * s_kv_slot + kvh * s_kv_head + offs
-            tl.store(cache, o1, mask=t_ok)
-            tl.store(cache + half, o2, mask=t_ok)
-        expanded = K_OUT
-    if h < NUM_HEADS:
-        dst = Q_OUT + (h * T + t64[:, None]) * HEAD_DIM + offs
-        tl.store(dst, o1, mask=t_ok)
-        tl.store(dst + half, o2, mask=t_ok)
-    else:  # one copy for each query head this KV head serves
-        for g in tl.static_range(group):
-            dst = expanded + ((kvh * group + g) * T + t64[:, None]) * HEAD_DIM + offs
-            tl.store(dst, o1, mask=t_ok)
-            tl.store(dst + half, o2, mask=t_ok)
-
-
-def rope_and_store_heads_first(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                               kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As `rope_and_store`, but q, k and v come back heads-first [H, T, D], K and V repeated for
-    every query head of their group: the layout whole-prompt attention reads fastest, written
-    once here instead of transposed and expanded by copies afterwards."""
-    tokens = qkv.shape[0]
-    shape = (num_heads, tokens, head_dim)
-    q, k, v = (torch.empty(shape, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
-    block_t = 32
-    _rope_store_heads_first_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
-        qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
-        kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_T=block_t, num_warps=4)
+    if rows is not None:
+        v = torch.empty_like(k)
+        for t in (q, k, v):
+            t[tokens:].zero_()
+    _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, q, k, v, kv_layer, slots, qkv.stride(0), kv_layer.stride(0), kv_layer.stride(1),
+        kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        WRITE_V=rows is not None, num_warps=1)
     return q, k, v

@@ -66,9 +66,9 @@ class DecoderLayer(nn.Module):
                 pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output still to be added to it)."""
         h, x = self.input_norm(x, delta)
-        whole_prompt = isinstance(meta, PrefillMeta) and meta.whole_prompt
+        rows = meta.rows if isinstance(meta, PrefillMeta) and meta.whole_prompt else None
         q, k, v = ops.rope_and_store(ops.linear(h, self.qkv), positions, rope.cos, rope.sin, pool.layers[layer],
-                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, whole_prompt)
+                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
         if isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
