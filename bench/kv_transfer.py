@@ -3,11 +3,13 @@ decode side, and whether it arrives bit for bit.
 
 --mode servers (GPU): real prefill and decode server processes with `--kv-transport T`; a
 prompt of --tokens is prefilled remotely (PD_VERIFY_KV=1 checksums every handoff); the figures
-are the decode server's own (ServerTiming): handoff time beyond the prefill compute, and the
-part exposed after the prefill's last layer.
---mode endpoints (any machine; grpc only): the transport's real endpoints without a model: a
-subprocess streams a KV pool of the preset's layout, filled with random values, through
-GrpcKVSender over gRPC on loopback, into GrpcKVReceiver and a pool here.
+are the decode server's own (ServerTiming): handoff time beyond the prefill's compute (and its
+checksums), and the part exposed after the prefill's last layer.
+--mode endpoints: the transport's real endpoints without a model, the whole KV moved with nothing
+to hide it under. grpc (any machine): a subprocess streams a KV pool of the preset's layout,
+filled with random values, through GrpcKVSender over gRPC on loopback, into GrpcKVReceiver and a
+pool here. nccl, cuda-ipc (two GPUs): `bench.kv_endpoints_gpu`.
+Several --transport and --mode values run one after another into one --json.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -121,12 +124,12 @@ def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         proc.wait(10)
 
 
-def servers_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "PD_VERIFY_KV": "1"}
-    common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", args.transport, "--metrics-port",
+    common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", transport, "--metrics-port",
               "0", "--max-model-len", str(args.tokens + 64)]
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    logs = args.logs or tempfile.mkdtemp()
+    logs = str(Path(args.logs) / transport) if args.logs else tempfile.mkdtemp()
     prefill = start("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"],
                     _path(logs, "prefill.log"), env)
     decode = None
@@ -144,9 +147,7 @@ def servers_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 proc.wait(60)
 
 
-def _path(folder: str, name: str) -> Any:
-    from pathlib import Path
-
+def _path(folder: str, name: str) -> Path:
     Path(folder).mkdir(parents=True, exist_ok=True)
     return Path(folder) / name
 
@@ -179,8 +180,8 @@ async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transport", default="grpc", choices=["grpc", "nccl", "cuda-ipc"])
-    p.add_argument("--mode", choices=["servers", "endpoints"], default=None,
+    p.add_argument("--transport", nargs="+", default=["grpc"], choices=["grpc", "nccl", "cuda-ipc"])
+    p.add_argument("--mode", nargs="+", choices=["servers", "endpoints"], default=None,
                    help="default: servers with a GPU, endpoints without")
     p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=32768)
@@ -193,10 +194,17 @@ def main() -> None:
     if args.serve_endpoint:
         asyncio.run(serve_endpoint(args.serve_endpoint, args.preset, args.tokens))
         return
-    mode = args.mode or ("servers" if torch.cuda.is_available() else "endpoints")
-    if mode == "endpoints" and args.transport != "grpc":
-        sys.exit("error: --mode endpoints measures the grpc transport; nccl and cuda-ipc need --mode servers")
-    rows = endpoints_rows(args) if mode == "endpoints" else servers_rows(args)
+    rows = []
+    for mode in args.mode or ["servers" if torch.cuda.is_available() else "endpoints"]:
+        for transport in args.transport:
+            if mode == "servers":
+                rows += servers_rows(args, transport)
+            elif transport == "grpc":
+                rows += endpoints_rows(args)
+            else:
+                from bench import kv_endpoints_gpu
+
+                rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats)
     if args.json:
         write_json(args.json, {**metadata(), "preset": args.preset, "rows": rows})
         print(f"wrote {args.json}")

@@ -22,7 +22,7 @@ MODE_ENUM = {
     "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
     "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
 }
-SERVER_TIMING = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s")
+SERVER_TIMING = ("queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "first_token_s")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class RemotePrefill:
     kv_exposed_s: float
     kv_bytes: int
     transport: str
+    queue_s: float  # behind other prompts on the prefill server
 
 
 class PrefillPeer:
@@ -213,15 +214,17 @@ class PrefillRouter:
             if done is None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
             await handoff.wait_complete(deadline)
-            exposed = done.kv_send_s + (time.monotonic() - done_at)
+            # the handoff: all the time here that was not the prefill's queue, compute or checksum
+            now = time.monotonic()
+            exposed = done.kv_send_s + (now - done_at) - done.checksum_s
+            handoff_s = now - (deadline - self.timeout_s) - done.queue_s - done.prefill_s - done.checksum_s
             if VERIFY_KV:
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, done.kv_checksum)
             failed = False
             if transport == "cuda-ipc":
                 asyncio.ensure_future(self._release_ipc(peer, request_id))
-            total = time.monotonic() - (deadline - self.timeout_s)
-            return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, total - done.prefill_s), exposed,
-                                 handoff.bytes, transport)
+            return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, handoff_s), max(0.0, exposed),
+                                 handoff.bytes, transport, done.queue_s)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()

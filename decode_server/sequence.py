@@ -34,6 +34,7 @@ Event = TokenEvent | ErrorEvent
 class Timing:
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0
+    prefill_queue_s: float = 0.0  # behind other prompts on the prefill server
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     kv_exposed_s: float = 0.0   # KV handoff time after the prefill's last layer finished

@@ -282,7 +282,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     queue_s=timing.admitted - timing.arrival, prefill_s=timing.prefill_s,
                     kv_transfer_s=timing.kv_transfer_s, first_token_s=timing.first_token - timing.arrival,
                     decode_step_s=event.step_s, since_arrival_s=now - timing.arrival, kv_bytes=timing.kv_bytes,
-                    kv_exposed_s=timing.kv_exposed_s, kv_transport=timing.kv_transport))
+                    kv_exposed_s=timing.kv_exposed_s, kv_transport=timing.kv_transport,
+                    prefill_queue_s=timing.prefill_queue_s))
             if event.finish_reason:
                 metrics.E2E.observe(now - timing.arrival)
                 metrics.REQUEST_SUCCESS.labels(event.finish_reason).inc()
@@ -315,6 +316,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         finally:
             self.remote_prefills -= 1
         timing.prefill_s, timing.kv_transfer_s = remote.prefill_s, remote.kv_transfer_s
+        timing.prefill_queue_s = remote.queue_s
         timing.kv_exposed_s, timing.kv_bytes, timing.kv_transport = remote.kv_exposed_s, remote.kv_bytes, \
             remote.transport
         metrics.PREFILL_SECONDS.observe(remote.prefill_s)
@@ -345,7 +347,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             "event": "request_finished", "request_id": seq.request_id, "status": status,
             "finish_reason": seq.finish_reason, "mode": seq.mode, "prompt_tokens": len(seq.prompt),
             "output_tokens": len(seq.output), "queue_s": round(max(0.0, t.admitted - t.arrival), 6),
-            "prefill_s": round(t.prefill_s, 6), "kv_transfer_s": round(t.kv_transfer_s, 6),
+            "prefill_queue_s": round(t.prefill_queue_s, 6), "prefill_s": round(t.prefill_s, 6),
+            "kv_transfer_s": round(t.kv_transfer_s, 6), "kv_exposed_s": round(t.kv_exposed_s, 6),
             "ttft_s": round(t.first_token - t.arrival, 6) if t.first_token else None,
             "e2e_s": round(time.perf_counter() - t.arrival, 6)}))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from engine.transport.grpc_wire import encode_kv
 from prefill_server import metrics
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
 Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
 
@@ -38,6 +40,7 @@ class PrefillJob:
     hold_blocks: Callable[[PrefillJob], None] | None = None
     verify_kv: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 class PrefillWorker:
@@ -102,6 +105,7 @@ class PrefillWorker:
                             lambda *chunk: job.emit(encode_kv(*chunk)))
 
     def _run(self, job: PrefillJob) -> None:
+        dequeued = time.perf_counter()
         if job.cancelled.is_set():
             raise TransferCancelled
         runner = self.runner
@@ -125,10 +129,17 @@ class PrefillWorker:
             raise TransferCancelled
         kv_bytes = n * runner.layout.bytes_per_token
         checksum = runner.pool.checksum(runner.pool.slots(job.block_table, 0, n)) if job.verify_kv else 0
+        checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
-                                       kv_bytes=kv_bytes, kv_checksum=checksum)
+                                       kv_bytes=kv_bytes, kv_checksum=checksum, queue_s=dequeued - job.submitted,
+                                       checksum_s=checked - sent)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)
+        request_log.info(json.dumps({
+            "event": "prefill_finished", "request_id": job.request_id, "prompt_tokens": n,
+            "transport": job.transport, "queue_s": round(done.queue_s, 6), "setup_s": round(started - dequeued, 6),
+            "prefill_s": round(done.prefill_s, 6), "kv_send_s": round(done.kv_send_s, 6),
+            "checksum_s": round(done.checksum_s, 6)}))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import grpc
+import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from tests.test_reliability_fixtures import Server, request, wait_kv_idle, wait_until
@@ -118,3 +119,11 @@ def test_one_json_log_line_per_finished_request(rel_pair: tuple[Server, Server])
     assert bad["status"] == "INVALID_ARGUMENT"
     for rid in ("log-ok", "log-cancel", "log-bad"):
         assert log.count(f'"request_id": "{rid}"') == 1
+    assert float(ok["prefill_queue_s"]) >= 0 and float(ok["kv_exposed_s"]) >= 0  # type: ignore[arg-type]
+    # the prefill server's own line for the same request: where its time went
+    wait_until(lambda: '"request_id": "log-ok"' in prefill.log(), 5)
+    line = next(x for x in prefill.log().splitlines() if '"request_id": "log-ok"' in x)
+    remote = json.loads(line.split("prefill_server.requests: ", 1)[1])
+    assert remote["event"] == "prefill_finished" and remote["prompt_tokens"] == 30 and remote["transport"] == "grpc"
+    assert remote["prefill_s"] == pytest.approx(ok["prefill_s"], abs=1e-5)
+    assert min(remote["queue_s"], remote["setup_s"], remote["kv_send_s"], remote["checksum_s"]) >= 0

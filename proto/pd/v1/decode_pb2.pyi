@@ -53,7 +53,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport", "prefill_queue_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ServerTiming(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -72,7 +73,8 @@ class ServerTiming(_message.Message):
     kv_bytes: int
     kv_exposed_s: float
     kv_transport: str
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_exposed_s: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    prefill_queue_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_exposed_s: _Optional[float] = ..., kv_transport: _Optional[str] = ..., prefill_queue_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_id", "index", "text", "finish_reason", "timing", "request_id")

@@ -104,18 +104,22 @@ class TransferStart(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum", "queue_s", "checksum_s")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
     kv_bytes: int
     kv_checksum: int
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ...) -> None: ...
+    queue_s: float
+    checksum_s: float
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("kv", "layer_sent", "start", "done")

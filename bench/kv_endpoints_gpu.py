@@ -1,0 +1,163 @@
+"""The GPU transports' real endpoints without a model, for `python -m bench.kv_transfer --mode endpoints`:
+how long a whole prompt's KV takes to move from one GPU's pool to another's when nothing hides it.
+
+This process is the decode side (on the second GPU); a child process is the prefill side (on the
+first), its pool filled with random values. They meet on a TCPStore, as the servers do.
+- nccl: the child sends every layer with `NcclKVSender` once this side has posted its receives
+  (`NcclKVReceiver`); timed from the first send to every layer scattered into this pool.
+- cuda-ipc: the child exports its pool; this side maps it (`RemotePool`) and copies every layer
+  (`IpcKVReceiver`); timed from the first copy to the last one done.
+Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVLayout, KVPool
+from engine.presets import PRESETS
+
+TIMEOUT_S = 120.0
+
+
+def _pool(preset: str, tokens: int, device: torch.device, seed: int | None) -> tuple[KVPool, list[int]]:
+    layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
+    pool = KVPool(layout, -(-tokens // 16) + 1, device)
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
+                                                           device=device, dtype=torch.int16))
+    return pool, pool.allocator.allocate(pool.blocks_needed(tokens))
+
+
+def _store(port: int, master: bool) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False, use_libuv=True,
+                         timeout=timedelta(seconds=TIMEOUT_S))
+
+
+def serve(transport: str, port: int, preset: str, tokens: int, repeats: int) -> None:
+    """The prefill side (child process, first GPU)."""
+    from engine.transport.nccl import PREFILL_RANK, NcclKVSender, NcclPair
+
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    store = _store(port, master=False)
+    pool, table = _pool(preset, tokens, device, seed=1)
+    slots = pool.slots(table, 0, tokens)
+    store.set("checksum", str(pool.checksum(slots)))
+    store.set("table", ",".join(map(str, table)))
+    if transport == "cuda-ipc":
+        from engine.transport.cuda_ipc import export_pool
+
+        handle, offset = export_pool(pool)
+        store.set("ipc", handle.hex() + f":{offset}:{pool.num_slots}")
+        store.get("finished")  # keep the pool alive until the decode side is done with it
+        return
+    pair = NcclPair(store, "bench", PREFILL_RANK, device, TIMEOUT_S)
+    pair.warm_up()
+    for i in range(repeats):
+        store.get(f"posted{i}")
+        started = time.perf_counter()
+        sender = NcclKVSender(pair, pool, slots, TIMEOUT_S)
+        for layer in range(pool.layout.num_layers):
+            sender.layer_done(layer)
+        sender.finish()
+        store.set(f"started{i}", repr(started))
+    store.get("finished")
+
+
+def rows(transport: str, preset: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """The decode side (this process, second GPU)."""
+    if torch.cuda.device_count() < 2:
+        sys.exit(f"error: --mode endpoints with {transport} needs two GPUs (NCCL refuses two ranks on one)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = _store(port, master=True)
+    child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
+                              str(tokens), str(repeats + 1)])
+    try:
+        device = torch.device("cuda:1")
+        torch.cuda.set_device(device)
+        pool, table = _pool(preset, tokens, device, seed=None)
+        expected = int(store.get("checksum"))
+        src_table = [int(b) for b in store.get("table").decode().split(",")]
+        timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
+            else _nccl_receives(store, pool, table, tokens, repeats + 1)
+        out = []
+        for i, seconds in enumerate(timed):
+            equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
+            pool.storage.zero_()  # the next repeat must bring every byte again
+            torch.cuda.synchronize(device)
+            if i == 0:
+                continue  # warm-up
+            nbytes = tokens * pool.layout.bytes_per_token
+            out.append({"transport": transport, "mode": "endpoints", "tokens": tokens, "bytes": nbytes,
+                        "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1), "exposed_ms": None,
+                        "bitwise_equal": equal})
+            print(f"{transport} endpoints: {nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
+                  f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}", flush=True)
+        store.set("finished", "1")
+        child.wait(60)
+        return out
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int, n: int) -> list[float]:
+    from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclPair
+
+    pair = NcclPair(store, "bench", DECODE_RANK, pool.device, TIMEOUT_S)
+    pair.warm_up()
+    times = []
+    for i in range(n):
+        receiver = NcclKVReceiver(pair, pool, table, tokens)
+        receiver.post(i, time.monotonic() + TIMEOUT_S)
+        store.set(f"posted{i}", "1")
+        while not receiver.complete():
+            pass
+        done = time.perf_counter()
+        times.append(done - float(store.get(f"started{i}")))
+    return times
+
+
+def _ipc_copies(store: dist.TCPStore, pool: KVPool, table: list[int], src_table: list[int], tokens: int,
+                n: int) -> list[float]:
+    from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
+
+    handle, offset, slots = store.get("ipc").decode().split(":")
+    remote = RemotePool(pool.layout, bytes.fromhex(handle), int(offset), int(slots), pool.device)
+    times = []
+    for _ in range(n):
+        receiver = IpcKVReceiver(remote, pool, table, tokens)
+        receiver.start(src_table, pool.layout.block_size)
+        torch.cuda.synchronize(pool.device)
+        started = time.perf_counter()
+        for layer in range(pool.layout.num_layers):
+            receiver.copy_layer(layer)
+        while not receiver.complete():
+            pass
+        times.append(time.perf_counter() - started)
+    remote.close()
+    return times
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="the prefill side of bench.kv_endpoints_gpu (started by it)")
+    p.add_argument("transport", choices=["nccl", "cuda-ipc"])
+    p.add_argument("port", type=int)
+    p.add_argument("preset")
+    p.add_argument("tokens", type=int)
+    p.add_argument("repeats", type=int)
+    a = p.parse_args()
+    serve(a.transport, a.port, a.preset, a.tokens, a.repeats)
