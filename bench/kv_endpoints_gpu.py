@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,12 +45,17 @@ def _store(port: int, master: bool) -> dist.TCPStore:
                          timeout=timedelta(seconds=TIMEOUT_S))
 
 
-def serve(transport: str, port: int, preset: str, tokens: int, repeats: int) -> None:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, device: torch.device) -> None:
     """The prefill side (child process, first GPU)."""
     from engine.transport.nccl import PREFILL_RANK, NcclKVSender, NcclPair
 
-    device = torch.device("cuda:0")
-    torch.cuda.set_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = _store(port, master=False)
     pool, table = _pool(preset, tokens, device, seed=1)
     slots = pool.slots(table, 0, tokens)
@@ -75,19 +81,22 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int) -> 
     store.get("finished")
 
 
-def rows(transport: str, preset: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
-    """The decode side (this process, second GPU)."""
-    if torch.cuda.device_count() < 2:
+def rows(transport: str, preset: str, tokens: int, repeats: int,
+         devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> list[dict[str, Any]]:
+    """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
+    devices the nccl protocol runs over Gloo, as in the servers (tests)."""
+    if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
         sys.exit(f"error: --mode endpoints with {transport} needs two GPUs (NCCL refuses two ranks on one)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = _store(port, master=True)
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
-                              str(tokens), str(repeats + 1)])
+                              str(tokens), str(repeats + 1), devices[0]])
     try:
-        device = torch.device("cuda:1")
-        torch.cuda.set_device(device)
+        device = torch.device(devices[1])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         pool, table = _pool(preset, tokens, device, seed=None)
         expected = int(store.get("checksum"))
         src_table = [int(b) for b in store.get("table").decode().split(",")]
@@ -97,7 +106,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int) -> list[dict[st
         for i, seconds in enumerate(timed):
             equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
             pool.storage.zero_()  # the next repeat must bring every byte again
-            torch.cuda.synchronize(device)
+            _sync(device)
             if i == 0:
                 continue  # warm-up
             nbytes = tokens * pool.layout.bytes_per_token
@@ -114,42 +123,43 @@ def rows(transport: str, preset: str, tokens: int, repeats: int) -> list[dict[st
             child.kill()
 
 
-def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int, n: int) -> list[float]:
+def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int, n: int) -> Iterator[float]:
+    """Each transfer's seconds, yielded before the next starts (so its arrival can be checked)."""
     from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclPair
 
     pair = NcclPair(store, "bench", DECODE_RANK, pool.device, TIMEOUT_S)
     pair.warm_up()
-    times = []
     for i in range(n):
         receiver = NcclKVReceiver(pair, pool, table, tokens)
+        on_host = pool.device.type == "cpu"  # Gloo's receives wait inside post(): let the sender go first
+        if on_host:
+            store.set(f"posted{i}", "1")
         receiver.post(i, time.monotonic() + TIMEOUT_S)
-        store.set(f"posted{i}", "1")
+        if not on_host:  # CUDA: every receive is posted before the sender's clock starts
+            store.set(f"posted{i}", "1")
         while not receiver.complete():
             pass
         done = time.perf_counter()
-        times.append(done - float(store.get(f"started{i}")))
-    return times
+        yield done - float(store.get(f"started{i}"))
 
 
 def _ipc_copies(store: dist.TCPStore, pool: KVPool, table: list[int], src_table: list[int], tokens: int,
-                n: int) -> list[float]:
+                n: int) -> Iterator[float]:
     from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
 
     handle, offset, slots = store.get("ipc").decode().split(":")
     remote = RemotePool(pool.layout, bytes.fromhex(handle), int(offset), int(slots), pool.device)
-    times = []
     for _ in range(n):
         receiver = IpcKVReceiver(remote, pool, table, tokens)
         receiver.start(src_table, pool.layout.block_size)
-        torch.cuda.synchronize(pool.device)
+        _sync(pool.device)
         started = time.perf_counter()
         for layer in range(pool.layout.num_layers):
             receiver.copy_layer(layer)
         while not receiver.complete():
             pass
-        times.append(time.perf_counter() - started)
+        yield time.perf_counter() - started
     remote.close()
-    return times
 
 
 if __name__ == "__main__":
@@ -159,5 +169,6 @@ if __name__ == "__main__":
     p.add_argument("preset")
     p.add_argument("tokens", type=int)
     p.add_argument("repeats", type=int)
+    p.add_argument("device")
     a = p.parse_args()
-    serve(a.transport, a.port, a.preset, a.tokens, a.repeats)
+    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device))

@@ -33,6 +33,8 @@ class Handoff:
         self.writer, self.peer = writer, peer
         self.receiver: Any = None
         self.bytes = 0
+        self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
+        self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
 
     def _write_chunk(self, chunk: KVView) -> None:
         """On the writer thread (the receiver's slot upload is device work too)."""
@@ -54,26 +56,35 @@ class Handoff:
         if kind == "kv":  # a standard-encoded chunk (grpc_wire decodes ours as KVView)
             c = message.kv
             await self.on_kv(KVView(c.layer, c.token_start, c.token_end, memoryview(c.data)))
-        elif kind == "start" and self.transport == "nccl":
+        elif kind == "start":
+            self.start_at = time.monotonic()
+            await self._on_start(message.start, deadline)
+            self.post_s = time.monotonic() - self.start_at
+        elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
+            await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
+        elif kind in ("kv", "layer_sent"):
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+
+    async def _on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        if self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
             self.receiver = await loop.run_in_executor(self.writer, NcclKVReceiver, self.peer.nccl, self.pool,
                                                        self.block_table, self.num_tokens)
             try:
-                await loop.run_in_executor(self.writer, self.receiver.post, message.start.sequence, deadline)
+                await loop.run_in_executor(self.writer, self.receiver.post, start.sequence, deadline)
             except TransferFailed as e:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        elif kind == "start" and self.transport == "cuda-ipc":
+        elif self.transport == "cuda-ipc":
             from engine.transport.cuda_ipc import IpcKVReceiver
 
             receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
-            await loop.run_in_executor(self.writer, receiver.start, list(message.start.src_block_table),
-                                       message.start.src_block_size)
+            await loop.run_in_executor(self.writer, receiver.start, list(start.src_block_table),
+                                       start.src_block_size)
             self.receiver = receiver
-        elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
-            await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
-        elif kind in ("kv", "start", "layer_sent"):
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+        else:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"start message does not fit transport {self.transport}")
 
     async def wait_complete(self, deadline: float) -> None:
         if self.receiver is None:

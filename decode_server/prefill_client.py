@@ -49,6 +49,8 @@ class RemotePrefill:
     kv_bytes: int
     transport: str
     queue_s: float  # behind other prompts on the prefill server
+    start_at_s: float = 0.0  # the transfer's start message arrived, since the call began (nccl, cuda-ipc)
+    post_s: float = 0.0      # setting up the receive after it
 
 
 class PrefillPeer:
@@ -215,16 +217,17 @@ class PrefillRouter:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
             await handoff.wait_complete(deadline)
             # the handoff: all the time here that was not the prefill's queue, compute or checksum
-            now = time.monotonic()
-            exposed = done.kv_send_s + (now - done_at) - done.checksum_s
-            handoff_s = now - (deadline - self.timeout_s) - done.queue_s - done.prefill_s - done.checksum_s
+            now, began = time.monotonic(), deadline - self.timeout_s
+            exposed = done.kv_send_s + (now - done_at)
+            handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
             if VERIFY_KV:
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, done.kv_checksum)
             failed = False
             if transport == "cuda-ipc":
                 asyncio.ensure_future(self._release_ipc(peer, request_id))
             return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, handoff_s), max(0.0, exposed),
-                                 handoff.bytes, transport, done.queue_s)
+                                 handoff.bytes, transport, done.queue_s,
+                                 max(0.0, handoff.start_at - began) if handoff.start_at else 0.0, handoff.post_s)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()
