@@ -3,8 +3,9 @@ how long a whole prompt's KV takes to move from one GPU's pool to another's when
 
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
 first), its pool filled with random values. They meet on a TCPStore, as the servers do.
-- nccl: the child sends every layer with `NcclKVSender` once this side has posted its receives
-  (`NcclKVReceiver`); timed from the first send to every layer scattered into this pool.
+- nccl: the child sends every layer with `NcclKVSender` while this side posts its receives
+  (`NcclKVReceiver`), as the servers do; timed from the first send to every layer scattered into
+  this pool.
 - cuda-ipc: the child exports its pool; this side maps it (`RemotePool`) and copies every layer
   (`IpcKVReceiver`); timed from the first copy to the last one done.
 Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
@@ -131,12 +132,8 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
     pair.warm_up()
     for i in range(n):
         receiver = NcclKVReceiver(pair, pool, table, tokens)
-        on_host = pool.device.type == "cpu"  # Gloo's receives wait inside post(): let the sender go first
-        if on_host:
-            store.set(f"posted{i}", "1")
+        store.set(f"posted{i}", "1")  # the sender goes now: post() may wait for each layer to land
         receiver.post(i, time.monotonic() + TIMEOUT_S)
-        if not on_host:  # CUDA: every receive is posted before the sender's clock starts
-            store.set(f"posted{i}", "1")
         while not receiver.complete():
             pass
         done = time.perf_counter()
