@@ -96,6 +96,9 @@ class Handoff:
             self.bytes = self.receiver.bytes_received
             return
         while not self.receiver.complete():
+            error = getattr(self.receiver, "error", None)
+            if error is not None:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {error}")
             if time.monotonic() > deadline:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
             await asyncio.sleep(0.0002)
@@ -114,13 +117,18 @@ class Handoff:
         if not self.receiver.posted:
             return True
         if failed:
-            self.peer.nccl.abort()
+            self.peer.nccl.abort()  # the scatter thread stops at the next layer
         limit = time.monotonic() + (5.0 if failed else 120.0)
         while time.monotonic() < limit:
             if self.receiver.complete():
                 return True
+            if self.receiver.stopped.is_set():  # stopped early: NCCL writes only into its staging buffer
+                marker = self.receiver.drain_marker()
+                while marker is not None and not marker.query():
+                    await asyncio.sleep(0.0005)
+                return True
             await asyncio.sleep(0.001)
-        log.error("an NCCL receive never finished; %d KV blocks stay reserved", len(self.block_table))
+        log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
         return False
 
     def verify(self, expected: int) -> None:

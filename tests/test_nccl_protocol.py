@@ -74,6 +74,7 @@ def transfer(prefill: NcclPair, decode: NcclPair, src: KVPool, src_table: list[i
         sender.finish()
 
     in_threads(lambda: receiver.post(sender.sequence, time.monotonic() + 5), send)
+    assert receiver.stopped.wait(5) and receiver.error is None  # the scatter thread placed every layer
     return receiver
 
 
@@ -101,6 +102,21 @@ def test_out_of_step_receive_fails_within_its_deadline(pairs: tuple[NcclPair, Nc
     with pytest.raises(TransferFailed, match="did not finish in time"):
         receiver.post(3, time.monotonic() + 0.3)  # transfers 0-2 never came
     assert time.monotonic() - started < 2 and not receiver.posted
+
+
+def test_transfer_that_stops_mid_way_fails_within_its_deadline(pairs: tuple[NcclPair, NcclPair]) -> None:
+    """The sender dies after the first layer: the receive side's scatter thread gives up at the
+    deadline with the error the handoff reports, and never claims the KV is whole."""
+    prefill, decode = pairs
+    src, src_table = filled_pool(8, 4)
+    dst = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, 8), deadline_s=1.0)
+    receiver = NcclKVReceiver(decode, dst, dst.allocator.allocate(dst.blocks_needed(8)), 8)
+    started = time.monotonic()
+    in_threads(lambda: receiver.post(sender.sequence, time.monotonic() + 0.5), lambda: sender.layer_done(0))
+    assert receiver.posted and receiver.stopped.wait(5)
+    assert isinstance(receiver.error, TransferFailed) and not receiver.complete()
+    assert time.monotonic() - started < 3
 
 
 def test_aborted_pair_refuses_new_sends_and_receives(pairs: tuple[NcclPair, NcclPair]) -> None:

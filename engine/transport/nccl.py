@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,6 +49,10 @@ def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TransferFailed(f"{what} did not finish in time")
         time.sleep(0.0002)
+
+
+def _landed(work: Any, pair: NcclPair) -> bool:
+    return bool(work.is_completed()) or pair.broken
 
 
 def wait_work(work: Any, device: torch.device, deadline: float, what: str) -> None:
@@ -80,8 +85,11 @@ class NcclPair:
         self.pg = _process_group(dist.PrefixStore(group, store), rank, device, timeout_s)
         self.peer = 1 - rank
         self.lock = threading.Lock()     # posts of one pair never interleave
+        # the decode side's scatters from staging into the pool: one stream, so its cached blocks are reused
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.next_sequence = 0
         self.broken = False
+        self.retired: list[object] = []  # staging buffers of failed transfers that NCCL may still write
 
     def warm_up(self) -> None:
         """The first p2p call creates the communicator (both ranks must take part)."""
@@ -132,41 +140,76 @@ class NcclKVSender(KVSender):
 
 
 class NcclKVReceiver:
-    """Decode side: posts a receive per layer into a staging buffer on its own stream, then
-    scatters each into the pool's slots. The engine's stream never waits on the network."""
+    """Decode side: posts every layer's receive into one staging buffer at once; a thread then
+    scatters each layer into the pool's slots (on the pair's stream) as soon as it sees it land.
+    The engine's stream never waits on the network and no host wait sleeps (PyTorch's
+    `Work.wait()` on a receive can poll in 10 ms sleeps: ~0.3 s a request under load). NCCL only
+    ever writes into the staging buffer, so once the scatter thread stops the pool's blocks are
+    ours again; a buffer a failed transfer may still write into is kept by the pair."""
 
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
         self.slots = pool.slots(block_table, 0, num_tokens)
-        cuda = pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(pool.device) if cuda else None
-        self.done = torch.cuda.Event() if cuda else None
-        self.posted = False
-        self._keep: list[object] = []  # staging buffers and works live until the copy is done
+        self.stream = pair.stream
+        self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
+        self.posted = False                 # receives are posted: the peer may write into staging
+        self.stopped = threading.Event()    # the scatter thread is done, whole or not
+        self.error: BaseException | None = None
+        self._scattered = False
+
+    def _stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def post(self, sequence: int, deadline: float) -> None:
-        """Post every layer's receive once the pair reaches `sequence` (runs on a worker thread)."""
+        """Once the pair reaches `sequence`, post every layer's receive and start the scatter thread."""
         pair = self.pair
         wait_until(lambda: pair.next_sequence >= sequence or pair.broken, deadline, "earlier NCCL transfers")
+        lay = self.pool.layout
         with pair.lock:
             if pair.broken or pair.next_sequence != sequence:
                 raise TransferFailed(f"NCCL pair {pair.group} is out of step (at {pair.next_sequence}, "
                                      f"transfer {sequence})")
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
-            lay = self.pool.layout
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                for layer in range(lay.num_layers):
-                    buf = torch.empty(2, self.num_tokens, lay.num_kv_heads, lay.head_dim, dtype=lay.torch_dtype,
-                                      device=self.pool.device)
-                    work = pair.pg.recv([buf], pair.peer, 0)
-                    work.wait()  # CUDA: this stream waits (not the host, not the engine's stream); CPU: the host
-                    self.pool.write(layer, self.slots, buf)
-                    self._keep += [buf, work]
-                if self.done is not None:
-                    self.done.record(self.stream)
-            pair.next_sequence += 1
+            with self._stream():
+                staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
+                                      dtype=lay.torch_dtype, device=self.pool.device)
+                works = [pair.pg.recv([staging[layer]], pair.peer, 0) for layer in range(lay.num_layers)]
             self.posted = True
+            pair.next_sequence += 1
+        threading.Thread(target=self._scatter, args=(staging, works, deadline), daemon=True,
+                         name="nccl-scatter").start()
+
+    def _scatter(self, staging: torch.Tensor, works: list[Any], deadline: float) -> None:
+        pair = self.pair
+        try:
+            if self.stream is not None:
+                torch.cuda.set_device(self.pool.device)
+            for layer, work in enumerate(works):
+                if self.pool.device.type == "cuda":
+                    wait_until(partial(_landed, work, pair), deadline, "NCCL receive of the KV")
+                    if pair.broken:
+                        raise TransferFailed(f"NCCL pair {pair.group} was aborted mid-transfer")
+                else:
+                    wait_work(work, self.pool.device, deadline, "NCCL receive of the KV")
+                with self._stream():
+                    self.pool.write(layer, self.slots, staging[layer])
+            if self.done is not None:
+                self.done.record(self.stream)
+            self._scattered = True
+        except BaseException as e:  # surfaced by the handoff (complete() stays False)
+            self.error = e
+            pair.retired.append((staging, works))
+        finally:
+            self.stopped.set()
 
     def complete(self) -> bool:
-        return self.posted and (self.done is None or self.done.query())
+        return self._scattered and (self.done is None or self.done.query())
+
+    def drain_marker(self) -> Any:
+        """Completes once every scatter queued so far has (call after `stopped`)."""
+        if self.stream is None:
+            return None
+        marker = torch.cuda.Event()
+        marker.record(self.stream)
+        return marker
