@@ -37,9 +37,9 @@ class Server:
 
 
 def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | None,
-           port: int) -> tuple[list[Server], list[str]]:
+           port: int, server_args: list[str] | None = None) -> tuple[list[Server], list[str]]:
     """The servers to start (on ports from `port` up) and the --compare items that address them."""
-    common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset]
+    common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset, *(server_args or [])]
     kv = ["--kv-cache-gb", str(kv_gb)] if kv_gb else []
     if len(devices) == 1:
         one = Server("decode_server", port, [*common, *kv, "--device", devices[0], "--mode", "colocated"])
@@ -67,13 +67,14 @@ def main() -> None:
     p.add_argument("--load-args", default=LOAD, help="client.load flags (default: %(default)s)")
     p.add_argument("--compare", nargs="+", default=None, help="client.load --compare items (default: the layout's)")
     p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
+    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\"")
     p.add_argument("--json", default="bench/results/load-h200.json")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
     if len(args.devices) not in (1, 2):
         p.error("--devices takes one or two devices")
     kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 else None)
-    servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port)
+    servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split())
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

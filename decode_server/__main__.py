@@ -19,7 +19,7 @@ from engine.grpc_common import (
     make_server,
     run_main,
     serve_until_signalled,
-    setup_logging,
+    setup_process,
     start_metrics,
 )
 from engine.setup import build_runner
@@ -94,7 +94,7 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_config(argv)
-    setup_logging(cfg.log_level)
+    setup_process(cfg)
     run_main(lambda: serve(cfg, args.tls_ca, DecodeFaults.from_env()))
 
 

@@ -71,9 +71,11 @@ class StartupError(Exception):
     """A one-line reason the server can't start, and what to do about it."""
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+def setup_process(cfg: ServerConfig) -> None:
+    """Logging, and how often Python passes the GIL between the server's threads."""
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
 
 
 def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:

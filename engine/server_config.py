@@ -57,6 +57,10 @@ class ServerConfig:
     tls_cert: str | None = field(default=None, metadata=opt("PEM certificate chain; enables TLS"))
     tls_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-cert"))
     log_level: str = field(default="info", metadata=opt("debug, info, warning, error"))
+    gil_switch_ms: float = field(default=5.0, metadata=opt("how long a busy Python thread may keep the GIL "
+                                                             "before another takes it (sys.setswitchinterval); "
+                                                             "lower gives the engine and KV threads it back "
+                                                             "sooner from a busy event loop"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
@@ -67,5 +71,7 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.block_size < 1 or self.max_queued_requests < 1:
             raise ValueError("--block-size and --max-queued-requests must be positive")
+        if not 0 < self.gil_switch_ms <= 1000:
+            raise ValueError("--gil-switch-ms must be in (0, 1000]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

@@ -16,7 +16,7 @@ from engine.grpc_common import (
     make_server,
     run_main,
     serve_until_signalled,
-    setup_logging,
+    setup_process,
     start_metrics,
 )
 from engine.setup import build_runner
@@ -73,7 +73,7 @@ def _cuda_available() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
-    setup_logging(cfg.log_level)
+    setup_process(cfg)
     run_main(lambda: serve(cfg, PrefillFaults.from_env()))
 
 

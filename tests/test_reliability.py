@@ -357,6 +357,23 @@ def test_default_host_is_loopback() -> None:
     assert (decode_config([])[0].metrics_port, prefill_config([]).metrics_port) == (8001, 8002)
 
 
+def test_gil_switch_interval_is_applied_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from engine.grpc_common import setup_process
+    from prefill_server.__main__ import parse_config as prefill_config
+
+    before = sys.getswitchinterval()
+    try:
+        setup_process(prefill_config(["--gil-switch-ms", "0.5"]))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(SystemExit):
+        prefill_config(["--gil-switch-ms", "0"])
+    assert "--gil-switch-ms must be in (0, 1000]" in capsys.readouterr().err
+
+
 # --- internal endpoints refuse peers that fail the handshake -------------------------------------------
 
 def test_prefill_refuses_bad_handshakes_and_unpaired_peers(rel_pair) -> None:  # type: ignore[no-untyped-def]
