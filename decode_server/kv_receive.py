@@ -96,9 +96,8 @@ class Handoff:
             self.bytes = self.receiver.bytes_received
             return
         while not self.receiver.complete():
-            error = getattr(self.receiver, "error", None)
-            if error is not None:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {error}")
+            if self.receiver.error is not None:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {self.receiver.error}")
             if time.monotonic() > deadline:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
             await asyncio.sleep(0.0002)

@@ -134,6 +134,7 @@ class IpcKVReceiver:
         self.stream = torch.cuda.Stream(pool.device)
         self.done = torch.cuda.Event()
         self.copied = 0
+        self.error: BaseException | None = None  # copies are queued by the caller; none fail on their own
 
     def start(self, src_block_table: list[int], src_block_size: int) -> None:
         """On the writer thread: the two slot lists to the devices that index with them."""
