@@ -22,7 +22,10 @@ MODE_ENUM = {
     "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
     "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
 }
-SERVER_TIMING = ("queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "first_token_s")
+# the ServerTiming fields each request records, with how the load report names them
+SERVER_TIMING = {"queue_s": "Queue (KV blocks, batch slot)", "prefill_queue_s": "Prefill server's queue",
+                 "prefill_s": "Prefill compute", "kv_transfer_s": "KV handoff beyond the prefill",
+                 "first_token_s": "Received to first token"}
 
 
 @dataclass(frozen=True)

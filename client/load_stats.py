@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from client.load_run import Record, RunResult
+from client.load_run import SERVER_TIMING, Record, RunResult
 
 Summary = dict[str, Any]
 
@@ -73,6 +74,9 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
         summary["background_itl_ms"] = distribution_ms([g for r in background for g in r.gaps_s])
     if long:
         summary["long_prompt_ttft_ms"] = distribution_ms([r.ttft_s for r in long])
+    timed = [r.server for r in ok if r.server]
+    if timed:  # where the time to first token went, as the decode server saw it (ServerTiming)
+        summary["server_mean_ms"] = {k: round(statistics.fmean(t[k] for t in timed) * 1e3, 3) for k in timed[0]}
     return summary
 
 
@@ -114,6 +118,9 @@ def table_rows(summaries: Sequence[Summary]) -> list[Row]:
             rows.append((title, ""))
             stats = STAT_LABELS if short == "ITL" else STAT_LABELS[:-1]
             rows += [(f"{label} {short} (ms)", f"{key}.{stat}") for stat, label in stats]
+    if any("server_mean_ms" in s for s in summaries):
+        rows.append(("Decode server's timing, mean", ""))
+        rows += [(f"{label} (ms)", f"server_mean_ms.{key}") for key, label in SERVER_TIMING.items()]
     return rows
 
 

@@ -167,3 +167,8 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
         assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
     assert doc["devices"] == ["cpu", "cpu"] and len(doc["servers"]) == 4 and doc["commit"]
     assert all("--gil-switch-ms 1" in server for server in doc["servers"])
+    # where TTFT went, per deployment: only the split pair hands KV over, only its prompts queue remotely
+    split, colocated = runs["split"]["server_mean_ms"], runs["colocated"]["server_mean_ms"]
+    assert split["prefill_s"] > 0 and split["kv_transfer_s"] > 0 and split["prefill_queue_s"] >= 0
+    assert colocated["prefill_s"] > 0 and colocated["kv_transfer_s"] == 0 == colocated["prefill_queue_s"]
+    assert "Decode server's timing, mean" in done.stdout and "KV handoff beyond the prefill (ms)" in done.stdout
