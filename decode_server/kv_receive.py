@@ -109,9 +109,7 @@ class Handoff:
         if self.receiver is None or self.transport == "grpc":
             return True
         if self.transport == "cuda-ipc":
-            marker = self.receiver.drain_marker()
-            while not marker.query():
-                await asyncio.sleep(0.0005)
+            await _drained(self.receiver.drain_marker())
             return True
         if not self.receiver.posted:
             return True
@@ -122,9 +120,7 @@ class Handoff:
             if self.receiver.complete():
                 return True
             if self.receiver.stopped.is_set():  # stopped early: NCCL writes only into its staging buffer
-                marker = self.receiver.drain_marker()
-                while marker is not None and not marker.query():
-                    await asyncio.sleep(0.0005)
+                await _drained(self.receiver.drain_marker())
                 return True
             await asyncio.sleep(0.001)
         log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
@@ -135,6 +131,12 @@ class Handoff:
         if got != expected:
             raise HandoffError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch after the {self.transport} "
                                                           f"handoff: got {got}, prefill sent {expected}")
+
+
+async def _drained(marker: Any) -> None:
+    """Until every copy queued before a receiver's drain marker is done (None on the CPU: nothing is queued)."""
+    while marker is not None and not marker.query():
+        await asyncio.sleep(0.0005)
 
 
 def _sync_device(pool: KVPool) -> None:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -51,15 +50,15 @@ def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         time.sleep(0.0002)
 
 
-def _landed(work: Any, pair: NcclPair) -> bool:
-    return bool(work.is_completed()) or pair.broken
-
-
-def wait_work(work: Any, device: torch.device, deadline: float, what: str) -> None:
-    """NCCL works complete on their own (polled, so nothing blocks past the deadline); Gloo's p2p
-    works only progress inside wait()."""
+def wait_work(work: Any, device: torch.device, deadline: float, what: str,
+              aborted: Callable[[], bool] | None = None) -> None:
+    """NCCL works complete on their own (polled, so nothing blocks past the deadline, nor past
+    `aborted()` turning true); Gloo's p2p works only progress inside wait()."""
     if device.type == "cuda":
-        wait_until(work.is_completed, deadline, what)
+        stop = aborted or (lambda: False)
+        wait_until(lambda: bool(work.is_completed()) or stop(), deadline, what)
+        if stop():
+            raise TransferFailed(f"{what} stopped: the pair was aborted")
         return
     try:
         work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
@@ -187,12 +186,8 @@ class NcclKVReceiver:
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
             for layer, work in enumerate(works):
-                if self.pool.device.type == "cuda":
-                    wait_until(partial(_landed, work, pair), deadline, "NCCL receive of the KV")
-                    if pair.broken:
-                        raise TransferFailed(f"NCCL pair {pair.group} was aborted mid-transfer")
-                else:
-                    wait_work(work, self.pool.device, deadline, "NCCL receive of the KV")
+                wait_work(work, self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
+                          aborted=lambda: pair.broken)
                 with self._stream():
                     self.pool.write(layer, self.slots, staging[layer])
             if self.done is not None:
