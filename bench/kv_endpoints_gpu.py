@@ -25,20 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.kv_cache import KVLayout, KVPool
-from engine.presets import PRESETS
+from bench.kv_transfer import make_pool
+from engine.kv_cache import KVPool
 
 TIMEOUT_S = 120.0
-
-
-def _pool(preset: str, tokens: int, device: torch.device, seed: int | None) -> tuple[KVPool, list[int]]:
-    layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
-    pool = KVPool(layout, -(-tokens // 16) + 1, device)
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
-                                                           device=device, dtype=torch.int16))
-    return pool, pool.allocator.allocate(pool.blocks_needed(tokens))
 
 
 def _store(port: int, master: bool) -> dist.TCPStore:
@@ -58,7 +48,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = _store(port, master=False)
-    pool, table = _pool(preset, tokens, device, seed=1)
+    pool, table = make_pool(preset, tokens, 1, device)
     slots = pool.slots(table, 0, tokens)
     store.set("checksum", str(pool.checksum(slots)))
     store.set("table", ",".join(map(str, table)))
@@ -98,7 +88,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         device = torch.device(devices[1])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        pool, table = _pool(preset, tokens, device, seed=None)
+        pool, table = make_pool(preset, tokens, None, device)
         expected = int(store.get("checksum"))
         src_table = [int(b) for b in store.get("table").decode().split(",")]
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \

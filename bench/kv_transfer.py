@@ -36,13 +36,18 @@ from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
 
+CPU = torch.device("cpu")
 
-def make_pool(preset: str, tokens: int, seed: int) -> tuple[KVPool, list[int]]:
+
+def make_pool(preset: str, tokens: int, seed: int | None, device: torch.device = CPU) -> tuple[KVPool, list[int]]:
+    """A KV pool of the preset's layout holding `tokens`, and their block table; filled with random
+    values from `seed` (the sending side), or left empty (`None`, the receiving side)."""
     layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
-    pool = KVPool(layout, -(-tokens // 16) + 1, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
-                                                       dtype=torch.int16))
+    pool = KVPool(layout, -(-tokens // 16) + 1, device)
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
+                                                           device=device, dtype=torch.int16))
     return pool, pool.allocator.allocate(pool.blocks_needed(tokens))
 
 
