@@ -10,6 +10,7 @@ On the wire (every transport) one layer's KV for tokens [a, b) is K[a:b] then V[
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 
@@ -85,27 +86,66 @@ class OutOfBlocks(Exception):
 
 
 class BlockAllocator:
-    """Free-list of block ids. Thread-safe: the engine thread and the gRPC loop both use it."""
+    """Free blocks kept as sorted runs of consecutive ids. Thread-safe: the engine thread and the
+    gRPC loop both use it.
+
+    A request gets the lowest run long enough for all its blocks when there is one, so a prompt's
+    KV is usually one slice of the pool; the GPU transports then move it without gathering or
+    scattering (`KVPool.table_start`). With no such run the blocks come from the lowest runs."""
 
     def __init__(self, num_blocks: int, first: int = 0) -> None:
         self.num_blocks = num_blocks - first
-        self._free = list(range(num_blocks - 1, first - 1, -1))
+        self._runs: list[list[int]] = [[first, num_blocks - first]] if num_blocks > first else []  # [start, length]
+        self._num_free = self.num_blocks
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def allocate(self, n: int) -> list[int]:
         with self._lock:
-            if n > len(self._free):
-                raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
-            blocks = [self._free.pop() for _ in range(n)]
-        return blocks
+            if n > self._num_free:
+                raise OutOfBlocks(f"need {n} KV blocks, {self._num_free} of {self.num_blocks} free")
+            self._num_free -= n
+            fit = next((i for i, (_, length) in enumerate(self._runs) if length >= n), None)
+            if fit is not None:
+                return self._take(fit, n)
+            blocks: list[int] = []
+            while len(blocks) < n:
+                blocks += self._take(0, min(n - len(blocks), self._runs[0][1]))
+            return blocks
+
+    def _take(self, i: int, n: int) -> list[int]:
+        start, length = self._runs[i]
+        if n == length:
+            del self._runs[i]
+        else:
+            self._runs[i] = [start + n, length - n]
+        return list(range(start, start + n))
 
     def free(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        ids = sorted(blocks)
         with self._lock:
-            self._free.extend(reversed(blocks))
+            self._num_free += len(ids)
+            run_start = prev = ids[0]
+            for b in ids[1:] + [-1]:
+                if b != prev + 1:
+                    self._insert(run_start, prev - run_start + 1)
+                    run_start = b
+                prev = b
+
+    def _insert(self, start: int, length: int) -> None:
+        """Add a free run, merged with the runs it touches."""
+        i = bisect.bisect_left(self._runs, [start, 0])
+        if i < len(self._runs) and self._runs[i][0] == start + length:
+            length += self._runs.pop(i)[1]
+        if i > 0 and sum(self._runs[i - 1]) == start:
+            self._runs[i - 1][1] += length
+        else:
+            self._runs.insert(i, [start, length])
 
 
 def raw_view(t: torch.Tensor) -> np.ndarray:
@@ -148,6 +188,15 @@ class KVPool:
         pos = torch.arange(start, end, dtype=torch.long)
         bs = self.layout.block_size
         return (table[pos // bs] * bs + pos % bs).to(self.device, non_blocking=True)
+
+    def table_start(self, block_table: list[int], num_tokens: int) -> int | None:
+        """The first slot when tokens [0, num_tokens) of a sequence with this block table are one
+        ascending run of slots (then they are plain slices of the pool), else None. Host only."""
+        n = self.blocks_needed(num_tokens)
+        if n == 0 or len(block_table) < n:
+            return None
+        first = block_table[0]
+        return first * self.layout.block_size if block_table[:n] == list(range(first, first + n)) else None
 
     @staticmethod
     def first_slot_if_contiguous(slots: torch.Tensor) -> int | None:
