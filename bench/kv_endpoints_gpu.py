@@ -41,14 +41,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, device: torch.device) -> None:
+def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, device: torch.device,
+          scattered: bool) -> None:
     """The prefill side (child process, first GPU)."""
     from engine.transport.nccl import PREFILL_RANK, NcclKVSender, NcclPair
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = _store(port, master=False)
-    pool, table = make_pool(preset, tokens, 1, device)
+    pool, table = make_pool(preset, tokens, 1, device, scattered)
     slots = pool.slots(table, 0, tokens)
     store.set("checksum", str(pool.checksum(slots)))
     store.set("table", ",".join(map(str, table)))
@@ -64,7 +65,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     for i in range(repeats):
         store.get(f"posted{i}")
         started = time.perf_counter()
-        sender = NcclKVSender(pair, pool, slots, TIMEOUT_S)
+        sender = NcclKVSender(pair, pool, table, tokens, TIMEOUT_S)
         for layer in range(pool.layout.num_layers):
             sender.layer_done(layer)
         sender.finish()
@@ -73,7 +74,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
 
 
 def rows(transport: str, preset: str, tokens: int, repeats: int,
-         devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> list[dict[str, Any]]:
+         devices: tuple[str, str] = ("cuda:0", "cuda:1"), scattered: bool = False) -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
     devices the nccl protocol runs over Gloo, as in the servers (tests)."""
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
@@ -83,12 +84,12 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         port = s.getsockname()[1]
     store = _store(port, master=True)
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
-                              str(tokens), str(repeats + 1), devices[0]])
+                              str(tokens), str(repeats + 1), devices[0]] + (["--scattered"] if scattered else []))
     try:
         device = torch.device(devices[1])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        pool, table = make_pool(preset, tokens, None, device)
+        pool, table = make_pool(preset, tokens, None, device, scattered)
         expected = int(store.get("checksum"))
         src_table = [int(b) for b in store.get("table").decode().split(",")]
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
@@ -101,10 +102,11 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
             if i == 0:
                 continue  # warm-up
             nbytes = tokens * pool.layout.bytes_per_token
-            out.append({"transport": transport, "mode": "endpoints", "tokens": tokens, "bytes": nbytes,
-                        "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1), "exposed_ms": None,
-                        "bitwise_equal": equal})
-            print(f"{transport} endpoints: {nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
+            blocks = "scattered" if scattered else "contiguous"
+            out.append({"transport": transport, "mode": "endpoints", "blocks": blocks, "tokens": tokens,
+                        "bytes": nbytes, "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1),
+                        "exposed_ms": None, "bitwise_equal": equal})
+            print(f"{transport} endpoints ({blocks} blocks): {nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
                   f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}", flush=True)
         store.set("finished", "1")
         child.wait(60)
@@ -157,5 +159,6 @@ if __name__ == "__main__":
     p.add_argument("tokens", type=int)
     p.add_argument("repeats", type=int)
     p.add_argument("device")
+    p.add_argument("--scattered", action="store_true")
     a = p.parse_args()
-    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device))
+    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device), a.scattered)

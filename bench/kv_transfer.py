@@ -39,16 +39,20 @@ from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, 
 CPU = torch.device("cpu")
 
 
-def make_pool(preset: str, tokens: int, seed: int | None, device: torch.device = CPU) -> tuple[KVPool, list[int]]:
+def make_pool(preset: str, tokens: int, seed: int | None, device: torch.device = CPU,
+              scattered: bool = False) -> tuple[KVPool, list[int]]:
     """A KV pool of the preset's layout holding `tokens`, and their block table; filled with random
-    values from `seed` (the sending side), or left empty (`None`, the receiving side)."""
+    values from `seed` (the sending side), or left empty (`None`, the receiving side). The table
+    is one run of blocks, or with `scattered` the same blocks backwards (no two neighbours adjacent,
+    as in a fragmented pool: the GPU transports gather and scatter)."""
     layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
     pool = KVPool(layout, -(-tokens // 16) + 1, device)
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
         pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
                                                            device=device, dtype=torch.int16))
-    return pool, pool.allocator.allocate(pool.blocks_needed(tokens))
+    table = pool.allocator.allocate(pool.blocks_needed(tokens))
+    return pool, table[::-1] if scattered else table
 
 
 class EndpointService(prefill_pb2_grpc.PrefillServicer):
@@ -191,6 +195,9 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--blocks", nargs="+", choices=["contiguous", "scattered"], default=["contiguous"],
+                   help="GPU endpoints: both pools' block tables one run (moved as slices) or scattered "
+                        "(gathered and scattered)")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
@@ -209,7 +216,9 @@ def main() -> None:
             else:
                 from bench import kv_endpoints_gpu
 
-                rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats)
+                for blocks in args.blocks:
+                    rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats,
+                                                  scattered=blocks == "scattered")
     if args.json:
         write_json(args.json, {**metadata(), "preset": args.preset, "rows": rows})
         print(f"wrote {args.json}")

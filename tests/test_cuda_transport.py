@@ -12,7 +12,8 @@ import pytest
 import torch
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, free_port
+from tests.test_reliability_fixtures import scrape, wait_until
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
@@ -58,7 +59,14 @@ def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> No
 @pytest.mark.parametrize("transport", ["nccl", "cuda-ipc"])
 def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs: Path) -> None:
     needs(transport)
-    prefill, decode = gpu_pair(transport, server_logs, ["--prefill-timeout-s", "20"])
+    metrics_port = free_port()
+    prefill, decode = gpu_pair(transport, server_logs, ["--prefill-timeout-s", "20", "--metrics-port",
+                                                        str(metrics_port)])
+
+    def decode_kv_idle() -> bool:
+        m = scrape(metrics_port)
+        return m["kv_cache_free_blocks"] == m["kv_cache_total_blocks"] and m["num_requests_running"] == 0
+
     try:
         prompt = list(range(256)) * 28
         errors: list[grpc.StatusCode] = []
@@ -75,6 +83,8 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
         prefill.kill()
         thread.join(60)
         assert not thread.is_alive()
+        # the failed transfer's blocks come back (nccl: once the aborted pair's receives have ended)
+        wait_until(decode_kv_idle, timeout=10)
         # the decode server keeps serving (colocated needs no prefill server)
         assert generate(decode.address, prompt[:100], decode_pb2.PREFILL_MODE_COLOCATED)
         restarted = ServerProcess("prefill_server", ["--kv-transport", transport, "--max-model-len", "8192",

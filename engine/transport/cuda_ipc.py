@@ -129,28 +129,44 @@ class IpcKVReceiver:
 
     def __init__(self, remote: RemotePool, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.remote, self.pool, self.num_tokens, self.block_table = remote, pool, num_tokens, block_table
-        self.dst: torch.Tensor | None = None
+        self.dst: torch.Tensor | None = None       # slot lists, when either side is not one run
         self.src: torch.Tensor | None = None
+        self.src_first: int | None = None          # first slots, when each side is one run
+        self.dst_first: int | None = None
         self.stream = torch.cuda.Stream(pool.device)
         self.done = torch.cuda.Event()
         self.copied = 0
         self.error: BaseException | None = None  # copies are queued by the caller; none fail on their own
 
     def start(self, src_block_table: list[int], src_block_size: int) -> None:
-        """On the writer thread: the two slot lists to the devices that index with them."""
+        """On the writer thread. When both sides' blocks are one run of slots each layer is two
+        plain copies (K, V) over NVLink; otherwise the two slot lists go to the device for a
+        gather and a scatter."""
+        n = self.num_tokens
+        src_blocks = -(-n // src_block_size)
+        if n and src_block_table[:src_blocks] == list(range(src_block_table[0], src_block_table[0] + src_blocks)):
+            self.src_first = src_block_table[0] * src_block_size
+        self.dst_first = self.pool.table_start(self.block_table, n)
+        if self.src_first is not None and self.dst_first is not None:
+            return
         table = torch.as_tensor(src_block_table, dtype=torch.long)
-        pos = torch.arange(self.num_tokens)
+        pos = torch.arange(n)
         self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(
             self.remote.storage.device)
-        self.dst = self.pool.slots(self.block_table, 0, self.num_tokens)
+        self.dst = self.pool.slots(self.block_table, 0, n)
 
     def copy_layer(self, layer: int) -> None:
-        if self.src is None or self.dst is None:
-            raise IpcError("layer reported before the transfer started")
+        src, dst, n = self.remote.storage[layer], self.pool.layers[layer], self.num_tokens
         with torch.cuda.stream(self.stream):
-            # the gather runs where torch places the mapped memory; .to() then moves it over NVLink
-            kv = self.remote.storage[layer].index_select(1, self.src).to(self.pool.device, non_blocking=True)
-            self.pool.layers[layer].index_copy_(1, self.dst, kv)
+            if self.src_first is not None and self.dst_first is not None:
+                for half in (0, 1):  # contiguous on both sides: a peer memcpy each
+                    dst[half].narrow(0, self.dst_first, n).copy_(src[half].narrow(0, self.src_first, n))
+            elif self.src is not None and self.dst is not None:
+                # the gather runs where torch places the mapped memory; .to() then moves it over NVLink
+                kv = src.index_select(1, self.src).to(self.pool.device, non_blocking=True)
+                dst.index_copy_(1, self.dst, kv)
+            else:
+                raise IpcError("layer reported before the transfer started")
             self.copied += 1
             if self.copied == self.pool.layout.num_layers:
                 self.done.record(self.stream)
