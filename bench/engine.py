@@ -109,10 +109,17 @@ def prefill_ms(runner: ModelRunner, length: int) -> float:
 
 
 def prefill_flops(runner: ModelRunner, n: int) -> float:
-    c = runner.config
-    linear = 2 * n * (weight_bytes(runner) // 2)
-    attention = 2 * n * n * c.num_heads * c.head_dim * c.num_layers  # QK^T and PV, causal half each
-    return float(linear + attention)
+    """The matmul FLOPs a prefill of n tokens needs: every layer's qkv projection for all n rows;
+    attention, o_proj and the MLP for all rows but at the last layer (only the last row's logits
+    are wanted, so only its row goes on there), and the logits of that row."""
+    c, model = runner.config, runner.model
+    params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    layer = model.layers[0]
+    qkv = params(layer.qkv)
+    rest = params(layer.o_proj) + params(layer.gate_up) + params(layer.down)
+    linear = 2 * n * c.num_layers * qkv + 2 * (n * (c.num_layers - 1) + 1) * rest + 2 * params(model.lm_head)
+    causal = 2 * n * n * c.num_heads * c.head_dim * (c.num_layers - 1)  # QK^T and PV, causal half each
+    return float(linear + causal + 4 * n * c.num_heads * c.head_dim)
 
 
 def main() -> None:

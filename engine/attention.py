@@ -8,6 +8,7 @@ reference and the CPU path.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     kh = expand_kv(k.transpose(0, 1), groups).unsqueeze(0)    # [1, H, L, D]
     vh = expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qh.shape[2], kh.shape[2]))
+    return out.squeeze(0).transpose(0, 1)
+
+
+# One query row: no cuDNN (it would build a plan for every key length); flash takes grouped KV heads.
+_ROW_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def last_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                       meta: PrefillMeta) -> torch.Tensor:
+    """Attention of a prefill chunk's last row alone (q [1, H, D]) over every key up to it: the
+    cached prefix and the chunk's own k/v [T, Hkv, D]. The last row sees them all, so no mask."""
+    if not meta.whole_prompt:
+        cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
+        k = torch.cat((cached[0], k))
+        v = torch.cat((cached[1], v))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    with sdpa_kernel(_ROW_BACKENDS) if qh.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 

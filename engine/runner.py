@@ -97,8 +97,7 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions = torch.arange(start, end, device=self.device)
-        last = torch.tensor([len(token_ids) - 1], device=self.device)
-        return self.model(ids, positions, self.pool, meta, logits_rows=last, on_layer_done=on_layer_done)[0]
+        return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
 
     def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""

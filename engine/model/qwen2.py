@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine import ops
-from engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
+from engine.attention import DecodeMeta, PrefillMeta, decode_attention, last_row_attention, prefill_attention
 from engine.kv_cache import KVPool
 from engine.model_config import ModelConfig
 
@@ -63,13 +63,19 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: RotaryTable,
-                pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (residual stream, this layer's MLP output still to be added to it)."""
+                pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta,
+                last_row_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (residual stream, this layer's MLP output still to be added to it). With
+        `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
+        goes on through attention and the MLP: no later layer reads the other rows."""
         h, x = self.input_norm(x, delta)
         rows = meta.rows if isinstance(meta, PrefillMeta) and meta.whole_prompt else None
         q, k, v = ops.rope_and_store(ops.linear(h, self.qkv), positions, rope.cos, rope.sin, pool.layers[layer],
                                      meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
-        if isinstance(meta, PrefillMeta):
+        if isinstance(meta, PrefillMeta) and last_row_only:
+            t = meta.new_slots.numel()
+            attn, x = last_row_attention(q[t - 1:t], k[:t], v[:t], pool, layer, meta), x[t - 1:t]
+        elif isinstance(meta, PrefillMeta):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
             attn = decode_attention(q, pool, layer, meta)
@@ -91,16 +97,16 @@ class Qwen2Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
-                meta: PrefillMeta | DecodeMeta, logits_rows: torch.Tensor | None = None,
+                meta: PrefillMeta | DecodeMeta, last_only: bool = False,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Float32 logits of `logits_rows` (default: every row) of the flattened `input_ids` [T]."""
+        """Float32 logits [T, V] of the flattened `input_ids` [T]; with `last_only` (a prefill),
+        of its last row alone [1, V]."""
         x = self.embed(input_ids)
         delta: torch.Tensor | None = None
+        last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, positions, self.rope, pool, i, meta)
+            x, delta = layer(x, delta, positions, self.rope, pool, i, meta, last_only and i == last_layer)
             if on_layer_done is not None:
                 on_layer_done(i)
-        if logits_rows is not None:
-            x, delta = x.index_select(0, logits_rows), delta.index_select(0, logits_rows)  # type: ignore[union-attr]
         h, _ = self.norm(x, delta)
         return ops.linear(h, self.lm_head).float()
