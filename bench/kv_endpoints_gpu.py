@@ -126,8 +126,12 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
         receiver = NcclKVReceiver(pair, pool, table, tokens)
         store.set(f"posted{i}", "1")  # the sender goes now: post() may wait for each layer to land
         receiver.post(i, time.monotonic() + TIMEOUT_S)
+        # wait as the servers do, without holding the GIL: a spinning thread here would make the
+        # receiver's watching thread wait a switch interval (5 ms) each time it wakes
+        if not receiver.stopped.wait(TIMEOUT_S) or receiver.error is not None:
+            raise RuntimeError(f"transfer {i} failed: {receiver.error}")
         while not receiver.complete():
-            pass
+            time.sleep(0.00005)
         done = time.perf_counter()
         yield done - float(store.get(f"started{i}"))
 

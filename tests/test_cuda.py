@@ -125,6 +125,28 @@ def test_padded_rope_matches_unpadded() -> None:
     assert torch.equal(kv, kv_ref)
 
 
+def test_tiled_rope_matches_per_token_rope() -> None:
+    """Prefill-sized calls run the rope kernel on tiles of tokens (the last one partial), decode-sized
+    calls a program per token: bit for bit the same q, k and pool entries."""
+    from engine.kernels import fused
+    from engine.model.qwen2 import RotaryTable
+
+    torch.manual_seed(6)
+    dev = torch.device("cuda")
+    rope = RotaryTable(128, 1e6, 8192)
+    rope.to(dev).reset()
+    tokens = 1001
+    qkv = torch.randn(tokens, (28 + 8) * 128, dtype=torch.bfloat16, device=dev)
+    pos = torch.randint(0, 8192, (tokens,), device=dev)
+    slots = torch.randperm(3000, device=dev)[:tokens]
+    kv_tiled, kv_rows = (torch.zeros(2, 3000, 4, 128, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    q, k, _ = fused.rope_and_store(qkv, pos, rope.cos, rope.sin, kv_tiled, slots, 28, 4, 128)
+    pieces = [fused.rope_and_store(qkv[i:i + 50], pos[i:i + 50], rope.cos, rope.sin, kv_rows, slots[i:i + 50],
+                                   28, 4, 128) for i in range(0, tokens, 50)]
+    assert torch.equal(q, torch.cat([p[0] for p in pieces])) and torch.equal(k, torch.cat([p[1] for p in pieces]))
+    assert torch.equal(kv_tiled, kv_rows)
+
+
 def test_padded_prefill_matches_unpadded() -> None:
     """cuDNN on a prompt padded to its bucket gives the real rows what it gives the bare prompt, to
     bf16 rounding (7B head shape)."""

@@ -56,49 +56,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS,
+def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
                        s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       WRITE_V: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                       WRITE_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One head of BLOCK_T tokens per program (one token's head alone is too little work: at 32k
+    tokens a program per (token, head) ran at a quarter of the memory bandwidth)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, half)
-    src = QKV + t * s_qkv + h * HEAD_DIM
-    x1 = tl.load(src + offs)
-    slot = tl.load(SLOTS + t).to(tl.int64)
+    offs = tl.arange(0, half)[None, :]
+    live = (t < T)[:, None]
+    src = QKV + t[:, None] * s_qkv + h * HEAD_DIM
+    x1 = tl.load(src + offs, mask=live)
+    x2 = tl.load(src + half + offs, mask=live)
+    slot = tl.load(SLOTS + t, mask=t < T, other=0).to(tl.int64)[:, None]
     if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
-        x2 = tl.load(src + half + offs)
         vh = h - NUM_HEADS - NUM_KV_HEADS
         dst = KV + s_kv_kind + slot * s_kv_slot + vh * s_kv_head
-        tl.store(dst + offs, x1)
-        tl.store(dst + half + offs, x2)
+        tl.store(dst + offs, x1, mask=live)
+        tl.store(dst + half + offs, x2, mask=live)
         if WRITE_V:
-            out = V_OUT + (t * NUM_KV_HEADS + vh) * HEAD_DIM
-            tl.store(out + offs, x1)
-            tl.store(out + half + offs, x2)
+            out = V_OUT + (t[:, None] * NUM_KV_HEADS + vh) * HEAD_DIM
+            tl.store(out + offs, x1, mask=live)
+            tl.store(out + half + offs, x2, mask=live)
     else:
-        x2 = tl.load(src + half + offs)
-        pos = tl.load(POS + t).to(tl.int64)
+        pos = tl.load(POS + t, mask=t < T, other=0).to(tl.int64)[:, None]
         dt = x1.dtype
-        c1 = tl.load(COS + pos * s_cos + offs).to(dt).to(tl.float32)
-        c2 = tl.load(COS + pos * s_cos + half + offs).to(dt).to(tl.float32)
-        s1 = tl.load(SIN + pos * s_cos + offs).to(dt).to(tl.float32)
-        s2 = tl.load(SIN + pos * s_cos + half + offs).to(dt).to(tl.float32)
+        c1 = tl.load(COS + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
+        c2 = tl.load(COS + pos * s_cos + half + offs, mask=live).to(dt).to(tl.float32)
+        s1 = tl.load(SIN + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + pos * s_cos + half + offs, mask=live).to(dt).to(tl.float32)
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         # q * cos + rotate_half(q) * sin, each product and the sum rounded as in PyTorch
         o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
         o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
         if h < NUM_HEADS:
-            dst = Q_OUT + (t * NUM_HEADS + h) * HEAD_DIM
+            dst = Q_OUT + (t[:, None] * NUM_HEADS + h) * HEAD_DIM
         else:
             kh = h - NUM_HEADS
-            dst = K_OUT + (t * NUM_KV_HEADS + kh) * HEAD_DIM
+            dst = K_OUT + (t[:, None] * NUM_KV_HEADS + kh) * HEAD_DIM
             cache = KV + slot * s_kv_slot + kh * s_kv_head
-            tl.store(cache + offs, o1)
-            tl.store(cache + half + offs, o2)
-        tl.store(dst + offs, o1)
-        tl.store(dst + half + offs, o2)
+            tl.store(cache + offs, o1, mask=live)
+            tl.store(cache + half + offs, o2, mask=live)
+        tl.store(dst + offs, o1, mask=live)
+        tl.store(dst + half + offs, o2, mask=live)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -116,8 +118,9 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         v = torch.empty_like(k)
         for t in (q, k, v):
             t[tokens:].zero_()
-    _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
-        qkv, positions, cos, sin, q, k, v, kv_layer, slots, qkv.stride(0), kv_layer.stride(0), kv_layer.stride(1),
-        kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        WRITE_V=rows is not None, num_warps=1)
+    block_t = 1 if tokens <= 64 else 16  # decode steps (in CUDA graphs) keep a program per token
+    _rope_store_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
+        kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4)
     return q, k, v
