@@ -65,7 +65,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     for i in range(repeats):
         store.get(f"posted{i}")
         started = time.perf_counter()
-        sender = NcclKVSender(pair, pool, table, tokens, TIMEOUT_S)
+        sender = NcclKVSender(pair, pool, slots, TIMEOUT_S)
         for layer in range(pool.layout.num_layers):
             sender.layer_done(layer)
         sender.finish()

@@ -114,12 +114,12 @@ class Handoff:
         if not self.receiver.posted:
             return True
         if failed:
-            self.peer.nccl.abort()  # the receive-watching thread stops at the next layer; the works end
+            self.peer.nccl.abort()  # the scatter thread stops at the next layer
         limit = time.monotonic() + (5.0 if failed else 120.0)
         while time.monotonic() < limit:
             if self.receiver.complete():
                 return True
-            if self.receiver.stopped.is_set() and self.receiver.quiet():  # stopped early, NCCL done writing
+            if self.receiver.stopped.is_set():  # stopped early: NCCL writes only into its staging buffer
                 await _drained(self.receiver.drain_marker())
                 return True
             await asyncio.sleep(0.001)

@@ -96,7 +96,7 @@ class TransportHub:
         from engine.transport.nccl import NcclKVSender
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
-            sender = NcclKVSender(pair, self.runner.pool, job.block_table, slots.numel(), self.timeout_s)
+            sender = NcclKVSender(pair, self.runner.pool, slots, self.timeout_s)
             job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
             return sender
 

@@ -83,7 +83,7 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
         prefill.kill()
         thread.join(60)
         assert not thread.is_alive()
-        # the failed transfer's blocks come back (nccl: once the aborted pair's receives have ended)
+        # the failed transfer's blocks come back to the decode server's pool
         wait_until(decode_kv_idle, timeout=10)
         # the decode server keeps serving (colocated needs no prefill server)
         assert generate(decode.address, prompt[:100], decode_pb2.PREFILL_MODE_COLOCATED)

@@ -106,23 +106,13 @@ class NcclPair:
             log.debug("abort of NCCL pair %s failed", self.group, exc_info=True)
 
 
-def _halves(pool: KVPool, layer: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer's slots [first, first + num_tokens): two contiguous slices of the pool."""
-    kv = pool.layers[layer]
-    return kv[0].narrow(0, first, num_tokens), kv[1].narrow(0, first, num_tokens)
-
-
 class NcclKVSender(KVSender):
-    """Prefill side: two sends per layer (its K, then its V, as on the wire), straight out of the
-    pool when the prompt's blocks are one run of slots, else gathered out of it first."""
+    """Prefill side: one send per layer of the prompt's KV, gathered out of the pool."""
 
     cancellable = False
 
-    def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int,
-                 deadline_s: float) -> None:
-        self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
-        self.first = pool.table_start(block_table, num_tokens)
-        self.slots = pool.slots(block_table, 0, num_tokens) if self.first is None else None
+    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float) -> None:
+        self.pair, self.pool, self.slots = pair, pool, slots
         self.deadline_s = deadline_s
         self._inflight: list[tuple[torch.Tensor, dist.Work]] = []
         self.sequence = pair.next_sequence
@@ -131,13 +121,8 @@ class NcclKVSender(KVSender):
     def layer_done(self, layer: int) -> None:
         if self.pair.broken:
             raise TransferCancelled
-        if self.slots is None:
-            halves = _halves(self.pool, layer, self.first or 0, self.num_tokens)
-        else:
-            buf = self.pool.read(layer, self.slots)
-            halves = buf[0], buf[1]
-        for half in halves:
-            self._inflight.append((half, self.pair.pg.send([half], self.pair.peer, 0)))
+        buf = self.pool.read(layer, self.slots)
+        self._inflight.append((buf, self.pair.pg.send([buf], self.pair.peer, 0)))
 
     def finish(self) -> None:
         """Every layer is sent (the decode side's receives are posted before the sends can finish).
@@ -154,37 +139,29 @@ class NcclKVSender(KVSender):
 
 
 class NcclKVReceiver:
-    """Decode side: posts every layer's two receives at once. When this sequence's blocks are one
-    run of slots NCCL writes straight into the pool; otherwise into one staging buffer, and a
-    thread scatters each layer into the pool's slots (on the pair's stream) as it lands. Either
-    way a thread watches the receives land, so the engine's stream never waits on the network,
-    and posting makes two calls into torch a layer: under load each such call gives up the GIL
-    and waits up to a switch interval to get it back (`bench.gil_convoy`).
-
-    After a failure NCCL may still write into what it was given until the aborted pair's works
-    end (`quiet`): a staging buffer is then kept by the pair, the pool's blocks by the caller."""
+    """Decode side: posts every layer's receive into one staging buffer at once; a thread then
+    scatters each layer into the pool's slots (on the pair's stream) as soon as it sees it land.
+    The engine's stream never waits on the network, and posting makes one call into torch a layer
+    rather than four: under load each such call gives up the GIL and waits up to a switch
+    interval to get it back (`bench.gil_convoy`). NCCL only ever writes into the staging buffer,
+    so once the scatter thread stops the pool's blocks are ours again; a buffer a failed transfer
+    may still write into is kept by the pair."""
 
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
-        self.first = pool.table_start(block_table, num_tokens)
-        self.slots = pool.slots(block_table, 0, num_tokens) if self.first is None else None
+        self.slots = pool.slots(block_table, 0, num_tokens)
         self.stream = pair.stream
         self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
-        self.posted = False                 # receives are posted: the peer may write into them
-        self.stopped = threading.Event()    # the watching thread is done, whole or not
+        self.posted = False                 # receives are posted: the peer may write into staging
+        self.stopped = threading.Event()    # the scatter thread is done, whole or not
         self.error: BaseException | None = None
-        self._works: list[Any] = []
         self._scattered = False
-
-    @property
-    def direct(self) -> bool:
-        return self.slots is None
 
     def _stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def post(self, sequence: int, deadline: float) -> None:
-        """Once the pair reaches `sequence`, post every layer's receives and start the watching thread."""
+        """Once the pair reaches `sequence`, post every layer's receive and start the scatter thread."""
         pair = self.pair
         wait_until(lambda: pair.next_sequence >= sequence or pair.broken, deadline, "earlier NCCL transfers")
         lay = self.pool.layout
@@ -194,54 +171,36 @@ class NcclKVReceiver:
                                      f"transfer {sequence})")
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
-            staging = None
             with self._stream():
-                if self.direct:
-                    targets = [half for layer in range(lay.num_layers)
-                               for half in _halves(self.pool, layer, self.first or 0, self.num_tokens)]
-                else:
-                    staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
-                                          dtype=lay.torch_dtype, device=self.pool.device)
-                    targets = [staging[layer, half] for layer in range(lay.num_layers) for half in (0, 1)]
-                self._works = [pair.pg.recv([t], pair.peer, 0) for t in targets]
+                staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
+                                      dtype=lay.torch_dtype, device=self.pool.device)
+                works = [pair.pg.recv([staging[layer]], pair.peer, 0) for layer in range(lay.num_layers)]
             self.posted = True
             pair.next_sequence += 1
-        threading.Thread(target=self._land, args=(staging, deadline), daemon=True, name="nccl-land").start()
+        threading.Thread(target=self._scatter, args=(staging, works, deadline), daemon=True,
+                         name="nccl-scatter").start()
 
-    def _land(self, staging: torch.Tensor | None, deadline: float) -> None:
+    def _scatter(self, staging: torch.Tensor, works: list[Any], deadline: float) -> None:
         pair = self.pair
         try:
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
-            last = self.pool.layout.num_layers - 1
-            for layer in range(last + 1):
-                if staging is None and layer < last:
-                    continue  # a pair's receives end in order (one NCCL stream): the last one ending says all did
-                for work in self._works[2 * layer:2 * layer + 2]:
-                    wait_work(work, self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
-                              aborted=lambda: pair.broken)
-                if staging is not None and self.slots is not None:
-                    with self._stream():
-                        self.pool.write(layer, self.slots, staging[layer])
+            for layer, work in enumerate(works):
+                wait_work(work, self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
+                          aborted=lambda: pair.broken)
+                with self._stream():
+                    self.pool.write(layer, self.slots, staging[layer])
             if self.done is not None:
                 self.done.record(self.stream)
             self._scattered = True
         except BaseException as e:  # surfaced by the handoff (complete() stays False)
             self.error = e
-            if staging is not None:
-                pair.retired.append((staging, self._works))
+            pair.retired.append((staging, works))
         finally:
             self.stopped.set()
 
     def complete(self) -> bool:
         return self._scattered and (self.done is None or self.done.query())
-
-    def quiet(self) -> bool:
-        """After `stopped`: True once NCCL can no longer write into the pool's blocks (staged: at
-        once; direct: once every receive has ended, which an aborted pair's do)."""
-        if not self.direct or self._scattered:
-            return True
-        return all(_ended(work) for work in self._works)
 
     def drain_marker(self) -> Any:
         """Completes once every scatter queued so far has (call after `stopped`)."""
@@ -250,10 +209,3 @@ class NcclKVReceiver:
         marker = torch.cuda.Event()
         marker.record(self.stream)
         return marker
-
-
-def _ended(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except RuntimeError:  # the work failed: it writes no more
-        return True
