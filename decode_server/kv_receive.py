@@ -35,6 +35,15 @@ class Handoff:
         self.bytes = 0
         self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
+        self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
+
+    def _timed(self, call: Any, *args: Any) -> Any:
+        """On the writer thread: `call(*args)`, its time added to post_busy_s."""
+        started = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            self.post_busy_s += time.monotonic() - started
 
     def _write_chunk(self, chunk: KVView) -> None:
         """On the writer thread (the receiver's slot upload is device work too)."""
@@ -70,17 +79,17 @@ class Handoff:
         if self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
-            self.receiver = await loop.run_in_executor(self.writer, NcclKVReceiver, self.peer.nccl, self.pool,
-                                                       self.block_table, self.num_tokens)
+            self.receiver = await loop.run_in_executor(self.writer, self._timed, NcclKVReceiver, self.peer.nccl,
+                                                       self.pool, self.block_table, self.num_tokens)
             try:
-                await loop.run_in_executor(self.writer, self.receiver.post, start.sequence, deadline)
+                await loop.run_in_executor(self.writer, self._timed, self.receiver.post, start.sequence, deadline)
             except TransferFailed as e:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         elif self.transport == "cuda-ipc":
             from engine.transport.cuda_ipc import IpcKVReceiver
 
             receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
-            await loop.run_in_executor(self.writer, receiver.start, list(start.src_block_table),
+            await loop.run_in_executor(self.writer, self._timed, receiver.start, list(start.src_block_table),
                                        start.src_block_size)
             self.receiver = receiver
         else:

@@ -51,6 +51,7 @@ class RemotePrefill:
     queue_s: float  # behind other prompts on the prefill server
     start_at_s: float = 0.0  # the transfer's start message arrived, since the call began (nccl, cuda-ipc)
     post_s: float = 0.0      # setting up the receive after it
+    post_busy_s: float = 0.0  # the part of post_s inside the receive set-up's own calls
 
 
 class PrefillPeer:
@@ -227,7 +228,8 @@ class PrefillRouter:
                 asyncio.ensure_future(self._release_ipc(peer, request_id))
             return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, handoff_s), max(0.0, exposed),
                                  handoff.bytes, transport, done.queue_s,
-                                 max(0.0, handoff.start_at - began) if handoff.start_at else 0.0, handoff.post_s)
+                                 max(0.0, handoff.start_at - began) if handoff.start_at else 0.0, handoff.post_s,
+                                 handoff.post_busy_s)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()

@@ -40,6 +40,7 @@ class Timing:
     kv_exposed_s: float = 0.0   # KV handoff time after the prefill's last layer finished
     kv_start_at_s: float = 0.0  # remote prefill began -> the transfer's start message arrived
     kv_post_s: float = 0.0      # setting up the receive after that message
+    kv_post_busy_s: float = 0.0  # the part of kv_post_s inside the set-up's calls (the rest: waiting to run them)
     kv_bytes: int = 0
     kv_transport: str = ""      # "" when prefilled here
     first_token: float = 0.0

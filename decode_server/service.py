@@ -318,6 +318,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         timing.prefill_s, timing.kv_transfer_s = remote.prefill_s, remote.kv_transfer_s
         timing.prefill_queue_s, timing.kv_start_at_s, timing.kv_post_s = remote.queue_s, remote.start_at_s, \
             remote.post_s
+        timing.kv_post_busy_s = remote.post_busy_s
         timing.kv_exposed_s, timing.kv_bytes, timing.kv_transport = remote.kv_exposed_s, remote.kv_bytes, \
             remote.transport
         metrics.PREFILL_SECONDS.observe(remote.prefill_s)
@@ -351,6 +352,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             "prefill_queue_s": round(t.prefill_queue_s, 6), "prefill_s": round(t.prefill_s, 6),
             "kv_transfer_s": round(t.kv_transfer_s, 6), "kv_exposed_s": round(t.kv_exposed_s, 6),
             "kv_start_at_s": round(t.kv_start_at_s, 6), "kv_post_s": round(t.kv_post_s, 6),
+            "kv_post_busy_s": round(t.kv_post_busy_s, 6),
             "ttft_s": round(t.first_token - t.arrival, 6) if t.first_token else None,
             "e2e_s": round(time.perf_counter() - t.arrival, 6)}))
 
