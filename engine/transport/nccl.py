@@ -149,7 +149,9 @@ class NcclKVReceiver:
 
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
+        started = time.monotonic()
         self.slots = pool.slots(block_table, 0, num_tokens)
+        self.set_up_s: dict[str, float] = {"slots": time.monotonic() - started}  # where the set-up's time goes
         self.stream = pair.stream
         self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
         self.posted = False                 # receives are posted: the peer may write into staging
@@ -163,9 +165,19 @@ class NcclKVReceiver:
     def post(self, sequence: int, deadline: float) -> None:
         """Once the pair reaches `sequence`, post every layer's receive and start the scatter thread."""
         pair = self.pair
+        mark = time.monotonic()
+
+        def lap(part: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            self.set_up_s[part] = now - mark
+            mark = now
+
         wait_until(lambda: pair.next_sequence >= sequence or pair.broken, deadline, "earlier NCCL transfers")
+        lap("earlier_transfers")
         lay = self.pool.layout
         with pair.lock:
+            lap("lock")
             if pair.broken or pair.next_sequence != sequence:
                 raise TransferFailed(f"NCCL pair {pair.group} is out of step (at {pair.next_sequence}, "
                                      f"transfer {sequence})")
@@ -174,11 +186,16 @@ class NcclKVReceiver:
             with self._stream():
                 staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
                                       dtype=lay.torch_dtype, device=self.pool.device)
+                lap("staging")
                 works = [pair.pg.recv([staging[layer]], pair.peer, 0) for layer in range(lay.num_layers)]
+                lap("receives")
             self.posted = True
             pair.next_sequence += 1
         threading.Thread(target=self._scatter, args=(staging, works, deadline), daemon=True,
                          name="nccl-scatter").start()
+        lap("thread")
+        log.debug("NCCL receive set-up of %d tokens (ms): %s", self.num_tokens,
+                  {k: round(v * 1e3, 2) for k, v in self.set_up_s.items()})
 
     def _scatter(self, staging: torch.Tensor, works: list[Any], deadline: float) -> None:
         pair = self.pair
