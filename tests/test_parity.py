@@ -58,3 +58,22 @@ def test_paddedwhole_prompt_attention_matches_unpadded() -> None:
     q, k, v = torch.randn(37, 4, 16), torch.randn(37, 2, 16), torch.randn(37, 2, 16)
     pad = [torch.cat((t, torch.zeros(11, *t.shape[1:]))) for t in (q, k, v)]
     assert torch.allclose(whole_prompt_attention(*pad)[:37], whole_prompt_attention(q, k, v), atol=1e-6)
+
+
+def test_last_row_attention_is_the_last_row_of_causal_attention() -> None:
+    """A prefill's last layer attends with its last row only: the same values as that row of the
+    whole causal attention, with and without a cached prefix in the pool."""
+    from engine.attention import PrefillMeta, last_row_attention, prefill_attention, whole_prompt_attention
+    from engine.kv_cache import KVLayout, KVPool
+
+    torch.manual_seed(7)
+    q, k, v = torch.randn(37, 4, 16), torch.randn(37, 2, 16), torch.randn(37, 2, 16)
+    pool = KVPool(KVLayout("m", "float32", 1, 2, 16, 4), 16, torch.device("cpu"))
+    whole = PrefillMeta(new_slots=torch.arange(37), prior_slots=None)
+    assert torch.allclose(last_row_attention(q[-1:], k, v, pool, 0, whole), whole_prompt_attention(q, k, v)[-1:],
+                          atol=1e-6)
+    pool.write(0, torch.arange(30), torch.stack((k[:30], v[:30])))  # the first 30 tokens cached
+    chunk = PrefillMeta(new_slots=torch.arange(30, 37), prior_slots=torch.arange(30))
+    full = prefill_attention(q[30:], k[30:], v[30:], pool, 0, chunk)
+    assert torch.allclose(last_row_attention(q[-1:], k[30:], v[30:], pool, 0, chunk), full[-1:], atol=1e-6)
+    assert torch.allclose(full[-1:], whole_prompt_attention(q, k, v)[-1:], atol=1e-5)
