@@ -14,7 +14,6 @@ Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
@@ -79,10 +78,8 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
     devices the nccl protocol runs over Gloo, as in the servers (tests)."""
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
         sys.exit(f"error: --mode endpoints with {transport} needs two GPUs (NCCL refuses two ranks on one)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = _store(port, master=True)
+    store = _store(0, master=True)  # on a port it picks
+    port = store.port
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
                               str(tokens), str(repeats + 1), devices[0]] + (["--scattered"] if scattered else []))
     try:

@@ -4,7 +4,6 @@ groups, the exported pool for cuda-ipc, and blocks held until a decode side has 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -55,11 +54,8 @@ class TransportHub:
 
         from engine.transport.nccl import PREFILL_RANK, NcclPair
 
-        if self._store is None:
-            with socket.socket() as s:  # a free port for the pairs' rendezvous store
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            self._store = dist.TCPStore(self.advertise_host, port, is_master=True, wait_for_workers=False,
+        if self._store is None:  # the pairs' rendezvous store, on a port it picks
+            self._store = dist.TCPStore(self.advertise_host, 0, is_master=True, wait_for_workers=False,
                                         use_libuv=True)
         old = self._nccl.pop(peer_id, None)
         if old is not None:
