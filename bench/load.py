@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
     p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\"")
     p.add_argument("--json", default="bench/results/load-h200.json")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="PNG of every deployment's token gaps over time and TTFT against prompt length")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
     if len(args.devices) not in (1, 2):
@@ -85,7 +87,7 @@ def main() -> None:
             wait_ready(proc, server.address, logs / f"{server.module}-{server.port}.log")
         out = logs / "load.json"
         cmd = [sys.executable, "-m", "client.load", "--no-progress", "--json", str(out), *args.load_args.split(),
-               "--compare", *(args.compare or compare)]
+               "--compare", *(args.compare or compare), *(["--plot", args.plot] if args.plot else [])]
         if subprocess.run(cmd, env=env).returncode != 0:
             sys.exit("error: the load run failed; server logs in " + str(logs))
         doc = json.loads(out.read_text())

@@ -155,7 +155,8 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
                  "--long-prompt-frac 0.25 --long-prompt-len 300 --seed 3")
     done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu", "cpu",
                            "--kv-cache-gb", "0.1", "--port", str(free_port_run(4)), "--load-args", load_args,
-                           "--server-args", "--gil-switch-ms 1", "--json", str(out), "--logs", str(tmp_path / "logs")],
+                           "--server-args", "--gil-switch-ms 1", "--json", str(out), "--logs", str(tmp_path / "logs"),
+                           "--plot", str(tmp_path / "load.png")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -166,6 +167,7 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     for run in runs.values():
         assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
     assert doc["devices"] == ["cpu", "cpu"] and len(doc["servers"]) == 4 and doc["commit"]
+    assert (tmp_path / "load.png").read_bytes().startswith(b"\x89PNG")
     assert all("--gil-switch-ms 1" in server for server in doc["servers"])
     # where TTFT went, per deployment: only the split pair hands KV over, only its prompts queue remotely
     split, colocated = runs["split"]["server_mean_ms"], runs["colocated"]["server_mean_ms"]
