@@ -90,8 +90,8 @@ class BlockAllocator:
     gRPC loop both use it.
 
     A request gets the lowest run long enough for all its blocks when there is one, so a prompt's
-    KV is usually one slice of the pool; the GPU transports then move it without gathering or
-    scattering (`KVPool.table_start`). With no such run the blocks come from the lowest runs."""
+    KV is usually one slice of the pool; cuda-ipc then copies it without gathering or scattering
+    (`KVPool.table_start`). With no such run the blocks come from the lowest runs."""
 
     def __init__(self, num_blocks: int, first: int = 0) -> None:
         self.num_blocks = num_blocks - first
@@ -148,6 +148,16 @@ class BlockAllocator:
             self._runs.insert(i, [start, length])
 
 
+def run_start(block_table: list[int], num_tokens: int, block_size: int) -> int | None:
+    """The first slot when tokens [0, num_tokens) of a sequence with this block table are one
+    ascending run of slots (then they are plain slices of its pool), else None. Host only."""
+    n = -(-num_tokens // block_size)
+    if n == 0 or len(block_table) < n:
+        return None
+    first = block_table[0]
+    return first * block_size if block_table[:n] == list(range(first, first + n)) else None
+
+
 def raw_view(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of plain integers (numpy has no bfloat16)."""
     return t.view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy()
@@ -190,13 +200,8 @@ class KVPool:
         return (table[pos // bs] * bs + pos % bs).to(self.device, non_blocking=True)
 
     def table_start(self, block_table: list[int], num_tokens: int) -> int | None:
-        """The first slot when tokens [0, num_tokens) of a sequence with this block table are one
-        ascending run of slots (then they are plain slices of the pool), else None. Host only."""
-        n = self.blocks_needed(num_tokens)
-        if n == 0 or len(block_table) < n:
-            return None
-        first = block_table[0]
-        return first * self.layout.block_size if block_table[:n] == list(range(first, first + n)) else None
+        """`run_start` in this pool's block size."""
+        return run_start(block_table, num_tokens, self.layout.block_size)
 
     @staticmethod
     def first_slot_if_contiguous(slots: torch.Tensor) -> int | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
+from engine.kv_cache import KVLayout, KVPool, run_start
 from engine.transport.base import KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -143,9 +143,7 @@ class IpcKVReceiver:
         plain copies (K, V) over NVLink; otherwise the two slot lists go to the device for a
         gather and a scatter."""
         n = self.num_tokens
-        src_blocks = -(-n // src_block_size)
-        if n and src_block_table[:src_blocks] == list(range(src_block_table[0], src_block_table[0] + src_blocks)):
-            self.src_first = src_block_table[0] * src_block_size
+        self.src_first = run_start(src_block_table, n, src_block_size)
         self.dst_first = self.pool.table_start(self.block_table, n)
         if self.src_first is not None and self.dst_first is not None:
             return

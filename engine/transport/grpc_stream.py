@@ -129,7 +129,7 @@ class GrpcKVReceiver:
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pool, self.num_tokens = pool, num_tokens
         self.slots = pool.slots(block_table, 0, num_tokens)
-        self.first = pool.first_slot_if_contiguous(self.slots)
+        self.first = pool.table_start(block_table, num_tokens)  # from the table: no read of the device slots
         self.bytes_received = 0
         self._covered = [0] * pool.layout.num_layers
 
