@@ -70,15 +70,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     prefix reads the prefix from the pool."""
     if meta.whole_prompt:
         return whole_prompt_attention(q, k, v)[:meta.new_slots.numel()]
-    cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
-    k = torch.cat((cached[0], k))
-    v = torch.cat((cached[1], v))
+    k, v = _with_prefix(k, v, pool, layer, meta)
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)                       # [1, H, T, D]
     kh = expand_kv(k.transpose(0, 1), groups).unsqueeze(0)    # [1, H, L, D]
     vh = expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qh.shape[2], kh.shape[2]))
     return out.squeeze(0).transpose(0, 1)
+
+
+def _with_prefix(k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                 meta: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's k/v [T, Hkv, D] after its sequence's cached prefix, read from the pool."""
+    cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
+    return torch.cat((cached[0], k)), torch.cat((cached[1], v))
 
 
 # One query row: no cuDNN (it would build a plan for every key length); flash takes grouped KV heads.
@@ -90,9 +95,7 @@ def last_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: 
     """Attention of a prefill chunk's last row alone (q [1, H, D]) over every key up to it: the
     cached prefix and the chunk's own k/v [T, Hkv, D]. The last row sees them all, so no mask."""
     if not meta.whole_prompt:
-        cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
-        k = torch.cat((cached[0], k))
-        v = torch.cat((cached[1], v))
+        k, v = _with_prefix(k, v, pool, layer, meta)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     with sdpa_kernel(_ROW_BACKENDS) if qh.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
@@ -102,10 +105,7 @@ def last_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: 
 def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]."""
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views of [T, H, D]
-    if qh.is_cuda:
-        with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
+    with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True) if qh.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
