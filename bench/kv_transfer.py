@@ -196,8 +196,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--blocks", nargs="+", choices=["contiguous", "scattered"], default=["contiguous"],
-                   help="GPU endpoints: both pools' block tables one run (moved as slices) or scattered "
-                        "(gathered and scattered)")
+                   help="GPU endpoints: both pools' block tables one run (cuda-ipc copies them as slices) "
+                        "or scattered (gathered and scattered)")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
