@@ -1,6 +1,10 @@
 """`python -m bench.engine`: decode step and prefill times of the engine on one GPU, each beside
 its floor (bytes over measured HBM bandwidth; FLOPs over the measured bf16 matrix rate).
 
+Two matrix rates: a short burst at boost clock, and the rate held for seconds once the card has
+run into its power limit (a 32k prefill takes a second and runs at that limit, with the board power
+and SM clock it ran at printed beside it: `bench.gpu_power`).
+
 Decode: every sequence has a real 1,024-token prefilled context; a step is what the decode
 server runs (metadata upload, graph replay, greedy tokens read back), timed by the host clock.
 """
@@ -17,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
+from bench.gpu_power import PowerSampler, as_json, describe, sustained_bf16_tflops
 from engine import ops
 from engine.offline import make_runner
 from engine.runner import DecodeSeq, ModelRunner
@@ -96,16 +101,19 @@ def profile_prefill(runner: ModelRunner, length: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
-def prefill_ms(runner: ModelRunner, length: int) -> float:
+def prefill_ms(runner: ModelRunner, length: int) -> tuple[float, PowerSampler]:
+    """The fastest of two timed prefills after a warm-up, and the power and clock they ran at."""
     times = []
     with prefill_prompt(runner, length) as (prompt, table):
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.prefill(prompt, table, 0)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return min(times[1:])
+        runner.prefill(prompt, table, 0)
+        with PowerSampler(runner.device) as sampler:
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner.prefill(prompt, table, 0)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+    return min(times), sampler
 
 
 def prefill_flops(runner: ModelRunner, n: int) -> float:
@@ -141,16 +149,21 @@ def main() -> None:
     device = torch.device("cuda:0")
     ops.SKINNY_GEMV = not args.no_skinny_gemv
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
-    print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s", flush=True)
+    held, held_power = sustained_bf16_tflops(device)
+    print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
+          f"held for seconds {describe(held_power)}", flush=True)
     runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
                          max_batch_size=max(args.batches), max_model_len=max(*args.prefill_lens, args.context + 512),
                          cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket)
     wbytes = weight_bytes(runner)
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
-           "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1), "weight_bytes": wbytes,
+           "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1),
+           "bf16_tflops_sustained": round(held, 1), "sustained_matmul_power": as_json(held_power),
+           "weight_bytes": wbytes,
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": ops.SKINNY_GEMV,
-           "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {}}
+           "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {},
+           "prefill_floor_sustained_ms": {}, "prefill_power": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
     for batch in args.batches:
         ms = decode_step_ms(runner, batch, args.context, args.steps)
@@ -159,13 +172,17 @@ def main() -> None:
         doc["decode_floor_ms"][str(batch)] = round(floor, 3)
         doc["decode_tok_per_s"][str(batch)] = round(batch / ms * 1e3, 1)
         print(f"{batch:>12} {ms:>9.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}", flush=True)
-    print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7}")
+    print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7} {'held floor':>10} {'of held':>7}")
     for n in args.prefill_lens:
-        ms = prefill_ms(runner, n)
+        ms, power = prefill_ms(runner, n)
         floor = prefill_flops(runner, n) / (tflops * 1e12) * 1e3
+        held_floor = prefill_flops(runner, n) / (held * 1e12) * 1e3
         doc["prefill_ms"][str(n)] = round(ms, 2)
         doc["prefill_floor_ms"][str(n)] = round(floor, 2)
-        print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%}", flush=True)
+        doc["prefill_floor_sustained_ms"][str(n)] = round(held_floor, 2)
+        doc["prefill_power"][str(n)] = as_json(power.reading)
+        print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%} {held_floor:>10.1f} {held_floor / ms:>7.0%}  "
+              f"{describe(power.reading)}", flush=True)
     if args.profile:
         for batch in (1, max(args.batches)):
             profile_decode(runner, batch, args.context)
