@@ -3,9 +3,10 @@ how long a whole prompt's KV takes to move from one GPU's pool to another's when
 
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
 first), its pool filled with random values. They meet on a TCPStore, as the servers do.
-- nccl: the child sends every layer with `NcclKVSender` while this side posts its receives
-  (`NcclKVReceiver`), as the servers do; timed from the first send to every layer scattered into
-  this pool.
+- nccl: this side posts its receives (`NcclKVReceiver`), then the child sends every layer with
+  `NcclKVSender`; timed from the first layer's gather to every layer scattered into this pool. The
+  posting is timed on its own (`receive_setup_ms`): in the servers it runs while the prefill's
+  first layers compute, and a sender that started first would count its time as the link's.
 - cuda-ipc: the child exports its pool; this side maps it (`RemotePool`) and copies every layer
   (`IpcKVReceiver`); timed from the first copy to the last one done.
 Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
@@ -92,7 +93,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
             else _nccl_receives(store, pool, table, tokens, repeats + 1)
         out = []
-        for i, seconds in enumerate(timed):
+        for i, (seconds, set_up_ms) in enumerate(timed):
             equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
             pool.storage.zero_()  # the next repeat must bring every byte again
             _sync(device)
@@ -102,9 +103,11 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
             blocks = "scattered" if scattered else "contiguous"
             out.append({"transport": transport, "mode": "endpoints", "blocks": blocks, "tokens": tokens,
                         "bytes": nbytes, "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1),
-                        "exposed_ms": None, "bitwise_equal": equal})
+                        "exposed_ms": None, "bitwise_equal": equal,
+                        "receive_setup_ms": None if set_up_ms is None else round(set_up_ms, 3)})
             print(f"{transport} endpoints ({blocks} blocks): {nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
-                  f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}", flush=True)
+                  f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}"
+                  + ("" if set_up_ms is None else f" (receives posted before, in {set_up_ms:.2f} ms)"), flush=True)
         store.set("finished", "1")
         child.wait(60)
         return out
@@ -113,16 +116,21 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
             child.kill()
 
 
-def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int, n: int) -> Iterator[float]:
-    """Each transfer's seconds, yielded before the next starts (so its arrival can be checked)."""
+def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int,
+                   n: int) -> Iterator[tuple[float, float | None]]:
+    """Each transfer's seconds and its receives' posting (ms), yielded before the next starts (so its
+    arrival can be checked)."""
     from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclPair
 
     pair = NcclPair(store, "bench", DECODE_RANK, pool.device, TIMEOUT_S)
     pair.warm_up()
     for i in range(n):
         receiver = NcclKVReceiver(pair, pool, table, tokens)
-        store.set(f"posted{i}", "1")  # the sender goes now: post() may wait for each layer to land
+        set_up = time.perf_counter()
         receiver.post(i, time.monotonic() + TIMEOUT_S)
+        set_up_ms = (time.perf_counter() - set_up) * 1e3
+        store.set(f"posted{i}", "1")  # the sender goes now, as in the servers, where the receives are posted
+        # while the prefill's first layers compute
         # wait as the servers do, without holding the GIL: a spinning thread here would make the
         # receiver's watching thread wait a switch interval (5 ms) each time it wakes
         if not receiver.stopped.wait(TIMEOUT_S) or receiver.error is not None:
@@ -130,11 +138,11 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
         while not receiver.complete():
             time.sleep(0.00005)
         done = time.perf_counter()
-        yield done - float(store.get(f"started{i}"))
+        yield done - float(store.get(f"started{i}")), set_up_ms
 
 
 def _ipc_copies(store: dist.TCPStore, pool: KVPool, table: list[int], src_table: list[int], tokens: int,
-                n: int) -> Iterator[float]:
+                n: int) -> Iterator[tuple[float, float | None]]:
     from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
 
     handle, offset, slots = store.get("ipc").decode().split(":")
@@ -148,7 +156,7 @@ def _ipc_copies(store: dist.TCPStore, pool: KVPool, table: list[int], src_table:
             receiver.copy_layer(layer)
         while not receiver.complete():
             pass
-        yield time.perf_counter() - started
+        yield time.perf_counter() - started, None
     remote.close()
 
 
