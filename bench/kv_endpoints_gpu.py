@@ -65,11 +65,12 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     for i in range(repeats):
         store.get(f"posted{i}")
         started = time.perf_counter()
-        sender = NcclKVSender(pair, pool, slots, TIMEOUT_S)
+        sender = NcclKVSender(pair, pool, slots, TIMEOUT_S, pool.table_start(table, tokens))
         for layer in range(pool.layout.num_layers):
             sender.layer_done(layer)
         sender.finish()
         store.set(f"started{i}", repr(started))
+        store.set(f"last_post{i}", repr(sender.posted_at[-1]))
     store.get("finished")
 
 
@@ -138,7 +139,15 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
         while not receiver.complete():
             time.sleep(0.00005)
         done = time.perf_counter()
-        yield done - float(store.get(f"started{i}")), set_up_ms
+        started = float(store.get(f"started{i}"))
+        print(f"  from the first gather (ms): last send posted {_ms(store.get(f'last_post{i}'), started)}, "
+              f"first layer landed {_ms(receiver.landed_at[0], started)}, last landed "
+              f"{_ms(receiver.landed_at[-1], started)}, all scattered {_ms(done, started)}", flush=True)
+        yield done - started, set_up_ms
+
+
+def _ms(at: float | bytes, since: float) -> str:
+    return f"{(float(at) - since) * 1e3:.2f}"
 
 
 def _ipc_copies(store: dist.TCPStore, pool: KVPool, table: list[int], src_table: list[int], tokens: int,

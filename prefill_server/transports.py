@@ -92,7 +92,8 @@ class TransportHub:
         from engine.transport.nccl import NcclKVSender
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
-            sender = NcclKVSender(pair, self.runner.pool, slots, self.timeout_s)
+            pool = self.runner.pool
+            sender = NcclKVSender(pair, pool, slots, self.timeout_s, pool.table_start(job.block_table, slots.numel()))
             job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
             return sender
 

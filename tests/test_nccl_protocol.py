@@ -66,7 +66,8 @@ def filled_pool(tokens: int, seed: int, scattered: bool = False) -> tuple[KVPool
 
 def transfer(prefill: NcclPair, decode: NcclPair, src: KVPool, src_table: list[int], dst: KVPool,
              dst_table: list[int], tokens: int) -> NcclKVReceiver:
-    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, tokens), deadline_s=5.0)
+    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, tokens), deadline_s=5.0,
+                          first=src.table_start(src_table, tokens))
     receiver = NcclKVReceiver(decode, dst, dst_table, tokens)
 
     def send() -> None:
@@ -94,7 +95,10 @@ def test_transfers_arrive_whole_and_in_order(pairs: tuple[NcclPair, NcclPair], s
         src, src_table = filled_pool(tokens, seed, src_scattered)
         dst_table = dst.allocator.allocate(dst.blocks_needed(tokens))
         dst_table = dst_table[::-1] if dst_scattered else dst_table
+        # each side packs or places a layer by plain slices where its blocks are one run
+        assert (src.table_start(src_table, tokens) is None) == (src_scattered and tokens > LAYOUT.block_size)
         receiver = transfer(prefill, decode, src, src_table, dst, dst_table, tokens)
+        assert (receiver.first is None) == (dst_scattered and tokens > LAYOUT.block_size)
         assert receiver.complete() and same_kv(src, src_table, dst, dst_table, tokens)
     assert prefill.next_sequence == decode.next_sequence == 2
 

@@ -107,22 +107,28 @@ class NcclPair:
 
 
 class NcclKVSender(KVSender):
-    """Prefill side: one send per layer of the prompt's KV, gathered out of the pool."""
+    """Prefill side: one send per layer of the prompt's KV, gathered out of the pool. `first`
+    (`KVPool.table_start`) says the slots are one run: then a layer's K and V are two slices,
+    packed by a plain copy rather than an index gather (a gather kernel holds the SMs longer, and
+    NCCL's copy kernels wait behind it)."""
 
     cancellable = False
 
-    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float) -> None:
-        self.pair, self.pool, self.slots = pair, pool, slots
+    def __init__(self, pair: NcclPair, pool: KVPool, slots: torch.Tensor, deadline_s: float,
+                 first: int | None = None) -> None:
+        self.pair, self.pool, self.slots, self.first = pair, pool, slots, first
         self.deadline_s = deadline_s
         self._inflight: list[tuple[torch.Tensor, dist.Work]] = []
+        self.posted_at: list[float] = []  # perf_counter when each layer's send was posted (benchmarks)
         self.sequence = pair.next_sequence
         pair.next_sequence += 1
 
     def layer_done(self, layer: int) -> None:
         if self.pair.broken:
             raise TransferCancelled
-        buf = self.pool.read(layer, self.slots)
+        buf = self.pool.read(layer, self.slots, self.first).contiguous()
         self._inflight.append((buf, self.pair.pg.send([buf], self.pair.peer, 0)))
+        self.posted_at.append(time.perf_counter())
 
     def finish(self) -> None:
         """Every layer is sent (the decode side's receives are posted before the sends can finish).
@@ -151,12 +157,14 @@ class NcclKVReceiver:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
         started = time.monotonic()
         self.slots = pool.slots(block_table, 0, num_tokens)
+        self.first = pool.table_start(block_table, num_tokens)  # one run: scatter by plain copies
         self.set_up_s: dict[str, float] = {"slots": time.monotonic() - started}  # where the set-up's time goes
         self.stream = pair.stream
         self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
         self.posted = False                 # receives are posted: the peer may write into staging
         self.stopped = threading.Event()    # the scatter thread is done, whole or not
         self.error: BaseException | None = None
+        self.landed_at: list[float] = []  # perf_counter when each layer was seen landed (benchmarks)
         self._scattered = False
 
     def _stream(self) -> Any:
@@ -205,8 +213,9 @@ class NcclKVReceiver:
             for layer, work in enumerate(works):
                 wait_work(work, self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
                           aborted=lambda: pair.broken)
+                self.landed_at.append(time.perf_counter())
                 with self._stream():
-                    self.pool.write(layer, self.slots, staging[layer])
+                    self.pool.write(layer, self.slots, staging[layer], self.first)
             if self.done is not None:
                 self.done.record(self.stream)
             self._scattered = True
