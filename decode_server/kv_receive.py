@@ -36,6 +36,10 @@ class Handoff:
         self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
+        self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
+
+    def mark(self, what: str) -> None:
+        self.marks.append((what, time.monotonic()))
 
     def _timed(self, call: Any, *args: Any) -> Any:
         """On the writer thread: `call(*args)`, its time added to post_busy_s."""
@@ -62,6 +66,7 @@ class Handoff:
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         kind = message.WhichOneof("payload")
+        self.mark(f"{kind}{message.layer_sent if kind == 'layer_sent' else ''}")
         if kind == "kv":  # a standard-encoded chunk (grpc_wire decodes ours as KVView)
             c = message.kv
             await self.on_kv(KVView(c.layer, c.token_start, c.token_end, memoryview(c.data)))
@@ -69,8 +74,10 @@ class Handoff:
             self.start_at = time.monotonic()
             await self._on_start(message.start, deadline)
             self.post_s = time.monotonic() - self.start_at
+            self.mark("posted")
         elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
             await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
+            self.mark(f"copied{message.layer_sent}")
         elif kind in ("kv", "layer_sent"):
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
 

@@ -207,11 +207,14 @@ class PrefillRouter:
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
+                if not handoff.marks:
+                    handoff.mark("first message")
                 if isinstance(message, KVView):
                     await handoff.on_kv(message)
                 elif message.WhichOneof("payload") == "done":
                     done = message.done
                     done_at = time.monotonic()
+                    handoff.mark("done")
                 else:
                     await handoff.on_message(message, deadline)
             if done is None:
@@ -219,6 +222,11 @@ class PrefillRouter:
             await handoff.wait_complete(deadline)
             # the handoff: all the time here that was not the prefill's queue, compute or checksum
             now, began = time.monotonic(), deadline - self.timeout_s
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("handoff of %s, ms from the prefill call (prefill server: queue %.1f, compute %.1f): %s",
+                          request_id, done.queue_s * 1e3, done.prefill_s * 1e3,
+                          " ".join(f"{what}@{(t - began) * 1e3:.1f}"
+                                   for what, t in [*handoff.marks, ("complete", now)]))
             exposed = done.kv_send_s + (now - done_at)
             handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
             if VERIFY_KV:
