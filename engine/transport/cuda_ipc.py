@@ -139,9 +139,10 @@ class IpcKVReceiver:
         self.error: BaseException | None = None  # copies are queued by the caller; none fail on their own
 
     def start(self, src_block_table: list[int], src_block_size: int) -> None:
-        """On the writer thread. When both sides' blocks are one run of slots each layer is two
-        plain copies (K, V) over NVLink; otherwise the two slot lists go to the device for a
-        gather and a scatter."""
+        """When both sides' blocks are one run of slots each layer is two plain copies (K, V) over
+        NVLink; otherwise the two slot lists go to the devices for a gather and a scatter (uploaded
+        on this receiver's stream: from pageable memory an upload first waits for its stream, and
+        on the default stream that is the engine's step)."""
         n = self.num_tokens
         self.src_first = run_start(src_block_table, n, src_block_size)
         self.dst_first = self.pool.table_start(self.block_table, n)
@@ -151,7 +152,8 @@ class IpcKVReceiver:
         pos = torch.arange(n)
         self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(
             self.remote.storage.device)
-        self.dst = self.pool.slots(self.block_table, 0, n)
+        with torch.cuda.stream(self.stream):
+            self.dst = self.pool.slots(self.block_table, 0, n)
 
     def copy_layer(self, layer: int) -> None:
         src, dst, n = self.remote.storage[layer], self.pool.layers[layer], self.num_tokens

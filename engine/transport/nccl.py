@@ -156,10 +156,14 @@ class NcclKVReceiver:
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
         started = time.monotonic()
-        self.slots = pool.slots(block_table, 0, num_tokens)
-        self.first = pool.table_start(block_table, num_tokens)  # one run: scatter by plain copies
-        self.set_up_s: dict[str, float] = {"slots": time.monotonic() - started}  # where the set-up's time goes
         self.stream = pair.stream
+        self.first = pool.table_start(block_table, num_tokens)  # one run: scatter by plain copies
+        if self.first is not None:  # no slot list needed on the device
+            self.slots = torch.arange(self.first, self.first + num_tokens)
+        else:  # uploaded on the pair's stream: from pageable memory an upload first waits for its stream
+            with self._stream():
+                self.slots = pool.slots(block_table, 0, num_tokens)
+        self.set_up_s: dict[str, float] = {"slots": time.monotonic() - started}  # where the set-up's time goes
         self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
         self.posted = False                 # receives are posted: the peer may write into staging
         self.stopped = threading.Event()    # the scatter thread is done, whole or not
