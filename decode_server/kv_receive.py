@@ -35,14 +35,14 @@ class Handoff:
         self.bytes = 0
         self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
-        self.post_busy_s = 0.0  # the part of post_s spent in the set-up's calls (the rest: waiting for earlier ones)
+        self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
 
     def mark(self, what: str) -> None:
         self.marks.append((what, time.monotonic()))
 
     def _timed(self, call: Any, *args: Any) -> Any:
-        """`call(*args)`, its time added to post_busy_s."""
+        """On the writer thread: `call(*args)`, its time added to post_busy_s."""
         started = time.monotonic()
         try:
             return call(*args)
@@ -64,6 +64,7 @@ class Handoff:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
 
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         kind = message.WhichOneof("payload")
         self.mark(f"{kind}{message.layer_sent if kind == 'layer_sent' else ''}")
         if kind == "kv":  # a standard-encoded chunk (grpc_wire decodes ours as KVView)
@@ -75,33 +76,28 @@ class Handoff:
             self.post_s = time.monotonic() - self.start_at
             self.mark("posted")
         elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
-            # on the event loop: the call only queues two peer copies (tens of microseconds), while a hop
-            # to the writer thread waits for the GIL behind the engine and the loop (about 100 ms a hop
-            # under load, bench/NOTES.md)
-            self.receiver.copy_layer(message.layer_sent)
+            await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
             self.mark(f"copied{message.layer_sent}")
         elif kind in ("kv", "layer_sent"):
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
 
     async def _on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
-        # Both set-ups run on the event loop (a few milliseconds of calls that only queue device work): a
-        # hop to the writer thread costs far more under load, waiting for the GIL (bench/NOTES.md).
+        loop = asyncio.get_running_loop()
         if self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
-            pair = self.peer.nccl
-            while pair.next_sequence < start.sequence and not pair.broken and time.monotonic() < deadline:
-                await asyncio.sleep(0.0005)  # earlier transfers of this pair post first
-            self.receiver = self._timed(NcclKVReceiver, pair, self.pool, self.block_table, self.num_tokens)
+            self.receiver = await loop.run_in_executor(self.writer, self._timed, NcclKVReceiver, self.peer.nccl,
+                                                       self.pool, self.block_table, self.num_tokens)
             try:
-                self._timed(self.receiver.post, start.sequence, deadline)
+                await loop.run_in_executor(self.writer, self._timed, self.receiver.post, start.sequence, deadline)
             except TransferFailed as e:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         elif self.transport == "cuda-ipc":
             from engine.transport.cuda_ipc import IpcKVReceiver
 
             receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
-            self._timed(receiver.start, list(start.src_block_table), start.src_block_size)
+            await loop.run_in_executor(self.writer, self._timed, receiver.start, list(start.src_block_table),
+                                       start.src_block_size)
             self.receiver = receiver
         else:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"start message does not fit transport {self.transport}")
