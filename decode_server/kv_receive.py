@@ -37,6 +37,8 @@ class Handoff:
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
+        self.reported = 0  # cuda-ipc: layers the prefill side says are readable
+        self._copying: asyncio.Future[None] | None = None  # cuda-ipc: the writer's call copying them
 
     def mark(self, what: str) -> None:
         self.marks.append((what, time.monotonic()))
@@ -76,20 +78,44 @@ class Handoff:
             self.post_s = time.monotonic() - self.start_at
             self.mark("posted")
         elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
-            await loop.run_in_executor(self.writer, self.receiver.copy_layer, message.layer_sent)
-            self.mark(f"copied{message.layer_sent}")
+            # At most one writer call a handoff, copying every layer reported by the time it runs: under
+            # load each call waits for the GIL behind the engine and the loop, and the calls of every
+            # handoff share one thread (a call a layer took about 100 ms a layer, bench/NOTES.md).
+            self.reported = max(self.reported, message.layer_sent + 1)
+            if self._copying is None or self._copying.done():
+                if self._copying is not None:
+                    self._copying.result()  # a failed copy fails the handoff now
+                self._copying = loop.run_in_executor(self.writer, self._copy_reported)
         elif kind in ("kv", "layer_sent"):
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+
+    def _copy_reported(self) -> None:
+        """On the writer thread: queue the copy of every layer reported and not yet copied."""
+        while self.receiver.copied < self.reported:
+            self.receiver.copy_layer(self.receiver.copied)
+        self.mark(f"copied{self.receiver.copied - 1}")
+
+    async def _copy_the_rest(self) -> None:
+        """cuda-ipc, once the stream has ended: copies of the layers reported last are queued."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._copying is not None:
+                await self._copying
+            if self.receiver.copied >= self.reported:
+                return
+            self._copying = loop.run_in_executor(self.writer, self._copy_reported)
 
     async def _on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         if self.transport == "nccl":
             from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
-            self.receiver = await loop.run_in_executor(self.writer, self._timed, NcclKVReceiver, self.peer.nccl,
-                                                       self.pool, self.block_table, self.num_tokens)
+            def receive() -> None:  # one writer call, not two: each waits for the GIL under load
+                self.receiver = NcclKVReceiver(self.peer.nccl, self.pool, self.block_table, self.num_tokens)
+                self.receiver.post(start.sequence, deadline)
+
             try:
-                await loop.run_in_executor(self.writer, self._timed, self.receiver.post, start.sequence, deadline)
+                await loop.run_in_executor(self.writer, self._timed, receive)
             except TransferFailed as e:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         elif self.transport == "cuda-ipc":
@@ -111,6 +137,8 @@ class Handoff:
             await asyncio.get_running_loop().run_in_executor(self.writer, _sync_device, self.pool)
             self.bytes = self.receiver.bytes_received
             return
+        if self.transport == "cuda-ipc":
+            await self._copy_the_rest()
         while not self.receiver.complete():
             if self.receiver.error is not None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {self.receiver.error}")

@@ -91,8 +91,10 @@ class RemotePool:
 
 
 class IpcKVSender(KVSender):
-    """Prefill side: reports each layer once its KV is written (a side thread waits on the layer's
+    """Prefill side: reports layers once their KV is written (a side thread waits on each layer's
     event, so the prefill never stalls); the KV itself stays in the pool for the decode side.
+    A report of layer l says layers 0..l are written: layers already done when one is reported go
+    in that one report, since each report costs this process a GIL hop (bench/NOTES.md).
     A cancelled request stops at the worker's check before the next layer (`cancellable`)."""
 
     def __init__(self, report: Callable[[int], object]) -> None:
@@ -108,10 +110,23 @@ class IpcKVSender(KVSender):
         self._events.put((layer, event))
 
     def _loop(self) -> None:
-        while (item := self._events.get()) is not None:
+        held: list[tuple[int, torch.cuda.Event] | None] = []  # taken from the queue, not yet done
+        while True:
+            item = held.pop() if held else self._events.get()
+            if item is None:
+                return
             layer, event = item
             try:
                 event.synchronize()
+                while True:  # the layers after it that are written too (events complete in order)
+                    try:
+                        after = self._events.get_nowait()
+                    except queue.Empty:
+                        break
+                    if after is None or not after[1].query():
+                        held.append(after)
+                        break
+                    layer = after[0]
                 self.report(layer)
             except BaseException as e:  # surfaced by finish()
                 self._error = e

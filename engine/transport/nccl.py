@@ -214,12 +214,17 @@ class NcclKVReceiver:
         try:
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
-            for layer, work in enumerate(works):
-                wait_work(work, self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
+            layer = 0
+            while layer < len(works):
+                wait_work(works[layer], self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
                           aborted=lambda: pair.broken)
-                self.landed_at.append(time.perf_counter())
+                end = layer + 1  # and the layers after it that have landed too: one scatter for them all,
+                while end < len(works) and works[end].is_completed():  # as each call waits for the GIL
+                    end += 1
+                self.landed_at += [time.perf_counter()] * (end - layer)
                 with self._stream():
-                    self.pool.write(layer, self.slots, staging[layer], self.first)
+                    self.pool.write_layers(layer, end, self.slots, staging[layer:end], self.first)
+                layer = end
             if self.done is not None:
                 self.done.record(self.stream)
             self._scattered = True
