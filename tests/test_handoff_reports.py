@@ -84,3 +84,36 @@ def test_reports_that_arrive_while_the_writer_is_busy_share_one_call() -> None:
     receiver, submitted = asyncio.run(run())
     assert receiver.copied == LAYERS
     assert submitted == 1  # ten reports, one call
+
+
+class FakeEvent:
+    """A layer's CUDA event: `synchronize` waits for `gate`; `query` says whether it is done."""
+
+    def __init__(self, done: bool = True, gate: threading.Event | None = None) -> None:
+        self.done, self.gate = done, gate
+
+    def synchronize(self) -> None:
+        if self.gate is not None:
+            assert self.gate.wait(5)
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("unfinished", [None, 4])
+def test_prefill_side_reports_cover_every_layer_already_written(unfinished: int | None) -> None:
+    """The sender's thread reports the last layer written by the time it looks, never a layer
+    before one it has reported, and always the last layer at the end."""
+    from engine.transport.cuda_ipc import IpcKVSender
+
+    reports: list[int] = []
+    sender = IpcKVSender(reports.append)
+    gate = threading.Event()
+    sender._events.put((0, FakeEvent(gate=gate)))  # the thread waits on layer 0 while the rest queue up
+    for layer in range(1, LAYERS):
+        sender._events.put((layer, FakeEvent(done=layer != unfinished)))
+    gate.set()
+    sender.finish()
+    expected = [LAYERS - 1] if unfinished is None else [unfinished - 1, LAYERS - 1]
+    assert reports == expected
