@@ -146,12 +146,12 @@ class NcclKVSender(KVSender):
 
 class NcclKVReceiver:
     """Decode side: posts every layer's receive into one staging buffer at once; a thread then
-    scatters each layer into the pool's slots (on the pair's stream) as soon as it sees it land.
-    The engine's stream never waits on the network, and posting makes one call into torch a layer
-    rather than four: under load each such call takes about a decode step (bench/NOTES.md: not
-    the GIL's switch interval; what serializes it is not found yet). NCCL only ever writes into
-    the staging buffer, so once the scatter thread stops the pool's blocks are ours again; a
-    buffer a failed transfer may still write into is kept by the pair."""
+    scatters the layers into the pool's slots (on the pair's stream) as it sees them land, every
+    layer that has landed in one copy. The engine's stream never waits on the network, and the
+    set-up makes one call into torch a layer: under load each call into torch from a side thread
+    takes milliseconds (bench/NOTES.md; what it waits for is not pinned down). NCCL only ever
+    writes into the staging buffer, so once the scatter thread stops the pool's blocks are ours
+    again; a buffer a failed transfer may still write into is kept by the pair."""
 
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
