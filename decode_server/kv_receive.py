@@ -78,9 +78,9 @@ class Handoff:
             self.post_s = time.monotonic() - self.start_at
             self.mark("posted")
         elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
-            # At most one writer call a handoff, copying every layer reported by the time it runs: under
-            # load each call waits for the GIL behind the engine and the loop, and the calls of every
-            # handoff share one thread (a call a layer took about 100 ms a layer, bench/NOTES.md).
+            # At most one writer call a handoff, copying every layer reported by the time it runs: the
+            # calls of every handoff share one thread, and under load each waits long for its turn (with
+            # a call a layer, 60-140 ms each, bench/NOTES.md).
             self.reported = max(self.reported, message.layer_sent + 1)
             if self._copying is None or self._copying.done():
                 if self._copying is not None:

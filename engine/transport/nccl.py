@@ -109,8 +109,8 @@ class NcclPair:
 class NcclKVSender(KVSender):
     """Prefill side: one send per layer of the prompt's KV, gathered out of the pool. `first`
     (`KVPool.table_start`) says the slots are one run: then a layer's K and V are two slices,
-    packed by a plain copy rather than an index gather (a gather kernel holds the SMs longer, and
-    NCCL's copy kernels wait behind it)."""
+    packed by a plain copy rather than an index gather (the cheaper kernel; the whole transfer took
+    as long either way, bench/NOTES.md)."""
 
     cancellable = False
 
