@@ -69,7 +69,8 @@ class EndpointService(prefill_pb2_grpc.PrefillServicer):
             loop.call_soon_threadsafe(out.put_nowait, encode_kv(layer, start, end, parts))
 
         def send_all() -> None:
-            sender = GrpcKVSender(self.pool, self.slots, chunk_tokens_for(self.pool.layout), emit)
+            sender = GrpcKVSender(self.pool, self.slots, chunk_tokens_for(self.pool.layout), emit,
+                                  self.pool.table_start(self.table, len(self.slots)))
             for layer in range(self.pool.layout.num_layers):
                 sender.layer_done(layer)
             sender.finish()

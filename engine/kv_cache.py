@@ -203,17 +203,6 @@ class KVPool:
         """`run_start` in this pool's block size."""
         return run_start(block_table, num_tokens, self.layout.block_size)
 
-    @staticmethod
-    def first_slot_if_contiguous(slots: torch.Tensor) -> int | None:
-        """The first slot when `slots` is one ascending run (then reads and writes are plain slices)."""
-        n = slots.numel()
-        if n == 0:
-            return None
-        first, last = int(slots[0]), int(slots[-1])
-        if last - first != n - 1 or (n > 1 and not bool((slots[1:] - slots[:-1] == 1).all())):
-            return None
-        return first
-
     def read(self, layer: int, slots: torch.Tensor, first: int | None = None) -> torch.Tensor:
         """K and V of `slots` in wire order: `[2, len(slots), num_kv_heads, head_dim]`; a view when
         `first` says the slots are one run starting there."""

@@ -167,7 +167,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         def emit_chunk(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
             job.emit(encode_kv(layer, start, end, parts))
 
-        sender = GrpcKVSender(self.runner.pool, slots, job.chunk_tokens, emit_chunk)
+        pool = self.runner.pool
+        sender = GrpcKVSender(pool, slots, job.chunk_tokens, emit_chunk,
+                              pool.table_start(job.block_table, slots.numel()))
         delay = self.faults.layer_delay_s
 
         class Slow(KVSender):

@@ -101,8 +101,9 @@ class PrefillWorker:
         if job.make_sender is not None:
             return job.make_sender(job, slots)
 
-        return GrpcKVSender(self.runner.pool, slots, job.chunk_tokens,
-                            lambda *chunk: job.emit(encode_kv(*chunk)))
+        pool = self.runner.pool
+        return GrpcKVSender(pool, slots, job.chunk_tokens, lambda *chunk: job.emit(encode_kv(*chunk)),
+                            pool.table_start(job.block_table, slots.numel()))
 
     def _run(self, job: PrefillJob) -> None:
         dequeued = time.perf_counter()

@@ -69,13 +69,13 @@ class GrpcKVSender(KVSender):
     """Reads each finished layer out of the pool and emits (layer, start, end, bytes) pieces.
 
     On CUDA the device-to-host copy runs on a side stream into pinned memory, and a packing thread
-    waits for it, so the prefill's later layers are not held up by the copies.
+    waits for it, so the prefill's later layers are not held up by the copies. `first`
+    (`KVPool.table_start`) says the slots are one run: then a layer is read as plain slices.
     """
 
     def __init__(self, pool: KVPool, slots: torch.Tensor, chunk_tokens: int,
-                 emit: Callable[[int, int, int, list[memoryview]], object]) -> None:
-        self.pool, self.slots, self.chunk_tokens, self.emit = pool, slots, chunk_tokens, emit
-        self.first = pool.first_slot_if_contiguous(slots)
+                 emit: Callable[[int, int, int, list[memoryview]], object], first: int | None = None) -> None:
+        self.pool, self.slots, self.chunk_tokens, self.emit, self.first = pool, slots, chunk_tokens, emit, first
         self.cuda = pool.device.type == "cuda"
         self._pending: queue.Queue[tuple[int, torch.Tensor, object] | None] = queue.Queue()
         self._error: BaseException | None = None
