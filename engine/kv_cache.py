@@ -158,6 +158,13 @@ def run_start(block_table: list[int], num_tokens: int, block_size: int) -> int |
     return first * block_size if block_table[:n] == list(range(first, first + n)) else None
 
 
+def slot_ids(block_table: list[int] | torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Slot ids of tokens [start, end) of a sequence with this block table (on the host)."""
+    table = torch.as_tensor(block_table, dtype=torch.long)
+    pos = torch.arange(start, end, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 def raw_view(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of plain integers (numpy has no bfloat16)."""
     return t.view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy()
@@ -193,11 +200,8 @@ class KVPool:
         return 1.0 - self.allocator.num_free / self.allocator.num_blocks
 
     def slots(self, block_table: list[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Slot ids of tokens [start, end) of a sequence with this block table, on the pool's device."""
-        table = torch.as_tensor(block_table, dtype=torch.long)
-        pos = torch.arange(start, end, dtype=torch.long)
-        bs = self.layout.block_size
-        return (table[pos // bs] * bs + pos % bs).to(self.device, non_blocking=True)
+        """`slot_ids` in this pool's block size, on the pool's device."""
+        return slot_ids(block_table, start, end, self.layout.block_size).to(self.device, non_blocking=True)
 
     def table_start(self, block_table: list[int], num_tokens: int) -> int | None:
         """`run_start` in this pool's block size."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool, run_start
+from engine.kv_cache import KVLayout, KVPool, run_start, slot_ids
 from engine.transport.base import KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -163,10 +163,7 @@ class IpcKVReceiver:
         self.dst_first = self.pool.table_start(self.block_table, n)
         if self.src_first is not None and self.dst_first is not None:
             return
-        table = torch.as_tensor(src_block_table, dtype=torch.long)
-        pos = torch.arange(n)
-        self.src = (table[pos // src_block_size] * src_block_size + pos % src_block_size).to(
-            self.remote.storage.device)
+        self.src = slot_ids(src_block_table, 0, n, src_block_size).to(self.remote.storage.device)
         with torch.cuda.stream(self.stream):
             self.dst = self.pool.slots(self.block_table, 0, n)
 
