@@ -18,8 +18,8 @@ from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.transport.base import KVSender, TransferCancelled
-from engine.transport.grpc_stream import GrpcKVSender, chunk_tokens_for
-from engine.transport.grpc_wire import encode_kv, kv_payload_bytes
+from engine.transport.grpc_stream import chunk_tokens_for
+from engine.transport.grpc_wire import kv_payload_bytes
 from engine.transport.handshake import (
     choose_transport,
     layout_from_proto,
@@ -163,13 +163,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def _slow_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         """The usual gRPC sender, with the PD_FAULT_PREFILL_LAYER_DELAY_S pause before each layer's KV."""
-
-        def emit_chunk(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
-            job.emit(encode_kv(layer, start, end, parts))
-
-        pool = self.runner.pool
-        sender = GrpcKVSender(pool, slots, job.chunk_tokens, emit_chunk,
-                              pool.table_start(job.block_table, slots.numel()))
+        sender = self.worker.grpc_sender(job, slots)
         delay = self.faults.layer_delay_s
 
         class Slow(KVSender):

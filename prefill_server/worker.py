@@ -98,9 +98,10 @@ class PrefillWorker:
                 metrics.REQUESTS_RUNNING.set(0)
 
     def _sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        if job.make_sender is not None:
-            return job.make_sender(job, slots)
+        return job.make_sender(job, slots) if job.make_sender is not None else self.grpc_sender(job, slots)
 
+    def grpc_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """The gRPC transport's sender: the job's KV as chunks in its response stream."""
         pool = self.runner.pool
         return GrpcKVSender(pool, slots, job.chunk_tokens, lambda *chunk: job.emit(encode_kv(*chunk)),
                             pool.table_start(job.block_table, slots.numel()))
