@@ -66,7 +66,6 @@ class Handoff:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
 
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
-        loop = asyncio.get_running_loop()
         kind = message.WhichOneof("payload")
         self.mark(f"{kind}{message.layer_sent if kind == 'layer_sent' else ''}")
         if kind == "kv":  # a standard-encoded chunk (grpc_wire decodes ours as KVView)
@@ -85,9 +84,12 @@ class Handoff:
             if self._copying is None or self._copying.done():
                 if self._copying is not None:
                     self._copying.result()  # a failed copy fails the handoff now
-                self._copying = loop.run_in_executor(self.writer, self._copy_reported)
+                self._queue_copy()
         elif kind in ("kv", "layer_sent"):
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+
+    def _queue_copy(self) -> None:
+        self._copying = asyncio.get_running_loop().run_in_executor(self.writer, self._copy_reported)
 
     def _copy_reported(self) -> None:
         """On the writer thread: queue the copy of every layer reported and not yet copied."""
@@ -97,13 +99,12 @@ class Handoff:
 
     async def _copy_the_rest(self) -> None:
         """cuda-ipc, once the stream has ended: copies of the layers reported last are queued."""
-        loop = asyncio.get_running_loop()
         while True:
             if self._copying is not None:
                 await self._copying
             if self.receiver.copied >= self.reported:
                 return
-            self._copying = loop.run_in_executor(self.writer, self._copy_reported)
+            self._queue_copy()
 
     async def _on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         loop = asyncio.get_running_loop()
