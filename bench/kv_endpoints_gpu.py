@@ -41,8 +41,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _keep_busy(device: torch.device, ms: float) -> None:
+    """Matmuls on `device` for about `ms` milliseconds, waited for."""
+    if ms <= 0:
+        return
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a @ a
+        _sync(device)
+
+
 def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, device: torch.device,
-          scattered: bool) -> None:
+          scattered: bool, busy_ms: float = 0.0) -> None:
     """The prefill side (child process, first GPU)."""
     from engine.transport.nccl import PREFILL_RANK, NcclKVSender, NcclPair
 
@@ -64,6 +76,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     pair.warm_up()
     for i in range(repeats):
         store.get(f"posted{i}")
+        _keep_busy(device, busy_ms)
         started = time.perf_counter()
         sender = NcclKVSender(pair, pool, slots, TIMEOUT_S, pool.table_start(table, tokens))
         for layer in range(pool.layout.num_layers):
@@ -75,7 +88,8 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
 
 
 def rows(transport: str, preset: str, tokens: int, repeats: int,
-         devices: tuple[str, str] = ("cuda:0", "cuda:1"), scattered: bool = False) -> list[dict[str, Any]]:
+         devices: tuple[str, str] = ("cuda:0", "cuda:1"), scattered: bool = False,
+         sender_busy_ms: float = 0.0) -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
     devices the nccl protocol runs over Gloo, as in the servers (tests)."""
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
@@ -83,7 +97,8 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
     store = _store(0, master=True)  # on a port it picks
     port = store.port
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
-                              str(tokens), str(repeats + 1), devices[0]] + (["--scattered"] if scattered else []))
+                              str(tokens), str(repeats + 1), devices[0], "--busy-ms", str(sender_busy_ms)]
+                             + (["--scattered"] if scattered else []))
     try:
         device = torch.device(devices[1])
         if device.type == "cuda":
@@ -105,8 +120,10 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
             out.append({"transport": transport, "mode": "endpoints", "blocks": blocks, "tokens": tokens,
                         "bytes": nbytes, "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1),
                         "exposed_ms": None, "bitwise_equal": equal,
-                        "receive_setup_ms": None if set_up_ms is None else round(set_up_ms, 3)})
-            print(f"{transport} endpoints ({blocks} blocks): {nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
+                        "receive_setup_ms": None if set_up_ms is None else round(set_up_ms, 3),
+                        "sender_busy_ms": sender_busy_ms})
+            print(f"{transport} endpoints ({blocks} blocks, sender busy {sender_busy_ms:g} ms before): "
+                  f"{nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
                   f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}"
                   + ("" if set_up_ms is None else f" (receives posted before, in {set_up_ms:.2f} ms)"), flush=True)
         store.set("finished", "1")
@@ -178,5 +195,6 @@ if __name__ == "__main__":
     p.add_argument("repeats", type=int)
     p.add_argument("device")
     p.add_argument("--scattered", action="store_true")
+    p.add_argument("--busy-ms", type=float, default=0.0)
     a = p.parse_args()
-    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device), a.scattered)
+    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device), a.scattered, a.busy_ms)

@@ -22,6 +22,7 @@ import torch
 
 from decode_server import metrics
 from decode_server.sequence import ErrorEvent, Sequence
+from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
 
@@ -45,6 +46,7 @@ class DecodeEngine:
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
         self.on_blocks_freed: Callable[[], object] = lambda: None  # thread-safe notifier
         self.steps = 0
+        self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
 
     # --- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
@@ -171,7 +173,7 @@ class DecodeEngine:
                 torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
             seq.timing.prefill_s += time.perf_counter() - t0
             return
-        token = int(sample(logits[None], [seq.params], [0])[0])
+        token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
         elapsed = time.perf_counter() - t0
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
@@ -187,13 +189,13 @@ class DecodeEngine:
         t0 = time.perf_counter()
         batch = [DecodeSeq(s.output[-1], len(s.prompt) + len(s.output) - 1, s.block_table) for s in seqs]
         logits, greedy = self.runner.decode(batch)
-        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs], greedy).tolist()
+        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs], greedy))
         elapsed = time.perf_counter() - t0
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)
         finished = []
         for seq, token in zip(seqs, tokens, strict=True):
-            seq.append(int(token), elapsed)
+            seq.append(token, elapsed)
             if seq.finish_reason:
                 finished.append(seq)
         for seq in finished:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from pd.v1 import prefill_pb2
 
+from engine.host_read import TokenReader
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
@@ -46,6 +47,7 @@ class PrefillJob:
 class PrefillWorker:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
         self.failed = threading.Event()
@@ -122,7 +124,7 @@ class PrefillWorker:
         started = time.perf_counter()
         try:
             logits = runner.prefill(job.token_ids, job.block_table, 0, on_layer_done=layer_done)
-            first = int(sample(logits[None], [job.params], [0])[0])  # reading the token syncs the device
+            first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
         finally:
             computed = time.perf_counter()
             sender.finish()
