@@ -159,13 +159,18 @@ class Handoff:
         if not self.receiver.posted:
             return True
         if failed:
-            self.peer.nccl.abort()  # the scatter thread stops at the next layer
+            self.peer.nccl.abort()  # the watching thread stops at the next layer
         limit = time.monotonic() + (5.0 if failed else 120.0)
         while time.monotonic() < limit:
             if self.receiver.complete():
                 return True
-            if self.receiver.stopped.is_set():  # stopped early: NCCL writes only into its staging buffer
-                await _drained(self.receiver.drain_marker())
+            if self.receiver.stopped.is_set():  # stopped early
+                if self.receiver.into_pool:  # NCCL was writing our blocks: stop its kernels, wait them out
+                    self.peer.nccl.abort()
+                    if await _device_idle(self.pool, limit - time.monotonic()):
+                        return True
+                    break
+                await _drained(self.receiver.drain_marker())  # NCCL writes only into its staging buffer
                 return True
             await asyncio.sleep(0.001)
         log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
@@ -182,6 +187,21 @@ async def _drained(marker: Any) -> None:
     """Until every copy queued before a receiver's drain marker is done (None on the CPU: nothing is queued)."""
     while marker is not None and not marker.query():
         await asyncio.sleep(0.0005)
+
+
+async def _device_idle(pool: KVPool, seconds: float) -> bool:
+    """True once every kernel queued on the pool's device so far has finished (an aborted NCCL
+    pair's included), within `seconds`."""
+    if pool.device.type != "cuda":
+        return True
+    import torch
+
+    idle = asyncio.get_running_loop().run_in_executor(None, torch.cuda.synchronize, pool.device)
+    try:
+        await asyncio.wait_for(asyncio.shield(idle), max(0.0, seconds))
+        return True
+    except TimeoutError:
+        return False
 
 
 def _sync_device(pool: KVPool) -> None:

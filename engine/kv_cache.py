@@ -227,14 +227,10 @@ class KVPool:
         else:
             self.layers[layer].index_copy_(1, slots, kv)
 
-    def write_layers(self, start: int, end: int, slots: torch.Tensor, kv: torch.Tensor,
-                     first: int | None = None) -> None:
+    def write_layers(self, start: int, end: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store layers [start, end) at once from `[end - start, 2, n, num_kv_heads, head_dim]`: one
-        device call for several layers."""
-        if first is not None:
-            self.storage[start:end].narrow(2, first, slots.numel()).copy_(kv)
-        else:
-            self.storage[start:end].index_copy_(2, slots, kv)
+        device call for several layers (the NCCL receiver's scatter, where the slots are not one run)."""
+        self.storage[start:end].index_copy_(2, slots, kv)
 
     def checksum(self, slots: torch.Tensor) -> int:
         """Position-weighted sum of the KV bytes at `slots` (every layer, wire order), for verifying

@@ -244,3 +244,16 @@ def test_skinny_decode_at_the_7b_shape() -> None:
         assert rel_err(skinny, cublas) < 2e-2
     finally:
         runner.graphs = graphs
+
+
+def test_token_reader_reads_what_tolist_reads() -> None:
+    """The pinned read waits for the step that made the tokens, and grows past its capacity."""
+    from engine.host_read import TokenReader
+
+    dev = torch.device("cuda")
+    reader = TokenReader(dev, capacity=4)
+    for n in (1, 4, 9, 300):
+        big = torch.randn(4096, 4096, device=dev)
+        tokens = (big @ big).argmax(-1)[:n]  # still being computed when the read is queued
+        assert reader.read(tokens) == tokens.tolist()
+    assert reader.host.is_pinned() and reader.host.numel() >= 300

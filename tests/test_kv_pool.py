@@ -87,19 +87,17 @@ def test_table_start_names_one_run_of_slots() -> None:
     assert pool.table_start([3], 5) is None         # the table is too short
 
 
-@pytest.mark.parametrize("scattered", [False, True])
-def test_writing_several_layers_at_once_equals_one_at_a_time(scattered: bool) -> None:
-    """The NCCL receiver places every layer that has landed in one call."""
+def test_writing_several_layers_at_once_equals_one_at_a_time() -> None:
+    """The NCCL receiver scatters every layer that has landed in one call."""
     layout = KVLayout("m", "float32", 5, 2, 4, 4)
     one, many = (KVPool(layout, 16, torch.device("cpu"), reserved_blocks=1) for _ in range(2))
-    table = one.allocator.allocate(3)[::-1] if scattered else one.allocator.allocate(3)
+    table = one.allocator.allocate(3)[::-1]
     slots = one.slots(table, 0, 10)
-    first = one.table_start(table, 10)
-    assert (first is None) == scattered
+    assert one.table_start(table, 10) is None
     kv = torch.randn(5, 2, 10, 2, 4)
     for layer in range(5):
-        one.write(layer, slots, kv[layer], first)
-    many.write_layers(0, 2, slots, kv[0:2], first)
-    many.write_layers(2, 5, slots, kv[2:5], first)
+        one.write(layer, slots, kv[layer])
+    many.write_layers(0, 2, slots, kv[0:2])
+    many.write_layers(2, 5, slots, kv[2:5])
     assert torch.equal(one.storage, many.storage)
     assert torch.equal(many.read(3, slots), kv[3])

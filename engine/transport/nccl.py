@@ -50,20 +50,22 @@ def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         time.sleep(0.0002)
 
 
-def wait_work(work: Any, device: torch.device, deadline: float, what: str,
+def wait_work(works: list[Any], device: torch.device, deadline: float, what: str,
               aborted: Callable[[], bool] | None = None) -> None:
-    """NCCL works complete on their own (polled, so nothing blocks past the deadline, nor past
-    `aborted()` turning true); Gloo's p2p works only progress inside wait()."""
+    """Until every work of a message (`NcclPair.post`) completes. NCCL works complete on their
+    own (polled, so nothing blocks past the deadline, nor past `aborted()` turning true); Gloo's
+    p2p works only progress inside wait()."""
     if device.type == "cuda":
         stop = aborted or (lambda: False)
-        wait_until(lambda: bool(work.is_completed()) or stop(), deadline, what)
+        wait_until(lambda: all(w.is_completed() for w in works) or stop(), deadline, what)
         if stop():
             raise TransferFailed(f"{what} stopped: the pair was aborted")
         return
-    try:
-        work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-    except RuntimeError as e:
-        raise TransferFailed(f"{what} did not finish in time ({e})") from e
+    for work in works:
+        try:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as e:
+            raise TransferFailed(f"{what} did not finish in time ({e})") from e
 
 
 def _process_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
@@ -84,19 +86,31 @@ class NcclPair:
         self.pg = _process_group(dist.PrefixStore(group, store), rank, device, timeout_s)
         self.peer = 1 - rank
         self.lock = threading.Lock()     # posts of one pair never interleave
-        # the decode side's scatters from staging into the pool: one stream, so its cached blocks are reused
+        # the decode side's staging buffers and scatters: one stream, so its cached blocks are reused
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.next_sequence = 0
         self.broken = False
-        self.retired: list[object] = []  # staging buffers of failed transfers that NCCL may still write
+        self.retired: list[object] = []  # buffers and works of failed transfers that NCCL may still write
 
     def warm_up(self) -> None:
         """The first p2p call creates the communicator (both ranks must take part)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        t = torch.zeros(1, device=self.device)
-        work = self.pg.send([t], self.peer, 0) if self.rank == PREFILL_RANK else self.pg.recv([t], self.peer, 0)
-        wait_work(work, self.device, time.monotonic() + 120, f"NCCL pairing {self.group}")
+        t = torch.zeros(2, device=self.device)
+        works = self.post([t[:1], t[1:]], send=self.rank == PREFILL_RANK)
+        wait_work(works, self.device, time.monotonic() + 120, f"NCCL pairing {self.group}")
+
+    def post(self, tensors: list[torch.Tensor], send: bool) -> list[Any]:
+        """Send (or receive) one message: a layer's K and V, each a contiguous tensor. On GPUs the
+        two go as one coalesced NCCL launch (a grouped send/recv, as `batch_isend_irecv` does; the
+        pair's one communicator); Gloo takes them one by one."""
+        op = self.pg.send if send else self.pg.recv
+        if self.device.type != "cuda":
+            return [op([t], self.peer, 0) for t in tensors]
+        self.pg._start_coalescing(self.device)
+        for t in tensors:
+            op([t], self.peer, 0)
+        return [self.pg._end_coalescing(self.device)]
 
     def abort(self) -> None:
         self.broken = True
@@ -107,10 +121,9 @@ class NcclPair:
 
 
 class NcclKVSender(KVSender):
-    """Prefill side: one send per layer of the prompt's KV, gathered out of the pool. `first`
-    (`KVPool.table_start`) says the slots are one run: then a layer's K and V are two slices,
-    packed by a plain copy rather than an index gather (the cheaper kernel; the whole transfer took
-    as long either way, bench/NOTES.md)."""
+    """Prefill side: one message per layer of the prompt's KV, its K and V. `first`
+    (`KVPool.table_start`) says the slots are one run: then K and V go straight from the pool's
+    slices, copied by nobody; otherwise a layer is gathered out of the pool first."""
 
     cancellable = False
 
@@ -118,7 +131,7 @@ class NcclKVSender(KVSender):
                  first: int | None = None) -> None:
         self.pair, self.pool, self.slots, self.first = pair, pool, slots, first
         self.deadline_s = deadline_s
-        self._inflight: list[tuple[torch.Tensor, dist.Work]] = []
+        self._inflight: list[tuple[torch.Tensor, list[Any]]] = []
         self.posted_at: list[float] = []  # perf_counter when each layer's send was posted (benchmarks)
         self.sequence = pair.next_sequence
         pair.next_sequence += 1
@@ -126,8 +139,8 @@ class NcclKVSender(KVSender):
     def layer_done(self, layer: int) -> None:
         if self.pair.broken:
             raise TransferCancelled
-        buf = self.pool.read(layer, self.slots, self.first).contiguous()
-        self._inflight.append((buf, self.pair.pg.send([buf], self.pair.peer, 0)))
+        kv = self.pool.read(layer, self.slots, self.first)  # [2, n, heads, dim]: its halves are contiguous
+        self._inflight.append((kv, self.pair.post([kv[0], kv[1]], send=True)))
         self.posted_at.append(time.perf_counter())
 
     def finish(self) -> None:
@@ -135,8 +148,8 @@ class NcclKVSender(KVSender):
         A cancelled request still completes its sends: the peer has posted the receives."""
         deadline = time.monotonic() + self.deadline_s
         try:
-            for _, work in self._inflight:
-                wait_work(work, self.pair.device, deadline, "NCCL send of the KV")
+            for _, works in self._inflight:
+                wait_work(works, self.pair.device, deadline, "NCCL send of the KV")
         except TransferFailed:
             self.pair.abort()
             raise
@@ -145,28 +158,29 @@ class NcclKVSender(KVSender):
 
 
 class NcclKVReceiver:
-    """Decode side: posts every layer's receive into one staging buffer at once; a thread then
-    scatters the layers into the pool's slots (on the pair's stream) as it sees them land, every
-    layer that has landed in one copy. The engine's stream never waits on the network, and the
-    set-up makes one call into torch a layer: under load each call into torch from a side thread
-    takes milliseconds (bench/NOTES.md; what it waits for is not pinned down). NCCL only ever
-    writes into the staging buffer, so once the scatter thread stops the pool's blocks are ours
-    again; a buffer a failed transfer may still write into is kept by the pair."""
+    """Decode side: posts every layer's receive at once, then a thread watches them land. When the
+    prompt's blocks are one run, NCCL writes each layer's K and V straight into the pool's slices;
+    otherwise into one staging buffer, which the thread scatters into the pool's slots (on the
+    pair's stream, every layer that has landed in one copy). The engine's stream never waits on the
+    network, and the set-up makes one call into torch, not one a layer, as each such call from a
+    side thread waits its turn (bench/NOTES.md). A failed transfer's staging buffer is kept by the
+    pair, as NCCL may still write into it; a failed transfer into the pool leaves the blocks to the
+    handoff, which frees them once the aborted pair's kernels are gone (`into_pool`)."""
 
     def __init__(self, pair: NcclPair, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pair, self.pool, self.num_tokens = pair, pool, num_tokens
         started = time.monotonic()
         self.stream = pair.stream
-        self.first = pool.table_start(block_table, num_tokens)  # one run: scatter by plain copies
-        if self.first is not None:  # no slot list needed on the device
-            self.slots = torch.arange(self.first, self.first + num_tokens)
-        else:  # uploaded on the pair's stream: from pageable memory an upload first waits for its stream
+        self.first = pool.table_start(block_table, num_tokens)
+        self.into_pool = self.first is not None  # NCCL writes the pool's blocks themselves
+        self.slots: torch.Tensor | None = None
+        if self.first is None:  # uploaded on the pair's stream: from pageable memory an upload first waits for it
             with self._stream():
                 self.slots = pool.slots(block_table, 0, num_tokens)
         self.set_up_s: dict[str, float] = {"slots": time.monotonic() - started}  # where the set-up's time goes
         self.done = torch.cuda.Event() if pool.device.type == "cuda" else None
-        self.posted = False                 # receives are posted: the peer may write into staging
-        self.stopped = threading.Event()    # the scatter thread is done, whole or not
+        self.posted = False                 # receives are posted: the peer may write into their buffers
+        self.stopped = threading.Event()    # the watching thread is done, whole or not
         self.error: BaseException | None = None
         self.landed_at: list[float] = []  # perf_counter when each layer was seen landed (benchmarks)
         self._scattered = False
@@ -175,7 +189,7 @@ class NcclKVReceiver:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def post(self, sequence: int, deadline: float) -> None:
-        """Once the pair reaches `sequence`, post every layer's receive and start the scatter thread."""
+        """Once the pair reaches `sequence`, post every layer's receive and start the watching thread."""
         pair = self.pair
         mark = time.monotonic()
 
@@ -196,20 +210,26 @@ class NcclKVReceiver:
             if self.stream is not None:
                 torch.cuda.set_device(self.pool.device)
             with self._stream():
-                staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
-                                      dtype=lay.torch_dtype, device=self.pool.device)
-                lap("staging")
-                works = [pair.pg.recv([staging[layer]], pair.peer, 0) for layer in range(lay.num_layers)]
+                staging = None
+                if self.first is not None:
+                    targets = [self.pool.layers[layer].narrow(1, self.first, self.num_tokens)
+                               for layer in range(lay.num_layers)]
+                else:
+                    staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
+                                          dtype=lay.torch_dtype, device=self.pool.device)
+                    targets = list(staging)
+                lap("buffers")
+                works = [pair.post([kv[0], kv[1]], send=False) for kv in targets]
                 lap("receives")
             self.posted = True
             pair.next_sequence += 1
-        threading.Thread(target=self._scatter, args=(staging, works, deadline), daemon=True,
-                         name="nccl-scatter").start()
+        threading.Thread(target=self._watch, args=(staging, works, deadline), daemon=True,
+                         name="nccl-receive").start()
         lap("thread")
         log.debug("NCCL receive set-up of %d tokens (ms): %s", self.num_tokens,
                   {k: round(v * 1e3, 2) for k, v in self.set_up_s.items()})
 
-    def _scatter(self, staging: torch.Tensor, works: list[Any], deadline: float) -> None:
+    def _watch(self, staging: torch.Tensor | None, works: list[list[Any]], deadline: float) -> None:
         pair = self.pair
         try:
             if self.stream is not None:
@@ -219,11 +239,13 @@ class NcclKVReceiver:
                 wait_work(works[layer], self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
                           aborted=lambda: pair.broken)
                 end = layer + 1  # and the layers after it that have landed too: one scatter for them all,
-                while end < len(works) and works[end].is_completed():  # as each call waits for the GIL
+                while end < len(works) and all(w.is_completed() for w in works[end]):  # as each call waits
                     end += 1
                 self.landed_at += [time.perf_counter()] * (end - layer)
-                with self._stream():
-                    self.pool.write_layers(layer, end, self.slots, staging[layer:end], self.first)
+                if staging is not None:
+                    assert self.slots is not None
+                    with self._stream():
+                        self.pool.write_layers(layer, end, self.slots, staging[layer:end])
                 layer = end
             if self.done is not None:
                 self.done.record(self.stream)
