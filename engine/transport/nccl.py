@@ -107,10 +107,10 @@ class NcclPair:
         op = self.pg.send if send else self.pg.recv
         if self.device.type != "cuda":
             return [op([t], self.peer, 0) for t in tensors]
-        self.pg._start_coalescing(self.device)
+        self.pg._start_coalescing()
         for t in tensors:
             op([t], self.peer, 0)
-        return [self.pg._end_coalescing(self.device)]
+        return [self.pg._end_coalescing()]
 
     def abort(self) -> None:
         self.broken = True
