@@ -96,6 +96,9 @@ class NcclPair:
         """The first p2p call creates the communicator (both ranks must take part)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # the communicator that grouped sends use, made outside any group: one made inside a group
+            # that then fails leaves torch's group count off, and every later pairing of this process fails
+            self.pg.eager_connect_single_device(self.device)
         t = torch.zeros(2, device=self.device)
         works = self.post([t[:1], t[1:]], send=self.rank == PREFILL_RANK)
         wait_work(works, self.device, time.monotonic() + 120, f"NCCL pairing {self.group}")
@@ -108,9 +111,12 @@ class NcclPair:
         if self.device.type != "cuda":
             return [op([t], self.peer, 0) for t in tensors]
         self.pg._start_coalescing()
-        for t in tensors:
-            op([t], self.peer, 0)
-        return [self.pg._end_coalescing()]
+        try:
+            for t in tensors:
+                op([t], self.peer, 0)
+        finally:  # a group left open would poison every later group on this process
+            work = self.pg._end_coalescing()
+        return [work]
 
     def abort(self) -> None:
         self.broken = True
