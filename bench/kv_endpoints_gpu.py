@@ -41,19 +41,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _queue_busy(device: torch.device, ms: float) -> None:
-    """About `ms` milliseconds of matmuls queued on a side stream of `device`, not waited for."""
-    if ms <= 0 or device.type != "cuda":
-        return
-    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(int(ms / 0.2)):  # a 4096-cubed bf16 matmul takes about 0.2 ms at working clocks
-            a @ a
-    a.record_stream(side)
-
-
 def _keep_busy(device: torch.device, ms: float) -> None:
     """Matmuls on `device` for about `ms` milliseconds, waited for."""
     if ms <= 0:
@@ -103,7 +90,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
 
 def rows(transport: str, preset: str, tokens: int, repeats: int,
          devices: tuple[str, str] = ("cuda:0", "cuda:1"), scattered: bool = False,
-         busy_ms: float = 0.0) -> list[dict[str, Any]]:
+         sender_busy_ms: float = 0.0) -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
     devices the nccl protocol runs over Gloo, as in the servers (tests)."""
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
@@ -111,7 +98,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
     store = _store(0, master=True)  # on a port it picks
     port = store.port
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
-                              str(tokens), str(repeats + 1), devices[0], "--busy-ms", str(busy_ms)]
+                              str(tokens), str(repeats + 1), devices[0], "--busy-ms", str(sender_busy_ms)]
                              + (["--scattered"] if scattered else []))
     try:
         device = torch.device(devices[1])
@@ -121,7 +108,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         expected = int(store.get("checksum"))
         src_table = [int(b) for b in store.get("table").decode().split(",")]
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
-            else _nccl_receives(store, pool, table, tokens, repeats + 1, busy_ms)
+            else _nccl_receives(store, pool, table, tokens, repeats + 1)
         out = []
         for i, (seconds, set_up_ms) in enumerate(timed):
             equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
@@ -135,8 +122,8 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
                         "bytes": nbytes, "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1),
                         "exposed_ms": None, "bitwise_equal": equal,
                         "receive_setup_ms": None if set_up_ms is None else round(set_up_ms, 3),
-                        "busy_ms": busy_ms})
-            print(f"{transport} endpoints ({blocks} blocks, GPUs busy {busy_ms:g} ms before): "
+                        "sender_busy_ms": sender_busy_ms})
+            print(f"{transport} endpoints ({blocks} blocks, sender busy {sender_busy_ms:g} ms before): "
                   f"{nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
                   f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}"
                   + ("" if set_up_ms is None else f" (receives posted before, in {set_up_ms:.2f} ms)"), flush=True)
@@ -149,7 +136,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
 
 
 def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens: int,
-                   n: int, busy_ms: float = 0.0) -> Iterator[tuple[float, float | None]]:
+                   n: int) -> Iterator[tuple[float, float | None]]:
     """Each transfer's seconds and its receives' posting (ms), yielded before the next starts (so its
     arrival can be checked)."""
     from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclPair
@@ -161,7 +148,6 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
         set_up = time.perf_counter()
         receiver.post(i, time.monotonic() + TIMEOUT_S)
         set_up_ms = (time.perf_counter() - set_up) * 1e3
-        _queue_busy(pool.device, busy_ms)
         store.set(f"posted{i}", "1")  # the sender goes now, as in the servers, where the receives are posted
         # while the prefill's first layers compute
         # wait as the servers do, without holding the GIL: a spinning thread here would make the

@@ -199,9 +199,9 @@ def main() -> None:
     p.add_argument("--blocks", nargs="+", choices=["contiguous", "scattered"], default=["contiguous"],
                    help="GPU endpoints: both pools' block tables one run (cuda-ipc copies them as slices) "
                         "or scattered (gathered and scattered)")
-    p.add_argument("--busy-ms", type=float, nargs="+", default=[0.0],
-                   help="nccl endpoints: both GPUs run matmuls for about this long before each transfer, so it "
-                        "starts at working clocks as in the servers (0: from idle)")
+    p.add_argument("--sender-busy-ms", type=float, nargs="+", default=[0.0],
+                   help="GPU endpoints: run matmuls on the sending GPU for this long just before each transfer, "
+                        "so it starts at working clocks as after a prefill (0: from idle)")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
@@ -221,9 +221,9 @@ def main() -> None:
                 from bench import kv_endpoints_gpu
 
                 for blocks in args.blocks:
-                    for busy_ms in args.busy_ms:
+                    for busy_ms in args.sender_busy_ms:
                         rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats,
-                                                      scattered=blocks == "scattered", busy_ms=busy_ms)
+                                                      scattered=blocks == "scattered", sender_busy_ms=busy_ms)
     if args.json:
         write_json(args.json, {**metadata(), "preset": args.preset, "rows": rows})
         print(f"wrote {args.json}")
