@@ -148,3 +148,36 @@ def test_endpoint_benchmark_moves_every_byte() -> None:
 
     rows = kv_endpoints_gpu.rows("nccl", "tiny", 300, 2, ("cpu", "cpu"))
     assert len(rows) == 2 and all(r["bitwise_equal"] and r["bytes"] == 300 * 512 for r in rows)
+
+
+@pytest.mark.parametrize("dst_scattered", [False, True])
+def test_failed_receive_frees_its_blocks_once_nothing_can_write_them(pairs: tuple[NcclPair, NcclPair],
+                                                                   dst_scattered: bool) -> None:
+    """The sender dies after the first layer. Received straight into the pool (one run of blocks),
+    the handoff aborts the pair before the blocks may be reused, as NCCL could still write them;
+    through a staging buffer it needs not."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from decode_server.kv_receive import Handoff
+
+    prefill, decode = pairs
+    src, src_table = filled_pool(21, 5)
+    dst = KVPool(LAYOUT, 64, CPU, reserved_blocks=1)
+    dst_table = dst.allocator.allocate(dst.blocks_needed(21))
+    dst_table = dst_table[::-1] if dst_scattered else dst_table
+    sender = NcclKVSender(prefill, src, src.slots(src_table, 0, 21), deadline_s=1.0)
+    receiver = NcclKVReceiver(decode, dst, dst_table, 21)
+    assert receiver.into_pool == (not dst_scattered)
+    in_threads(lambda: receiver.post(sender.sequence, time.monotonic() + 0.5), lambda: sender.layer_done(0))
+    assert receiver.stopped.wait(5) and receiver.error is not None
+
+    async def abandon() -> bool:
+        with ThreadPoolExecutor(1) as writer:
+            handoff = Handoff("nccl", dst, dst_table, 21, writer, SimpleNamespace(nccl=decode))
+            handoff.receiver = receiver
+            return await handoff.abandon(failed=False)
+
+    assert asyncio.run(abandon())
+    assert decode.broken == (not dst_scattered)
