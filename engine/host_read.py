@@ -13,12 +13,13 @@ import torch
 
 
 class TokenReader:
-    """One reader per thread: the pinned buffer is reused by every read."""
+    """One reader per thread, whose current device is the tokens' (the event is recorded on its
+    current stream, where the copy is queued); the pinned buffer is reused by every read."""
 
     def __init__(self, device: torch.device, capacity: int = 256) -> None:
-        self.cuda = device.type == "cuda"
-        self.host = torch.empty(capacity if self.cuda else 0, dtype=torch.long, pin_memory=self.cuda)
-        self.done = torch.cuda.Event() if self.cuda else None
+        cuda = device.type == "cuda"
+        self.host = torch.empty(capacity if cuda else 0, dtype=torch.long, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
 
     def read(self, tokens: torch.Tensor) -> list[int]:
         """`tokens` ([n], integer, on the reader's device) as Python ints, once the device has them."""
