@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--blocks", nargs="+", choices=["contiguous", "scattered"], default=["contiguous"],
-                   help="GPU endpoints: both pools' block tables one run (cuda-ipc copies them as slices) "
+                   help="GPU endpoints: both pools' block tables one run (cuda-ipc and nccl move them as slices) "
                         "or scattered (gathered and scattered)")
     p.add_argument("--sender-busy-ms", type=float, nargs="+", default=[0.0],
                    help="GPU endpoints: run matmuls on the sending GPU for this long just before each transfer, "
