@@ -4,9 +4,11 @@ how long a whole prompt's KV takes to move from one GPU's pool to another's when
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
 first), its pool filled with random values. They meet on a TCPStore, as the servers do.
 - nccl: this side posts its receives (`NcclKVReceiver`), then the child sends every layer with
-  `NcclKVSender`; timed from the first layer's gather to every layer scattered into this pool. The
-  posting is timed on its own (`receive_setup_ms`): in the servers it runs while the prefill's
-  first layers compute, and a sender that started first would count its time as the link's.
+  `NcclKVSender`; timed from the sender's start to every layer in this pool (landed straight in it
+  when both tables are one run, else scattered from staging), optionally after the sending GPU has
+  run matmuls for `sender_busy_ms`. The posting is timed on its own (`receive_setup_ms`): in the
+  servers it runs while the prefill's first layers compute, and a sender that started first would
+  count its time as the link's.
 - cuda-ipc: the child exports its pool; this side maps it (`RemotePool`) and copies every layer
   (`IpcKVReceiver`); timed from the first copy to the last one done.
 Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
@@ -158,10 +160,10 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
             time.sleep(0.00005)
         done = time.perf_counter()
         started = float(store.get(f"started{i}"))
-        print(f"  from the first gather (ms): first send posted {_ms(store.get(f'first_post{i}'), started)}, "
+        print(f"  from the sender's start (ms): first send posted {_ms(store.get(f'first_post{i}'), started)}, "
               f"last {_ms(store.get(f'last_post{i}'), started)}, "
               f"first layer landed {_ms(receiver.landed_at[0], started)}, last landed "
-              f"{_ms(receiver.landed_at[-1], started)}, all scattered {_ms(done, started)}", flush=True)
+              f"{_ms(receiver.landed_at[-1], started)}, all in the pool {_ms(done, started)}", flush=True)
         yield done - started, set_up_ms
 
 
