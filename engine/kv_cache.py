@@ -207,17 +207,22 @@ class KVPool:
         """`run_start` in this pool's block size."""
         return run_start(block_table, num_tokens, self.layout.block_size)
 
+    def run(self, layer: int, first: int, n: int) -> torch.Tensor:
+        """K and V of the `n` slots from `first` in wire order, `[2, n, num_kv_heads, head_dim]`: a
+        view of the pool, whose K and V halves are each contiguous."""
+        return self.layers[layer].narrow(1, first, n)
+
     def read(self, layer: int, slots: torch.Tensor, first: int | None = None) -> torch.Tensor:
         """K and V of `slots` in wire order: `[2, len(slots), num_kv_heads, head_dim]`; a view when
         `first` says the slots are one run starting there."""
         if first is not None:
-            return self.layers[layer].narrow(1, first, slots.numel())
+            return self.run(layer, first, slots.numel())
         return self.layers[layer].index_select(1, slots)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, first: int | None = None) -> None:
         """Store wire-ordered `[2, n, num_kv_heads, head_dim]` at `slots`."""
         if first is not None:
-            dst = self.layers[layer].narrow(1, first, slots.numel())
+            dst = self.run(layer, first, slots.numel())
             if dst.is_cpu and kv.is_cpu and kv.dtype == dst.dtype and kv.stride(-1) == 1:
                 # one memcpy per half on this thread: torch's copy fans out to its intra-op threads,
                 # and runs at half speed while a receiver's gRPC threads hold the other cores

@@ -50,6 +50,11 @@ def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         time.sleep(0.0002)
 
 
+def completed(works: list[Any]) -> bool:
+    """Every work of a message (`NcclPair.post`) has completed (NCCL: polled without blocking)."""
+    return all(w.is_completed() for w in works)
+
+
 def wait_work(works: list[Any], device: torch.device, deadline: float, what: str,
               aborted: Callable[[], bool] | None = None) -> None:
     """Until every work of a message (`NcclPair.post`) completes. NCCL works complete on their
@@ -57,7 +62,7 @@ def wait_work(works: list[Any], device: torch.device, deadline: float, what: str
     p2p works only progress inside wait()."""
     if device.type == "cuda":
         stop = aborted or (lambda: False)
-        wait_until(lambda: all(w.is_completed() for w in works) or stop(), deadline, what)
+        wait_until(lambda: completed(works) or stop(), deadline, what)
         if stop():
             raise TransferFailed(f"{what} stopped: the pair was aborted")
         return
@@ -178,7 +183,6 @@ class NcclKVReceiver:
         started = time.monotonic()
         self.stream = pair.stream
         self.first = pool.table_start(block_table, num_tokens)
-        self.into_pool = self.first is not None  # NCCL writes the pool's blocks themselves
         self.slots: torch.Tensor | None = None
         if self.first is None:  # uploaded on the pair's stream: from pageable memory an upload first waits for it
             with self._stream():
@@ -189,7 +193,12 @@ class NcclKVReceiver:
         self.stopped = threading.Event()    # the watching thread is done, whole or not
         self.error: BaseException | None = None
         self.landed_at: list[float] = []  # perf_counter when each layer was seen landed (benchmarks)
-        self._scattered = False
+        self._whole = False  # every layer is in the pool (landed there, or scattered and queued)
+
+    @property
+    def into_pool(self) -> bool:
+        """NCCL writes the pool's blocks themselves (they are one run), not a staging buffer."""
+        return self.first is not None
 
     def _stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -218,8 +227,7 @@ class NcclKVReceiver:
             with self._stream():
                 staging = None
                 if self.first is not None:
-                    targets = [self.pool.layers[layer].narrow(1, self.first, self.num_tokens)
-                               for layer in range(lay.num_layers)]
+                    targets = [self.pool.run(layer, self.first, self.num_tokens) for layer in range(lay.num_layers)]
                 else:
                     staging = torch.empty(lay.num_layers, 2, self.num_tokens, lay.num_kv_heads, lay.head_dim,
                                           dtype=lay.torch_dtype, device=self.pool.device)
@@ -245,7 +253,7 @@ class NcclKVReceiver:
                 wait_work(works[layer], self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
                           aborted=lambda: pair.broken)
                 end = layer + 1  # and the layers after it that have landed too: one scatter for them all,
-                while end < len(works) and all(w.is_completed() for w in works[end]):  # as each call waits
+                while end < len(works) and completed(works[end]):  # as each call waits for the GIL
                     end += 1
                 self.landed_at += [time.perf_counter()] * (end - layer)
                 if staging is not None:
@@ -255,7 +263,7 @@ class NcclKVReceiver:
                 layer = end
             if self.done is not None:
                 self.done.record(self.stream)
-            self._scattered = True
+            self._whole = True
         except BaseException as e:  # surfaced by the handoff (complete() stays False)
             self.error = e
             pair.retired.append((staging, works))
@@ -263,7 +271,7 @@ class NcclKVReceiver:
             self.stopped.set()
 
     def complete(self) -> bool:
-        return self._scattered and (self.done is None or self.done.query())
+        return self._whole and (self.done is None or self.done.query())
 
     def drain_marker(self) -> Any:
         """Completes once every scatter queued so far has (call after `stopped`)."""
