@@ -4,11 +4,17 @@ how long a whole prompt's KV takes to move from one GPU's pool to another's when
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
 first), its pool filled with random values. They meet on a TCPStore, as the servers do.
 - nccl: this side posts its receives (`NcclKVReceiver`), then the child sends every layer with
-  `NcclKVSender`; timed from the sender's start to every layer in this pool (landed straight in it
-  when both tables are one run, else scattered from staging), optionally after the sending GPU has
-  run matmuls for `sender_busy_ms`. The posting is timed on its own (`receive_setup_ms`): in the
-  servers it runs while the prefill's first layers compute, and a sender that started first would
-  count its time as the link's.
+  `NcclKVSender`, timed to every layer in this pool (landed straight in it when both tables are
+  one run, else scattered from staging), optionally after the sending GPU has run matmuls for
+  `sender_busy_ms`. Timed from (`timed_from`):
+  - kv-ready: as in the servers, where each layer's send is queued while the prefill still
+    computes, the sends are queued behind a wait on the sending GPU, and the clock starts when
+    that wait ends (the KV is ready), seen by polling an event: the link and the receive side;
+  - first-call: the sender's first call, with the KV ready and the GPU idle: the host's posting
+    too (the first post of a transfer takes about 0.3 ms, its code gone cold while the thread slept).
+  The posting of the receives is timed on its own (`receive_setup_ms`): in the servers it runs
+  while the prefill's first layers compute, and a sender that started first would count its time
+  as the link's.
 - cuda-ipc: the child exports its pool; this side maps it (`RemotePool`) and copies every layer
   (`IpcKVReceiver`); timed from the first copy to the last one done.
 Both processes read time.perf_counter (CLOCK_MONOTONIC, one clock per host).
@@ -31,6 +37,8 @@ from bench.kv_transfer import make_pool
 from engine.kv_cache import KVPool
 
 TIMEOUT_S = 120.0
+GATE_CYCLES = 20_000_000  # the kv-ready wait: about 10 ms at the SM clock, longer than posting 28 layers
+TIMED_FROM = ("kv-ready", "first-call")
 
 
 def _store(port: int, master: bool) -> dist.TCPStore:
@@ -56,7 +64,7 @@ def _keep_busy(device: torch.device, ms: float) -> None:
 
 
 def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, device: torch.device,
-          scattered: bool, busy_ms: float = 0.0) -> None:
+          scattered: bool, busy_ms: float = 0.0, timed_from: str = "kv-ready") -> None:
     """The prefill side (child process, first GPU)."""
     from engine.transport.nccl import PREFILL_RANK, NcclKVSender, NcclPair
 
@@ -79,10 +87,21 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     for i in range(repeats):
         store.get(f"posted{i}")
         _keep_busy(device, busy_ms)
+        ready = None
+        if timed_from == "kv-ready":
+            torch.cuda._sleep(GATE_CYCLES)  # the prefill's last layers, as far as the sends can tell
+            ready = torch.cuda.Event()
+            ready.record()
         started = time.perf_counter()
         sender = NcclKVSender(pair, pool, slots, TIMEOUT_S, pool.table_start(table, tokens))
         for layer in range(pool.layout.num_layers):
             sender.layer_done(layer)
+        if ready is not None:
+            if ready.query():
+                sys.exit("error: the KV-ready wait ended before every send was queued; raise GATE_CYCLES")
+            while not ready.query():
+                pass
+            started = time.perf_counter()
         sender.finish()
         store.set(f"started{i}", repr(started))
         store.set(f"first_post{i}", repr(sender.posted_at[0]))
@@ -92,15 +111,18 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
 
 def rows(transport: str, preset: str, tokens: int, repeats: int,
          devices: tuple[str, str] = ("cuda:0", "cuda:1"), scattered: bool = False,
-         sender_busy_ms: float = 0.0) -> list[dict[str, Any]]:
+         sender_busy_ms: float = 0.0, timed_from: str = "kv-ready") -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
-    devices the nccl protocol runs over Gloo, as in the servers (tests)."""
+    devices the nccl protocol runs over Gloo, as in the servers (tests), timed from the first call."""
+    if not devices[0].startswith("cuda"):
+        timed_from = "first-call"
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:
         sys.exit(f"error: --mode endpoints with {transport} needs two GPUs (NCCL refuses two ranks on one)")
     store = _store(0, master=True)  # on a port it picks
     port = store.port
     child = subprocess.Popen([sys.executable, "-m", "bench.kv_endpoints_gpu", transport, str(port), preset,
-                              str(tokens), str(repeats + 1), devices[0], "--busy-ms", str(sender_busy_ms)]
+                              str(tokens), str(repeats + 1), devices[0], "--busy-ms", str(sender_busy_ms),
+                              "--timed-from", timed_from]
                              + (["--scattered"] if scattered else []))
     try:
         device = torch.device(devices[1])
@@ -124,8 +146,10 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
                         "bytes": nbytes, "seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1),
                         "exposed_ms": None, "bitwise_equal": equal,
                         "receive_setup_ms": None if set_up_ms is None else round(set_up_ms, 3),
-                        "sender_busy_ms": sender_busy_ms})
-            print(f"{transport} endpoints ({blocks} blocks, sender busy {sender_busy_ms:g} ms before): "
+                        "sender_busy_ms": sender_busy_ms,
+                        "timed_from": timed_from if transport == "nccl" else "first copy"})
+            print(f"{transport} endpoints ({blocks} blocks, sender busy {sender_busy_ms:g} ms before"
+                  + (f", from {timed_from}" if transport == "nccl" else "") + "): "
                   f"{nbytes / 1e9:.2f} GB in {seconds * 1e3:.2f} ms = "
                   f"{nbytes / seconds / 1e9:.0f} GB/s, bitwise equal: {equal}"
                   + ("" if set_up_ms is None else f" (receives posted before, in {set_up_ms:.2f} ms)"), flush=True)
@@ -160,7 +184,7 @@ def _nccl_receives(store: dist.TCPStore, pool: KVPool, table: list[int], tokens:
             time.sleep(0.00005)
         done = time.perf_counter()
         started = float(store.get(f"started{i}"))
-        print(f"  from the sender's start (ms): first send posted {_ms(store.get(f'first_post{i}'), started)}, "
+        print(f"  from the start (ms): first send posted {_ms(store.get(f'first_post{i}'), started)}, "
               f"last {_ms(store.get(f'last_post{i}'), started)}, "
               f"first layer landed {_ms(receiver.landed_at[0], started)}, last landed "
               f"{_ms(receiver.landed_at[-1], started)}, all in the pool {_ms(done, started)}", flush=True)
@@ -200,5 +224,7 @@ if __name__ == "__main__":
     p.add_argument("device")
     p.add_argument("--scattered", action="store_true")
     p.add_argument("--busy-ms", type=float, default=0.0)
+    p.add_argument("--timed-from", choices=TIMED_FROM, default="kv-ready")
     a = p.parse_args()
-    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device), a.scattered, a.busy_ms)
+    serve(a.transport, a.port, a.preset, a.tokens, a.repeats, torch.device(a.device), a.scattered, a.busy_ms,
+          a.timed_from)

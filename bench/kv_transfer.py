@@ -202,6 +202,9 @@ def main() -> None:
     p.add_argument("--sender-busy-ms", type=float, nargs="+", default=[0.0],
                    help="GPU endpoints: run matmuls on the sending GPU for this long just before each transfer, "
                         "so it starts at working clocks as after a prefill (0: from idle)")
+    p.add_argument("--timed-from", nargs="+", choices=["kv-ready", "first-call"], default=["kv-ready"],
+                   help="GPU endpoints, nccl: start the clock when the KV is ready on the sending GPU, every "
+                        "send queued behind it as in the servers (kv-ready), or at the sender's first call")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
@@ -222,8 +225,10 @@ def main() -> None:
 
                 for blocks in args.blocks:
                     for busy_ms in args.sender_busy_ms:
-                        rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats,
-                                                      scattered=blocks == "scattered", sender_busy_ms=busy_ms)
+                        for timed_from in args.timed_from if transport == "nccl" else ["first-call"]:
+                            rows += kv_endpoints_gpu.rows(transport, args.preset, args.tokens, args.repeats,
+                                                          scattered=blocks == "scattered", sender_busy_ms=busy_ms,
+                                                          timed_from=timed_from)
     if args.json:
         write_json(args.json, {**metadata(), "preset": args.preset, "rows": rows})
         print(f"wrote {args.json}")
