@@ -38,8 +38,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 # How often a waiting thread looks at its works. A sleep of 200 us lasts about 250 (the kernel's
-# timer slack); the last message of a receive is watched 10 times as often, as its landing is the
-# handoff's end (each look takes the GIL for a few microseconds).
+# timer slack); a transfer's last message is watched 10 times as often on both sides, as its landing
+# ends the handoff (each look takes the GIL for a few microseconds).
 POLL_S, LAST_POLL_S = 0.0002, 0.00002
 
 
@@ -163,8 +163,9 @@ class NcclKVSender(KVSender):
         A cancelled request still completes its sends: the peer has posted the receives."""
         deadline = time.monotonic() + self.deadline_s
         try:
-            for _, works in self._inflight:
-                wait_work(works, self.pair.device, deadline, "NCCL send of the KV")
+            for i, (_, works) in enumerate(self._inflight):
+                wait_work(works, self.pair.device, deadline, "NCCL send of the KV",
+                          poll_s=LAST_POLL_S if i == len(self._inflight) - 1 else POLL_S)
         except TransferFailed:
             self.pair.abort()
             raise
