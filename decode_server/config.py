@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.server_config import ServerConfig, env_number, opt
 
-MODES = ("disaggregated", "colocated", "chunked")
+MODES = ("disaggregated", "colocated", "chunked", "background")
 
 
 @dataclass(frozen=True)

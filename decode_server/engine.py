@@ -6,6 +6,11 @@ Each iteration of `step()` reads as schedule, run, postprocess:
 - run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked),
   then one decode step for every running sequence;
 - postprocess: sampled tokens go to each request's stream; finished sequences leave and free KV.
+
+Local prefills go to the runner's low-priority prefill stream, decode steps to its high-priority
+decode stream. A colocated or chunked piece is waited for before the step goes on; a background
+prompt is queued whole and left running beside the decode steps (one at a time), and joins the
+batch at the first step after it is done.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -29,6 +36,19 @@ from engine.sampling import sample
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class BackgroundPrefill:
+    """A whole prompt's prefill queued on the prefill stream and not yet waited for."""
+
+    seq: Sequence
+    logits: torch.Tensor
+    done: Any        # torch.cuda.Event recorded after it; None on the CPU, where it ran at once
+    started: float   # perf_counter when it was queued
+
+    def finished(self) -> bool:
+        return self.done is None or self.done.query()
+
+
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, max_batch_size: int, die_after_steps: int | None = None) -> None:
         self.runner = runner
@@ -39,6 +59,7 @@ class DecodeEngine:
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
+        self.background: BackgroundPrefill | None = None  # in flight beside the decode steps
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
@@ -73,13 +94,15 @@ class DecodeEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self.prefilling) + len(self.ready)
+        return self._inbox.qsize() + len(self.prefilling) + len(self.ready) + (self.background is not None)
 
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             try:
                 self.runner.prepare_engine_thread()
+                if self.runner.decode_stream is not None:
+                    torch.cuda.set_stream(self.runner.decode_stream)  # this thread's steps, high priority
             finally:
                 self._ready.set()
             while not self._stop.is_set():
@@ -89,6 +112,9 @@ class DecodeEngine:
             with self._submit_lock:
                 self.failed = e
             stranded = [*self.prefilling, *self.ready, *self.running]
+            if self.background is not None:
+                stranded.append(self.background.seq)
+                self.background = None
             self.prefilling.clear()
             self.ready.clear()
             self.running.clear()
@@ -135,37 +161,66 @@ class DecodeEngine:
 
     def step(self) -> None:
         # schedule
-        idle = not (self.prefilling or self.ready or self.running)
+        idle = not (self.prefilling or self.ready or self.running or self.background)
         self._take_inbox(block=idle)
         self._drop_cancelled()
+        if self.background is not None:
+            self._poll_background()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
         # run + postprocess
         if self.prefilling:
-            self._prefill_piece(self.prefilling[0])
+            head = self.prefilling[0]
+            if head.mode != "background":
+                self._prefill_piece(head)
+            elif self.background is None:
+                self._start_background(self.prefilling.popleft())
         if self.running:
             self._decode_step()
+        elif self.background is not None:
+            time.sleep(0.0005)  # nothing to decode until the prefill beside is done: look again soon
         if self.die_after_steps is not None and self.steps >= self.die_after_steps:
             raise RuntimeError(f"fault injection: PD_FAULT_ENGINE_DIE_AFTER_STEPS={self.die_after_steps} reached")
 
+    def _queue_prefill(self, seq: Sequence, piece: list[int], start: int) -> torch.Tensor | None:
+        """Queue `piece` of seq's prompt on the prefill stream: the last token's logits, or None
+        when it failed (the request then has its error and its blocks back)."""
+        try:
+            with self.runner.on_prefill_stream():
+                return self.runner.prefill(piece, seq.block_table, start)
+        except torch.cuda.OutOfMemoryError as e:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {e}"
+        except Exception as e:  # one prompt's prefill failed: that request fails, the batch goes on
+            log.exception("local prefill of %s failed", seq.request_id)
+            code, message = grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"
+        if self.runner.prefill_stream is not None:
+            self.runner.prefill_stream.synchronize()  # what was queued of it no longer writes its blocks
+        seq.emit(ErrorEvent(code, message))
+        self._finish(seq)
+        return None
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, elapsed: float) -> None:
+        """Sample the prompt's first token (on the prefill stream, behind its prefill) and send it."""
+        with self.runner.on_prefill_stream():
+            token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        seq.timing.prefill_s += elapsed
+        metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
+        seq.append(token, elapsed)
+        if seq.finish_reason:
+            self._finish(seq)
+        else:
+            self.ready.append(seq)
+
     def _prefill_piece(self, seq: Sequence) -> None:
-        """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
+        """The whole prompt (colocated) or its next chunk (chunked), waited for; samples the first
+        token at the end."""
         size = seq.chunk_size if seq.mode == "chunked" else len(seq.prompt)
         start = seq.prefilled
         piece = seq.prompt[start:start + size]
         t0 = time.perf_counter()
-        try:
-            logits = self.runner.prefill(piece, seq.block_table, start)
-        except torch.cuda.OutOfMemoryError as e:
+        logits = self._queue_prefill(seq, piece, start)
+        if logits is None:
             self.prefilling.popleft()
-            seq.emit(ErrorEvent(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {e}"))
-            self._finish(seq)
-            return
-        except Exception as e:  # one prompt's prefill failed: that request fails, the batch goes on
-            log.exception("local prefill of %s failed", seq.request_id)
-            self.prefilling.popleft()
-            seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
-            self._finish(seq)
             return
         seq.prefilled += len(piece)
         if seq.prefilled < len(seq.prompt):
@@ -173,16 +228,33 @@ class DecodeEngine:
                 torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
             seq.timing.prefill_s += time.perf_counter() - t0
             return
-        token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
-        elapsed = time.perf_counter() - t0
-        seq.timing.prefill_s += elapsed
-        metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        seq.append(token, elapsed)
-        if seq.finish_reason:
-            self._finish(seq)
-        else:
-            self.ready.append(seq)
+        self._first_token(seq, logits, time.perf_counter() - t0)
+
+    def _start_background(self, seq: Sequence) -> None:
+        """Queue the whole prompt's prefill and go on decoding while it runs."""
+        t0 = time.perf_counter()
+        logits = self._queue_prefill(seq, seq.prompt, 0)
+        if logits is None:
+            return
+        done = None
+        if self.runner.prefill_stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.runner.prefill_stream)
+        seq.prefilled = len(seq.prompt)
+        self.background = BackgroundPrefill(seq, logits, done, t0)
+
+    def _poll_background(self) -> None:
+        """Once the prefill beside the decode steps is done: its first token, and a batch slot. A
+        request cancelled meanwhile gets its blocks back only now, as the prefill was writing them."""
+        bg = self.background
+        if bg is None or not bg.finished():
+            return
+        self.background = None
+        if bg.seq.cancelled.is_set():
+            self._finish(bg.seq)
+            return
+        self._first_token(bg.seq, bg.logits, time.perf_counter() - bg.started)
 
     def _decode_step(self) -> None:
         seqs = self.running

@@ -6,10 +6,12 @@ runs eagerly. Everything here runs on one thread (the engine's), never on the ev
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,6 +63,12 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.use_kernel = device.type == "cuda"
+        # The decode server's engine queues its local prefills on a low-priority stream and its decode
+        # steps on a high-priority one: a prefill left running beside the decode loop (background
+        # mode) then yields the SMs to each step's kernels as its own blocks finish.
+        cuda = device.type == "cuda"
+        self.prefill_stream = torch.cuda.Stream(device, priority=0) if cuda else None
+        self.decode_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
@@ -86,6 +94,10 @@ class ModelRunner:
                                   self.max_model_len)
         log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
                  self.max_model_len, time.perf_counter() - started)
+
+    def on_prefill_stream(self) -> Any:
+        """Context: work queued inside goes to the low-priority prefill stream (CUDA only)."""
+        return torch.cuda.stream(self.prefill_stream) if self.prefill_stream is not None else contextlib.nullcontext()
 
     def prefill(self, token_ids: list[int], block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:

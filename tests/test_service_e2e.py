@@ -17,7 +17,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from engine.offline import generate, make_runner
 from tests.servers import ROOT, ServerProcess
 
-MODES = [decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED]
+MODES = [decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED,
+         decode_pb2.PREFILL_MODE_BACKGROUND]
 
 
 def run_stream(address: str, request: decode_pb2.GenerateRequest) -> list[decode_pb2.GenerateResponse]:
@@ -29,7 +30,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 37 + salt * 11 + 5) % 256 for i in range(n)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked"])
+@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked", "background"])
 def test_tokens_equal_offline_reference(pair, mode: int) -> None:  # type: ignore[no-untyped-def]
     decode, _ = pair
     p = prompt(300)
@@ -50,7 +51,7 @@ def test_b_tokens_identical_across_modes_while_others_decode(pair) -> None:  # t
         channel = open_channel(decode.address)
         stub = decode_pb2_grpc.DecodeStub(channel)
         requests = [decode_pb2.GenerateRequest(token_ids=prompt(40 + 30 * i, i), max_new_tokens=12 + i,
-                                               ignore_eos=True, prefill_mode=MODES[i % 3], chunk_size=32)
+                                               ignore_eos=True, prefill_mode=MODES[i % len(MODES)], chunk_size=32)
                     for i in range(9)]
         alone = [(await collect(stub, r)).tokens for r in requests]
         together = [r.tokens for r in await asyncio.gather(*(collect(stub, r) for r in requests))]
