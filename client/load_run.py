@@ -15,13 +15,13 @@ from tqdm import tqdm
 from client.load_plan import BackgroundUser, LoadPlan, RequestSpec
 from client.stream import StreamResult, collect, open_channel
 
-MODES = ("disaggregated", "colocated", "chunked", "background")
+MODES = ("disaggregated", "colocated", "chunked", "layered")
 MODE_ENUM = {
     None: decode_pb2.PREFILL_MODE_UNSPECIFIED,
     "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
     "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
     "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
-    "background": decode_pb2.PREFILL_MODE_BACKGROUND,
+    "layered": decode_pb2.PREFILL_MODE_LAYERED,
 }
 # the ServerTiming fields each request records, with how the load report names them
 SERVER_TIMING = {"queue_s": "Queue (KV blocks, batch slot)", "prefill_queue_s": "Prefill server's queue",

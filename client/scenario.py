@@ -27,7 +27,7 @@ MODE_ENUM = {
     "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
     "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
     "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
-    "background": decode_pb2.PREFILL_MODE_BACKGROUND,
+    "layered": decode_pb2.PREFILL_MODE_LAYERED,
 }
 DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048"
 

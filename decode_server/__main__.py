@@ -55,7 +55,8 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
-    engine = DecodeEngine(runner, cfg.max_batch_size, die_after_steps=faults.engine_die_after_steps)
+    engine = DecodeEngine(runner, cfg.max_batch_size, cfg.layer_slice_tokens,
+                          die_after_steps=faults.engine_die_after_steps)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.server_config import ServerConfig, env_number, opt
 
-MODES = ("disaggregated", "colocated", "chunked", "background")
+MODES = ("disaggregated", "colocated", "chunked", "layered")
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class DecodeConfig(ServerConfig):
     mode: str | None = field(default=None, metadata=opt("where prompts are prefilled; default: disaggregated "
                                                          "with --prefill-addr, else colocated", choices=MODES))
     chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
+    layer_slice_tokens: int = field(default=32768, metadata=opt(
+        "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
+        "x layers within this (one layer at least)"))
     max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
@@ -30,8 +33,8 @@ class DecodeConfig(ServerConfig):
         super().__post_init__()
         if self.mode == "disaggregated" and not self.prefill_addr:
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
-        if self.chunk_size < 1 or self.max_batch_size < 1:
-            raise ValueError("--chunk-size and --max-batch-size must be positive")
+        if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
+            raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
 
     @property
     def default_mode(self) -> str:

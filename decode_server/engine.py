@@ -3,14 +3,10 @@
 Each iteration of `step()` reads as schedule, run, postprocess:
 - schedule: take new work from the inbox, drop cancelled sequences (freeing their KV), admit
   ready sequences into the running batch up to --max-batch-size;
-- run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked),
-  then one decode step for every running sequence;
+- run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked, a
+  slice of the model's layers over the whole prompt when layered), then one decode step for every
+  running sequence;
 - postprocess: sampled tokens go to each request's stream; finished sequences leave and free KV.
-
-Local prefills go to the runner's low-priority prefill stream, decode steps to its high-priority
-decode stream. A colocated or chunked piece is waited for before the step goes on; a background
-prompt is queued whole and left running beside the decode steps (one at a time), and joins the
-batch at the first step after it is done.
 """
 
 from __future__ import annotations
@@ -20,9 +16,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import torch
@@ -37,29 +32,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class BackgroundPrefill:
-    """A whole prompt's prefill queued on the prefill stream and not yet waited for."""
+class LayeredPrefill:
+    """The head prompt's prefill under way in layered mode: one slice of layers an engine step."""
 
     seq: Sequence
-    logits: torch.Tensor
-    done: Any        # torch.cuda.Event recorded after it; None on the CPU, where it ran at once
-    started: float   # perf_counter when it was queued
-
-    def finished(self) -> bool:
-        return self.done is None or self.done.query()
+    slices: Iterator[torch.Tensor | None]  # ModelRunner.prefill_slices
+    started: float
 
 
 class DecodeEngine:
-    def __init__(self, runner: ModelRunner, max_batch_size: int, die_after_steps: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_size: int, layer_slice_tokens: int = 32768,
+                 die_after_steps: int | None = None) -> None:
         self.runner = runner
         self.max_batch_size = max_batch_size
+        self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.die_after_steps = die_after_steps  # fault injection (PD_FAULT_ENGINE_DIE_AFTER_STEPS)
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
         self._inbox: queue.Queue[Sequence] = queue.Queue()
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
-        self.background: BackgroundPrefill | None = None  # in flight beside the decode steps
+        self.layered: LayeredPrefill | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
@@ -94,15 +87,13 @@ class DecodeEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self.prefilling) + len(self.ready) + (self.background is not None)
+        return self._inbox.qsize() + len(self.prefilling) + len(self.ready)
 
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             try:
                 self.runner.prepare_engine_thread()
-                if self.runner.decode_stream is not None:
-                    torch.cuda.set_stream(self.runner.decode_stream)  # this thread's steps, high priority
             finally:
                 self._ready.set()
             while not self._stop.is_set():
@@ -112,9 +103,6 @@ class DecodeEngine:
             with self._submit_lock:
                 self.failed = e
             stranded = [*self.prefilling, *self.ready, *self.running]
-            if self.background is not None:
-                stranded.append(self.background.seq)
-                self.background = None
             self.prefilling.clear()
             self.ready.clear()
             self.running.clear()
@@ -150,6 +138,8 @@ class DecodeEngine:
         for group in (self.prefilling, self.ready):
             for seq in [s for s in group if s.cancelled.is_set()]:
                 group.remove(seq)
+                if self.layered is not None and self.layered.seq is seq:
+                    self.layered = None  # its slices so far are queued before any later use of its blocks
                 self._finish(seq)
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self.running.remove(seq)
@@ -161,66 +151,33 @@ class DecodeEngine:
 
     def step(self) -> None:
         # schedule
-        idle = not (self.prefilling or self.ready or self.running or self.background)
+        idle = not (self.prefilling or self.ready or self.running)
         self._take_inbox(block=idle)
         self._drop_cancelled()
-        if self.background is not None:
-            self._poll_background()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
         # run + postprocess
         if self.prefilling:
             head = self.prefilling[0]
-            if head.mode != "background":
+            if head.mode == "layered":
+                self._prefill_slice(head)
+            else:
                 self._prefill_piece(head)
-            elif self.background is None:
-                self._start_background(self.prefilling.popleft())
         if self.running:
             self._decode_step()
-        elif self.background is not None:
-            time.sleep(0.0005)  # nothing to decode until the prefill beside is done: look again soon
         if self.die_after_steps is not None and self.steps >= self.die_after_steps:
             raise RuntimeError(f"fault injection: PD_FAULT_ENGINE_DIE_AFTER_STEPS={self.die_after_steps} reached")
 
-    def _queue_prefill(self, seq: Sequence, piece: list[int], start: int) -> torch.Tensor | None:
-        """Queue `piece` of seq's prompt on the prefill stream: the last token's logits, or None
-        when it failed (the request then has its error and its blocks back)."""
-        try:
-            with self.runner.on_prefill_stream():
-                return self.runner.prefill(piece, seq.block_table, start)
-        except torch.cuda.OutOfMemoryError as e:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {e}"
-        except Exception as e:  # one prompt's prefill failed: that request fails, the batch goes on
-            log.exception("local prefill of %s failed", seq.request_id)
-            code, message = grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"
-        if self.runner.prefill_stream is not None:
-            self.runner.prefill_stream.synchronize()  # what was queued of it no longer writes its blocks
-        seq.emit(ErrorEvent(code, message))
-        self._finish(seq)
-        return None
-
-    def _first_token(self, seq: Sequence, logits: torch.Tensor, elapsed: float) -> None:
-        """Sample the prompt's first token (on the prefill stream, behind its prefill) and send it."""
-        with self.runner.on_prefill_stream():
-            token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
-        seq.timing.prefill_s += elapsed
-        metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
-        seq.append(token, elapsed)
-        if seq.finish_reason:
-            self._finish(seq)
-        else:
-            self.ready.append(seq)
-
     def _prefill_piece(self, seq: Sequence) -> None:
-        """The whole prompt (colocated) or its next chunk (chunked), waited for; samples the first
-        token at the end."""
+        """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
         size = seq.chunk_size if seq.mode == "chunked" else len(seq.prompt)
         start = seq.prefilled
         piece = seq.prompt[start:start + size]
         t0 = time.perf_counter()
-        logits = self._queue_prefill(seq, piece, start)
-        if logits is None:
-            self.prefilling.popleft()
+        try:
+            logits = self.runner.prefill(piece, seq.block_table, start)
+        except Exception as e:
+            self._prefill_failed(seq, e)
             return
         seq.prefilled += len(piece)
         if seq.prefilled < len(seq.prompt):
@@ -228,33 +185,49 @@ class DecodeEngine:
                 torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
             seq.timing.prefill_s += time.perf_counter() - t0
             return
-        self.prefilling.popleft()
         self._first_token(seq, logits, time.perf_counter() - t0)
 
-    def _start_background(self, seq: Sequence) -> None:
-        """Queue the whole prompt's prefill and go on decoding while it runs."""
-        t0 = time.perf_counter()
-        logits = self._queue_prefill(seq, seq.prompt, 0)
+    def _prefill_slice(self, seq: Sequence) -> None:
+        """The next slice of the model's layers over the whole prompt (layered); queued, not waited
+        for: the decode step after it waits for both. The last slice samples the first token."""
+        if self.layered is None or self.layered.seq is not seq:
+            per_slice = max(1, self.layer_slice_tokens // len(seq.prompt))
+            self.layered = LayeredPrefill(seq, self.runner.prefill_slices(seq.prompt, seq.block_table, per_slice),
+                                          time.perf_counter())
+        started = self.layered.started
+        try:
+            logits = next(self.layered.slices)
+        except Exception as e:
+            self.layered = None
+            self._prefill_failed(seq, e)
+            return
         if logits is None:
             return
-        done = None
-        if self.runner.prefill_stream is not None:
-            done = torch.cuda.Event()
-            done.record(self.runner.prefill_stream)
+        self.layered = None
         seq.prefilled = len(seq.prompt)
-        self.background = BackgroundPrefill(seq, logits, done, t0)
+        self._first_token(seq, logits, time.perf_counter() - started)
 
-    def _poll_background(self) -> None:
-        """Once the prefill beside the decode steps is done: its first token, and a batch slot. A
-        request cancelled meanwhile gets its blocks back only now, as the prefill was writing them."""
-        bg = self.background
-        if bg is None or not bg.finished():
-            return
-        self.background = None
-        if bg.seq.cancelled.is_set():
-            self._finish(bg.seq)
-            return
-        self._first_token(bg.seq, bg.logits, time.perf_counter() - bg.started)
+    def _prefill_failed(self, seq: Sequence, error: Exception) -> None:
+        """One prompt's prefill failed: that request fails, the batch goes on."""
+        self.prefilling.popleft()
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            seq.emit(ErrorEvent(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
+        else:
+            log.error("local prefill of %s failed", seq.request_id, exc_info=error)
+            seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
+        self._finish(seq)
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, elapsed: float) -> None:
+        """The prompt is prefilled (seq is the head of `prefilling`): sample and send its first token."""
+        token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        seq.timing.prefill_s += elapsed
+        metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
+        self.prefilling.popleft()
+        seq.append(token, elapsed)
+        if seq.finish_reason:
+            self._finish(seq)
+        else:
+            self.ready.append(seq)
 
     def _decode_step(self) -> None:
         seqs = self.running

@@ -42,7 +42,7 @@ MODE_NAMES = {
     decode_pb2.PREFILL_MODE_DISAGGREGATED: "disaggregated",
     decode_pb2.PREFILL_MODE_COLOCATED: "colocated",
     decode_pb2.PREFILL_MODE_CHUNKED: "chunked",
-    decode_pb2.PREFILL_MODE_BACKGROUND: "background",
+    decode_pb2.PREFILL_MODE_LAYERED: "layered",
 }
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024

@@ -6,12 +6,10 @@ runs eagerly. Everything here runs on one thread (the engine's), never on the ev
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -63,12 +61,6 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.use_kernel = device.type == "cuda"
-        # The decode server's engine queues its local prefills on a low-priority stream and its decode
-        # steps on a high-priority one: a prefill left running beside the decode loop (background
-        # mode) then yields the SMs to each step's kernels as its own blocks finish.
-        cuda = device.type == "cuda"
-        self.prefill_stream = torch.cuda.Stream(device, priority=0) if cuda else None
-        self.decode_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
@@ -95,10 +87,6 @@ class ModelRunner:
         log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
                  self.max_model_len, time.perf_counter() - started)
 
-    def on_prefill_stream(self) -> Any:
-        """Context: work queued inside goes to the low-priority prefill stream (CUDA only)."""
-        return torch.cuda.stream(self.prefill_stream) if self.prefill_stream is not None else contextlib.nullcontext()
-
     def prefill(self, token_ids: list[int], block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""
@@ -110,6 +98,17 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions = torch.arange(start, end, device=self.device)
         return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
+
+    def prefill_slices(self, token_ids: list[int], block_table: list[int],
+                       layers_per_slice: int) -> Iterator[torch.Tensor | None]:
+        """A whole prompt's prefill, `layers_per_slice` layers at each step of the iterator (layered
+        mode): None until the last step, which gives the last token's logits [V]."""
+        n = len(token_ids)
+        meta = PrefillMeta(new_slots=self.pool.slots(block_table, 0, n), prior_slots=None)
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.arange(n, device=self.device)
+        for logits in self.model.prefill_slices(ids, positions, self.pool, meta, layers_per_slice):
+            yield None if logits is None else logits[0]
 
     def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""

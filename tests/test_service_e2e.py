@@ -18,7 +18,7 @@ from engine.offline import generate, make_runner
 from tests.servers import ROOT, ServerProcess
 
 MODES = [decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED,
-         decode_pb2.PREFILL_MODE_BACKGROUND]
+         decode_pb2.PREFILL_MODE_LAYERED]
 
 
 def run_stream(address: str, request: decode_pb2.GenerateRequest) -> list[decode_pb2.GenerateResponse]:
@@ -30,7 +30,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 37 + salt * 11 + 5) % 256 for i in range(n)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked", "background"])
+@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked", "layered"])
 def test_tokens_equal_offline_reference(pair, mode: int) -> None:  # type: ignore[no-untyped-def]
     decode, _ = pair
     p = prompt(300)

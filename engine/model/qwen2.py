@@ -8,7 +8,7 @@ the next norm (`delta`), which fuses on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -101,12 +101,35 @@ class Qwen2Model(nn.Module):
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Float32 logits [T, V] of the flattened `input_ids` [T]; with `last_only` (a prefill),
         of its last row alone [1, V]."""
-        x = self.embed(input_ids)
-        delta: torch.Tensor | None = None
+        x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
+                                last_only, on_layer_done)
+        return self._logits(x, delta)
+
+    @torch.inference_mode()
+    def prefill_slices(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: PrefillMeta,
+                       layers_per_slice: int) -> Iterator[torch.Tensor | None]:
+        """A prefill's forward (`last_only`) a slice of layers at a time: each step of the iterator
+        queues the next `layers_per_slice` layers and yields None, the last one also the logits and
+        yields them [1, V]."""
+        x, delta = self.embed(input_ids), None
+        n = len(self.layers)
+        for start in range(0, n, layers_per_slice):
+            x, delta = self._layers(x, delta, positions, pool, meta, range(start, min(n, start + layers_per_slice)),
+                                    True, None)
+            if start + layers_per_slice < n:
+                yield None
+        yield self._logits(x, delta)
+
+    def _layers(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, pool: KVPool,
+                meta: PrefillMeta | DecodeMeta, which: range, last_only: bool,
+                on_layer_done: Callable[[int], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         last_layer = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, positions, self.rope, pool, i, meta, last_only and i == last_layer)
+        for i in which:
+            x, delta = self.layers[i](x, delta, positions, self.rope, pool, i, meta, last_only and i == last_layer)
             if on_layer_done is not None:
                 on_layer_done(i)
+        return x, delta
+
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         h, _ = self.norm(x, delta)
         return ops.linear(h, self.lm_head).float()

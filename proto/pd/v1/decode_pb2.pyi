@@ -13,12 +13,12 @@ class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_MODE_DISAGGREGATED: _ClassVar[PrefillMode]
     PREFILL_MODE_COLOCATED: _ClassVar[PrefillMode]
     PREFILL_MODE_CHUNKED: _ClassVar[PrefillMode]
-    PREFILL_MODE_BACKGROUND: _ClassVar[PrefillMode]
+    PREFILL_MODE_LAYERED: _ClassVar[PrefillMode]
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_DISAGGREGATED: PrefillMode
 PREFILL_MODE_COLOCATED: PrefillMode
 PREFILL_MODE_CHUNKED: PrefillMode
-PREFILL_MODE_BACKGROUND: PrefillMode
+PREFILL_MODE_LAYERED: PrefillMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
