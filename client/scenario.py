@@ -29,7 +29,7 @@ MODE_ENUM = {
     "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
     "layered": decode_pb2.PREFILL_MODE_LAYERED,
 }
-DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048"
+DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered"
 
 
 @dataclass

@@ -185,7 +185,7 @@ class DecodeEngine:
                 torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
             seq.timing.prefill_s += time.perf_counter() - t0
             return
-        self._first_token(seq, logits, time.perf_counter() - t0)
+        self._first_token(seq, logits, t0)
 
     def _prefill_slice(self, seq: Sequence) -> None:
         """The next slice of the model's layers over the whole prompt (layered); queued, not waited
@@ -205,7 +205,7 @@ class DecodeEngine:
             return
         self.layered = None
         seq.prefilled = len(seq.prompt)
-        self._first_token(seq, logits, time.perf_counter() - started)
+        self._first_token(seq, logits, started)
 
     def _prefill_failed(self, seq: Sequence, error: Exception) -> None:
         """One prompt's prefill failed: that request fails, the batch goes on."""
@@ -217,9 +217,11 @@ class DecodeEngine:
             seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
         self._finish(seq)
 
-    def _first_token(self, seq: Sequence, logits: torch.Tensor, elapsed: float) -> None:
-        """The prompt is prefilled (seq is the head of `prefilling`): sample and send its first token."""
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
+        """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
+        is the head of `prefilling`: sample and send its first token once the device has it."""
         token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        elapsed = time.perf_counter() - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()

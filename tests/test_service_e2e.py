@@ -109,7 +109,8 @@ def test_scenario_cli_all_rows(pair, tmp_path: Path) -> None:  # type: ignore[no
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["chunk_size"]) for r in rows] == [
-        ("alone", None), ("disaggregated", None), ("colocated", None), ("chunked", 512), ("chunked", 2048)]
+        ("alone", None), ("disaggregated", None), ("colocated", None), ("chunked", 512), ("chunked", 2048),
+        ("layered", None)]
     fields = {"mode", "chunk_size", "b_len", "a_median_gap_ms", "a_worst_gap_ms", "a_slow_gaps", "b_ttft_ms",
               "a_tokens_match_solo", "b_first_token_matches"}
     for row in rows:
