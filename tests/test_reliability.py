@@ -35,8 +35,8 @@ pytest_plugins = ["tests.test_reliability_fixtures"]
 
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-DISAGG, COLOC, CHUNKED = (decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED,
-                          decode_pb2.PREFILL_MODE_CHUNKED)
+DISAGG, COLOC, CHUNKED, LAYERED = (decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED,
+                                   decode_pb2.PREFILL_MODE_CHUNKED, decode_pb2.PREFILL_MODE_LAYERED)
 
 
 def call(address: str, req: decode_pb2.GenerateRequest | bytes, timeout: float = 30.0,
@@ -119,7 +119,7 @@ def test_malformed_message_is_invalid_argument(rel_pair) -> None:  # type: ignor
 
 def test_server_keeps_serving_after_bad_requests(rel_pair) -> None:  # type: ignore[no-untyped-def]
     decode, prefill = rel_pair
-    for mode in (DISAGG, COLOC, CHUNKED):
+    for mode in (DISAGG, COLOC, CHUNKED, LAYERED):
         replies, code, _ = call(decode.address, request(40, 6, prefill_mode=mode))
         assert code == OK and [r.index for r in replies] == list(range(6))
     wait_kv_idle(decode, prefill)
@@ -169,7 +169,8 @@ def test_oversize_message_is_resource_exhausted(rel_pair) -> None:  # type: igno
 
 # --- cancel, disconnect, deadline: the request leaves the batch and its KV is freed on both sides --------
 
-@pytest.mark.parametrize("mode", [DISAGG, COLOC, CHUNKED], ids=["disaggregated", "colocated", "chunked"])
+@pytest.mark.parametrize("mode", [DISAGG, COLOC, CHUNKED, LAYERED], ids=["disaggregated", "colocated", "chunked",
+                                                                      "layered"])
 def test_cancel_mid_stream_frees_kv(rel_pair, mode: int) -> None:  # type: ignore[no-untyped-def]
     decode, prefill = rel_pair
     wait_kv_idle(decode, prefill)
@@ -355,6 +356,16 @@ def test_default_host_is_loopback() -> None:
     assert prefill_config([]).host == "127.0.0.1"
     assert decode_config(["--host", "0.0.0.0"])[0].host == "0.0.0.0"
     assert (decode_config([])[0].metrics_port, prefill_config([]).metrics_port) == (8001, 8002)
+
+
+def test_layer_slice_flag_is_read_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from decode_server.__main__ import parse_config as decode_config
+
+    assert decode_config([])[0].layer_slice_tokens == 32768
+    assert decode_config(["--mode", "layered", "--layer-slice-tokens", "4096"])[0].layer_slice_tokens == 4096
+    with pytest.raises(SystemExit):
+        decode_config(["--layer-slice-tokens", "0"])
+    assert "--layer-slice-tokens" in capsys.readouterr().err
 
 
 def test_gil_switch_interval_is_applied_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
