@@ -1,5 +1,5 @@
 """`python -m decode_server`: the front door. Continuous batching on one device; prompts are
-prefilled by a prefill server (disaggregated) or here (colocated, chunked)."""
+prefilled by a prefill server (disaggregated) or here (colocated, chunked, layered)."""
 
 from __future__ import annotations
 

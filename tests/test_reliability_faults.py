@@ -34,6 +34,7 @@ pytest_plugins = ["tests.test_reliability_fixtures"]
 
 LAYER_DELAY_S = 0.4
 DISAGG, COLOC = decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED
+LOCAL_MODES = (COLOC, decode_pb2.PREFILL_MODE_CHUNKED, decode_pb2.PREFILL_MODE_LAYERED)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
@@ -134,10 +135,11 @@ def test_prefill_server_killed_mid_prefill_and_mid_transfer(slow_pair: dict[str,
         assert p.ended - killed < 3  # at once, not at the 30 s deadline
     wait_until(lambda: kv_idle(decode), 3)
 
-    # the prefill server is down: disaggregated requests fail fast, colocated ones are served
+    # the prefill server is down: disaggregated requests fail fast, local ones are served
     p = Pending(decode.address, request(50, 4), timeout=10).result()
     assert p.code == UNAVAILABLE and p.ended - p.started < 3, (p.code, p.details)
-    assert tokens(decode.address, request(1000, 8, prefill_mode=COLOC)) == reference
+    for mode in LOCAL_MODES:
+        assert tokens(decode.address, request(1000, 8, prefill_mode=mode)) == reference
     assert health_status(decode.address) == "SERVING"
 
     # restarted on the same port: used again without a restart of the decode server, as soon as its
