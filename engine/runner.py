@@ -90,25 +90,27 @@ class ModelRunner:
     def prefill(self, token_ids: list[int], block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""
-        end = start + len(token_ids)
-        meta = PrefillMeta(
-            new_slots=self.pool.slots(block_table, start, end),
-            prior_slots=self.pool.slots(block_table, 0, start) if start else None,
-        )
-        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        positions = torch.arange(start, end, device=self.device)
+        ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
 
     def prefill_slices(self, token_ids: list[int], block_table: list[int],
                        layers_per_slice: int) -> Iterator[torch.Tensor | None]:
         """A whole prompt's prefill, `layers_per_slice` layers at each step of the iterator (layered
         mode): None until the last step, which gives the last token's logits [V]."""
-        n = len(token_ids)
-        meta = PrefillMeta(new_slots=self.pool.slots(block_table, 0, n), prior_slots=None)
-        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        positions = torch.arange(n, device=self.device)
+        ids, positions, meta = self._prefill_inputs(token_ids, block_table, 0)
         for logits in self.model.prefill_slices(ids, positions, self.pool, meta, layers_per_slice):
             yield None if logits is None else logits[0]
+
+    def _prefill_inputs(self, token_ids: list[int], block_table: list[int],
+                        start: int) -> tuple[torch.Tensor, torch.Tensor, PrefillMeta]:
+        """Token ids, positions and slots of `token_ids` as positions start.. of the sequence, on the device."""
+        end = start + len(token_ids)
+        meta = PrefillMeta(
+            new_slots=self.pool.slots(block_table, start, end),
+            prior_slots=self.pool.slots(block_table, 0, start) if start else None,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return ids, torch.arange(start, end, device=self.device), meta
 
     def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""

@@ -47,6 +47,11 @@ class TransferFailed(Exception):
     """The peer stopped answering mid-transfer; the pair is aborted."""
 
 
+def poll_s_for(index: int, count: int) -> float:
+    """How often to look at message `index` of a transfer's `count`."""
+    return LAST_POLL_S if index == count - 1 else POLL_S
+
+
 def wait_until(done: Callable[[], bool], deadline: float, what: str, poll_s: float = POLL_S) -> None:
     while not done():
         if time.monotonic() > deadline:
@@ -165,7 +170,7 @@ class NcclKVSender(KVSender):
         try:
             for i, (_, works) in enumerate(self._inflight):
                 wait_work(works, self.pair.device, deadline, "NCCL send of the KV",
-                          poll_s=LAST_POLL_S if i == len(self._inflight) - 1 else POLL_S)
+                          poll_s=poll_s_for(i, len(self._inflight)))
         except TransferFailed:
             self.pair.abort()
             raise
@@ -256,7 +261,7 @@ class NcclKVReceiver:
             layer = 0
             while layer < len(works):
                 wait_work(works[layer], self.pool.device, deadline, f"NCCL receive of layer {layer} ({pair.group})",
-                          aborted=lambda: pair.broken, poll_s=LAST_POLL_S if layer == len(works) - 1 else POLL_S)
+                          aborted=lambda: pair.broken, poll_s=poll_s_for(layer, len(works)))
                 end = layer + 1  # and the layers after it that have landed too: one scatter for them all,
                 while end < len(works) and completed(works[end]):  # as each call waits for the GIL
                     end += 1
