@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
-from bench.gpu_power import PowerSampler, as_json, describe, sustained_bf16_tflops
+from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine import ops
 from engine.offline import make_runner
 from engine.runner import DecodeSeq, ModelRunner
@@ -101,13 +101,14 @@ def profile_prefill(runner: ModelRunner, length: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
-def prefill_ms(runner: ModelRunner, length: int) -> tuple[float, PowerSampler]:
-    """The fastest of two timed prefills after a warm-up, and the power and clock they ran at."""
+def prefill_ms(runner: ModelRunner, length: int, repeats: int = 2) -> tuple[float, PowerSampler]:
+    """The fastest of `repeats` timed prefills after a warm-up, and the power, clock and energy
+    they ran at (all of them together)."""
     times = []
     with prefill_prompt(runner, length) as (prompt, table):
         runner.prefill(prompt, table, 0)
         with PowerSampler(runner.device) as sampler:
-            for _ in range(2):
+            for _ in range(repeats):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 runner.prefill(prompt, table, 0)
@@ -130,6 +131,14 @@ def prefill_flops(runner: ModelRunner, n: int) -> float:
     return float(linear + causal + 4 * n * c.num_heads * c.head_dim)
 
 
+def energy(pj: float | None) -> str:
+    return "" if pj is None else f", {pj:.3f} pJ/FLOP"
+
+
+def rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
     p.add_argument("--preset", default="qwen2.5-7b")
@@ -149,9 +158,9 @@ def main() -> None:
     device = torch.device("cuda:0")
     ops.SKINNY_GEMV = not args.no_skinny_gemv
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
-    held, held_power = sustained_bf16_tflops(device)
+    held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
-          f"held for seconds {describe(held_power)}", flush=True)
+          f"held for seconds {describe(held_power)}{energy(held_pj)}", flush=True)
     runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
                          max_batch_size=max(args.batches), max_model_len=max(*args.prefill_lens, args.context + 512),
                          cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket)
@@ -159,11 +168,12 @@ def main() -> None:
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
            "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1),
            "bf16_tflops_sustained": round(held, 1), "sustained_matmul_power": as_json(held_power),
+           "sustained_matmul_pj_per_flop": rounded(held_pj),
            "weight_bytes": wbytes,
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": ops.SKINNY_GEMV,
            "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {},
-           "prefill_floor_sustained_ms": {}, "prefill_power": {}}
+           "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
     for batch in args.batches:
         ms = decode_step_ms(runner, batch, args.context, args.steps)
@@ -174,15 +184,18 @@ def main() -> None:
         print(f"{batch:>12} {ms:>9.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}", flush=True)
     print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7} {'held floor':>10} {'of held':>7}")
     for n in args.prefill_lens:
-        ms, power = prefill_ms(runner, n)
-        floor = prefill_flops(runner, n) / (tflops * 1e12) * 1e3
-        held_floor = prefill_flops(runner, n) / (held * 1e12) * 1e3
+        repeats = 2
+        ms, power = prefill_ms(runner, n, repeats)
+        flops = prefill_flops(runner, n)
+        floor, held_floor = flops / (tflops * 1e12) * 1e3, flops / (held * 1e12) * 1e3
+        pj = pj_per_flop(power.reading, flops * repeats)
         doc["prefill_ms"][str(n)] = round(ms, 2)
         doc["prefill_floor_ms"][str(n)] = round(floor, 2)
         doc["prefill_floor_sustained_ms"][str(n)] = round(held_floor, 2)
         doc["prefill_power"][str(n)] = as_json(power.reading)
+        doc["prefill_pj_per_flop"][str(n)] = rounded(pj)
         print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%} {held_floor:>10.1f} {held_floor / ms:>7.0%}  "
-              f"{describe(power.reading)}", flush=True)
+              f"{describe(power.reading)}{energy(pj)}", flush=True)
     if args.profile:
         for batch in (1, max(args.batches)):
             profile_decode(runner, batch, args.context)

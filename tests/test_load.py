@@ -161,8 +161,8 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     doc = json.loads(out.read_text())
     runs = doc["runs"]
-    assert list(runs) == ["split", "colocated", "chunked-512", "chunked-2048"]
-    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "colocated", "chunked", "chunked"]
+    assert list(runs) == ["split", "colocated", "chunked-512", "chunked-2048", "layered"]
+    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "colocated", "chunked", "chunked", "layered"]
     assert len(runs["split"]["targets"]) == 1 and all(len(runs[n]["targets"]) == 2 for n in list(runs)[1:])
     for run in runs.values():
         assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
