@@ -107,6 +107,7 @@ def prefill_ms(runner: ModelRunner, length: int, repeats: int = 2) -> tuple[floa
     times = []
     with prefill_prompt(runner, length) as (prompt, table):
         runner.prefill(prompt, table, 0)
+        torch.cuda.synchronize()  # the warm-up's kernels outside the energy count
         with PowerSampler(runner.device) as sampler:
             for _ in range(repeats):
                 torch.cuda.synchronize()

@@ -42,6 +42,36 @@ def test_paged_decode_kernel_matches_gather() -> None:
             pool.allocator.free(blocks)
 
 
+def test_float32_decode_is_float32_at_the_7b_shape() -> None:
+    """A float32 model on CUDA: the paged kernel's dots are exact float32 (not TF32), the skinny
+    matmul leaves float32 to cuBLAS (its tiles overflow shared memory there), and graphed decode
+    runs and gives the eager path's tokens."""
+    from engine.attention import DecodeMeta, gather_decode_attention
+    from engine.kernels import gemv
+    from engine.kernels.paged_decode import paged_decode_attention
+    from engine.kv_cache import KVLayout, KVPool
+    from engine.offline import generate, make_runner
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    pool = KVPool(KVLayout("m", "float32", 1, 4, 128, 16), 1024, dev, reserved_blocks=1)
+    pool.layers[0].normal_()
+    blocks = pool.allocator.allocate(125)
+    meta = DecodeMeta(torch.zeros(2, dtype=torch.long, device=dev), torch.tensor([blocks, blocks], device=dev,
+                      dtype=torch.int32), torch.tensor([2000, 1337], dtype=torch.int32, device=dev), 2000)
+    q = torch.randn(2, 28, 128, device=dev)
+    out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16)
+    assert rel_err(out, gather_decode_attention(q, pool, 0, meta)) < 1e-5  # TF32 dots give ~1e-3
+    assert not gemv.supports(q[0], torch.empty(4608, 128, device=dev))
+
+    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.float32, max_batch_size=2,
+                         max_model_len=256, kv_gb=1.0, cuda_graphs=True)
+    prompts = [[(i * 11 + j) % 1000 for i in range(30 + 50 * j)] for j in range(2)]
+    graphed = generate(runner, prompts, 6)
+    runner.graphs = None
+    assert generate(runner, prompts, 6) == graphed
+
+
 def _as_float(pool):  # type: ignore[no-untyped-def]
     class View:
         layout = pool.layout

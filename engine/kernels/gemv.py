@@ -60,8 +60,11 @@ def _gemv_kernel(X, W, BIAS, OUT, M, N, K, s_xm, s_wn, s_om,
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % config_for(weight).block_k == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
+    """16-bit operands only: the tiles are sized for them (float32 ones overflow shared memory at
+    the 7B shape), and Triton would round float32 through TF32 where cuBLAS does not."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS and x.shape[1] % config_for(weight).block_k == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -21,7 +21,7 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
                   scale_log2,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  STRIDE_ON_DEVICE: tl.constexpr):
+                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     if STRIDE_ON_DEVICE:  # packed tables whose row length changes step to step (CUDA graphs)
@@ -47,13 +47,13 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
         k = tl.load(base, mask=valid[:, None], other=0.0)
         v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out_ptr = OUT + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
     tl.store(out_ptr, acc, mask=gmask[:, None])
@@ -105,6 +105,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         num_warps=4, num_stages=2)
     _merge_kernel[(batch, heads)](
         partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
