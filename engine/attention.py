@@ -105,6 +105,13 @@ def last_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: 
 def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]."""
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views of [T, H, D]
+    if qh.is_cuda and qh.dtype == torch.float32:
+        # cuDNN and flash take 16-bit only, and the memory-efficient kernel no grouped heads; left
+        # to itself SDPA would fall back to the math path, which holds [H, T, T] scores (30 GB at 16k)
+        groups = qh.shape[1] // kh.shape[1]
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            out = F.scaled_dot_product_attention(qh, expand_kv(kh, groups), expand_kv(vh, groups), is_causal=True)
+        return out.squeeze(0).transpose(0, 1)
     with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True) if qh.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -44,8 +44,8 @@ def test_paged_decode_kernel_matches_gather() -> None:
 
 def test_float32_decode_is_float32_at_the_7b_shape() -> None:
     """A float32 model on CUDA: the paged kernel's dots are exact float32 (not TF32), the skinny
-    matmul leaves float32 to cuBLAS (its tiles overflow shared memory there), and graphed decode
-    runs and gives the eager path's tokens."""
+    matmul leaves float32 to cuBLAS (its tiles overflow shared memory there), whole-prompt attention
+    runs in bounded memory, and graphed decode runs and gives the eager path's tokens."""
     from engine.attention import DecodeMeta, gather_decode_attention
     from engine.kernels import gemv
     from engine.kernels.paged_decode import paged_decode_attention
@@ -63,6 +63,13 @@ def test_float32_decode_is_float32_at_the_7b_shape() -> None:
     out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16)
     assert rel_err(out, gather_decode_attention(q, pool, 0, meta)) < 1e-5  # TF32 dots give ~1e-3
     assert not gemv.supports(q[0], torch.empty(4608, 128, device=dev))
+
+    from engine.attention import whole_prompt_attention
+
+    torch.cuda.reset_peak_memory_stats()
+    q, kv = torch.randn(16384, 28, 128, device=dev), torch.randn(16384, 4, 128, device=dev)
+    whole_prompt_attention(q, kv, kv)
+    assert torch.cuda.max_memory_allocated() < 4 * 2**30  # not the math path's [28, 16k, 16k] scores
 
     runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.float32, max_batch_size=2,
                          max_model_len=256, kv_gb=1.0, cuda_graphs=True)
