@@ -55,15 +55,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+ROPE_BLOCK_T = 16  # tokens a program for prefills (`python -m bench.rope`)
+
+
 @triton.jit
 def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
                        s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        WRITE_V: tl.constexpr, BLOCK_T: tl.constexpr):
     """One head of BLOCK_T tokens per program (one token's head alone is too little work: at 32k
-    tokens a program per (token, head) ran at a quarter of the memory bandwidth)."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    h = tl.program_id(1)
+    tokens a program per (token, head) ran at a quarter of the memory bandwidth). The head is the
+    fastest-moving program id, so the programs of one token block run together and read its cos
+    and sin rows from L2 after the first; only the tables' first halves are read, as the second
+    halves repeat them (`RotaryTable`: cat(freqs, freqs))."""
+    h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, half)[None, :]
     live = (t < T)[:, None]
@@ -83,14 +89,12 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
     else:
         pos = tl.load(POS + t, mask=t < T, other=0).to(tl.int64)[:, None]
         dt = x1.dtype
-        c1 = tl.load(COS + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
-        c2 = tl.load(COS + pos * s_cos + half + offs, mask=live).to(dt).to(tl.float32)
-        s1 = tl.load(SIN + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
-        s2 = tl.load(SIN + pos * s_cos + half + offs, mask=live).to(dt).to(tl.float32)
+        c = tl.load(COS + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
+        s = tl.load(SIN + pos * s_cos + offs, mask=live).to(dt).to(tl.float32)
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         # q * cos + rotate_half(q) * sin, each product and the sum rounded as in PyTorch
-        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+        o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
+        o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
         if h < NUM_HEADS:
             dst = Q_OUT + (t[:, None] * NUM_HEADS + h) * HEAD_DIM
         else:
@@ -105,7 +109,8 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   head_dim: int, rows: int | None = None,
+                   block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) D] -> rotated q [T, H, D], k [T, Hkv, D], and v (a view); K and V are
     also written into the pool layer at `slots`. With `rows` (>= T), q, k and v are [rows, ...]
     buffers whose rows past T are zero (padded whole-prompt attention, `engine.attention`)."""
@@ -118,8 +123,9 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         v = torch.empty_like(k)
         for t in (q, k, v):
             t[tokens:].zero_()
-    block_t = 1 if tokens <= 64 else 16  # decode steps (in CUDA graphs) keep a program per token
-    _rope_store_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
+    if block_t is None:  # decode steps (in CUDA graphs) keep a program per token
+        block_t = 1 if tokens <= 64 else max(ROPE_BLOCK_T, triton.next_power_of_2(triton.cdiv(tokens, 65535)))
+    _rope_store_kernel[(num_heads + 2 * num_kv_heads, triton.cdiv(tokens, block_t))](
         qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
         kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4)
