@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import DecodeMeta, PrefillMeta, prepare_prefill_plans
-from engine.kv_cache import KVLayout, KVPool
+from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class ModelRunner:
             new_slots=self.pool.slots(block_table, start, end),
             prior_slots=self.pool.slots(block_table, 0, start) if start else None,
         )
-        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = long_tensor(token_ids).to(self.device, non_blocking=True)
         return ids, torch.arange(start, end, device=self.device), meta
 
     def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:

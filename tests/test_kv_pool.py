@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache import BlockAllocator, KVLayout, KVPool, OutOfBlocks
+from engine.kv_cache import BlockAllocator, KVLayout, KVPool, OutOfBlocks, slot_ids
 
 
 def is_run(blocks: list[int]) -> bool:
@@ -101,3 +101,20 @@ def test_writing_several_layers_at_once_equals_one_at_a_time() -> None:
     many.write_layers(2, 5, slots, kv[2:5])
     assert torch.equal(one.storage, many.storage)
     assert torch.equal(many.read(3, slots), kv[3])
+
+
+@given(st.integers(1, 16), st.integers(0, 300), st.data())
+def test_slot_ids_are_each_tokens_block_and_offset(block_size: int, n: int, data: st.DataObject) -> None:
+    table = data.draw(st.lists(st.integers(0, 999), min_size=-(-n // block_size), max_size=-(-n // block_size) + 3,
+                               unique=True))
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n))
+    want = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    assert slot_ids(table, start, end, block_size).tolist() == want
+    assert slot_ids(torch.tensor(table), start, end, block_size).tolist() == want
+
+
+def test_slot_ids_refuse_a_table_too_short() -> None:
+    """Checked on the host: a device-side index past the table would end the CUDA context."""
+    with pytest.raises(IndexError, match="need 3 blocks; the table has 2"):
+        slot_ids([1, 2], 0, 40, 16)
