@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides: object) -> P
     """A tiny random Qwen2 checkpoint written by transformers itself (config.json + safetensors)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    fields: dict[str, object] = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+    fields: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                      rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=299)
     fields.update(overrides)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import grpc
 
@@ -52,7 +53,7 @@ class ServerProcess:
         self.log_path = log_dir / f"{module}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 120.0) -> ServerProcess:
+    def start(self, timeout: float = 120.0) -> Self:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=env,

@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 import torch
@@ -110,9 +111,10 @@ def test_prefill_side_reports_cover_every_layer_already_written(unfinished: int 
     reports: list[int] = []
     sender = IpcKVSender(reports.append)
     gate = threading.Event()
-    sender._events.put((0, FakeEvent(gate=gate)))  # the thread waits on layer 0 while the rest queue up
+    # the thread waits on layer 0 while the rest queue up
+    sender._events.put((0, cast(torch.cuda.Event, FakeEvent(gate=gate))))
     for layer in range(1, LAYERS):
-        sender._events.put((layer, FakeEvent(done=layer != unfinished)))
+        sender._events.put((layer, cast(torch.cuda.Event, FakeEvent(done=layer != unfinished))))
     gate.set()
     sender.finish()
     expected = [LAYERS - 1] if unfinished is None else [unfinished - 1, LAYERS - 1]
