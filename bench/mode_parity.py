@@ -7,8 +7,9 @@ For each prompt length, one random prompt is prefilled whole (the reference), in
 first step whose token differs from the reference, the relative error of the first logits and of
 the KV cache (every layer) against the reference, and, at the step where the tokens part, the
 reference's margin between its two best logits beside how far that step's logits are from the
-reference's (both sequences are identical up to that step). A gap larger than the margin is a
-rounding flip between near-tied tokens; a bug shows as an O(1) error in the first logits or the KV.
+reference's (both sequences are identical up to that step). Where twice that gap covers the margin
+(each of the two logits may move by the gap), rounding explains the flip between near-tied tokens;
+a bug shows as an O(1) error in the first logits or the KV.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Row:
     kv_rel_err_max: float             # the worst layer's
     margin_at_divergence: float | None    # the reference's top-1 minus top-2 logit there
     logit_gap_at_divergence: float | None  # max |logit - reference logit| there
-    rounding_flip: bool | None        # the gap covers the margin
+    rounding_flip: bool | None        # twice the gap covers the margin
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
