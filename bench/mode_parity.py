@@ -56,8 +56,7 @@ def run(runner: ModelRunner, prompt: list[int], steps: int, mode: str, layer_sli
     table = pool.allocator.allocate(pool.blocks_needed(len(prompt) + steps))
     try:
         if mode == "layered":
-            per_slice = max(1, layer_slice_tokens // len(prompt))
-            for out in runner.prefill_slices(prompt, table, per_slice):
+            for out in runner.prefill_slices(prompt, table, layer_slice_tokens):
                 logits = out
         else:
             step = int(mode.split(":")[1]) if mode.startswith("chunked:") else len(prompt)

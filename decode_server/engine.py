@@ -191,9 +191,8 @@ class DecodeEngine:
         """The next slice of the model's layers over the whole prompt (layered); queued, not waited
         for: the decode step after it waits for both. The last slice samples the first token."""
         if self.layered is None or self.layered.seq is not seq:
-            per_slice = max(1, self.layer_slice_tokens // len(seq.prompt))
-            self.layered = LayeredPrefill(seq, self.runner.prefill_slices(seq.prompt, seq.block_table, per_slice),
-                                          time.perf_counter())
+            slices = self.runner.prefill_slices(seq.prompt, seq.block_table, self.layer_slice_tokens)
+            self.layered = LayeredPrefill(seq, slices, time.perf_counter())
         started = self.layered.started
         try:
             logits = next(self.layered.slices)
