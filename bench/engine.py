@@ -150,6 +150,8 @@ def main() -> None:
     p.add_argument("--min-decode-bucket", type=int, default=1)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
+    p.add_argument("--no-fused-gate-up", action="store_true",
+                   help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
     p.add_argument("--json", default="bench/results/engine-h200.json")
     p.add_argument("--profile", action="store_true",
                    help="print the costliest kernels of a decode step and of the longest prefill")
@@ -158,6 +160,7 @@ def main() -> None:
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
     ops.SKINNY_GEMV = not args.no_skinny_gemv
+    ops.FUSED_GATE_UP = not args.no_fused_gate_up
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
@@ -173,6 +176,7 @@ def main() -> None:
            "weight_bytes": wbytes,
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": ops.SKINNY_GEMV,
+           "fused_gate_up": ops.FUSED_GATE_UP,
            "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")

@@ -15,9 +15,15 @@ try:
 except ImportError:  # no Triton: CPU-only installs
     _fused = None  # type: ignore[assignment]
     _gemv = None  # type: ignore[assignment]
+try:
+    from engine.kernels import gate_up_silu as _gate_up
+except ImportError:  # a Triton without Gluon's Hopper language
+    _gate_up = None  # type: ignore[assignment]
 
 # Decode-sized matmuls (at most 16 rows) through the Triton skinny kernel rather than cuBLAS.
 SKINNY_GEMV = True
+# Prefill-sized MLPs (more than 16 rows) on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel.
+FUSED_GATE_UP = True
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -40,6 +46,14 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     if SKINNY_GEMV and _fast(x) and _gemv.supports(x, layer.weight):
         return _gemv.gemv(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
+    if (FUSED_GATE_UP and _gate_up is not None and _fast(x) and x.shape[0] > 16
+            and _gate_up.supports(x, layer.weight)):
+        return _gate_up.gate_up_silu(x, layer.weight)
+    return silu_mul(linear(x, layer))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
         else:
             attn = decode_attention(q, pool, layer, meta)
         h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj))
-        return x, ops.linear(ops.silu_mul(ops.linear(h, self.gate_up)), self.down)
+        return x, ops.linear(ops.gate_up_silu(h, self.gate_up), self.down)
 
 
 class Qwen2Model(nn.Module):
