@@ -3,8 +3,8 @@ a ring of shared-memory stages, asynchronous warpgroup MMAs) whose epilogue appl
 the store, so the [rows, 2 * intermediate] gate/up intermediate never reaches HBM and the SiLU·mul
 kernel (24 ms of HBM traffic in a 32k prefill) disappears.
 
-Each program owns a BLOCK_M x BLOCK_N tile of the output and accumulates the matching tiles of gate
-and of up in two register accumulators from the same rows of x. Rounding follows the unfused path:
+A program per SM walks BLOCK_M x BLOCK_N tiles of the output; for each it accumulates the matching
+tiles of gate and of up in two register accumulators from the same rows of x. Rounding follows the unfused path:
 gate and up to the model dtype (the matmul's output), SiLU to the model dtype, the product too.
 """
 
@@ -39,28 +39,54 @@ def _load_stage(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, stage, off
 
 
 @gluon.jit
+def _tile_offsets(tile, num_m, num_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """Grouped order: GROUP_M row tiles walk each column strip of the weights together, so a strip
+    is read from HBM about once and then from L2."""
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return (first_m + (tile % in_group) % size_m) * BM, ((tile % in_group) // size_m) * BN
+
+
+@gluon.jit
+def _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, step, num_k, num_m, num_n, total, pid, nprog,
+               STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Issue the TMA loads of this program's `step`-th (tile, k) step into its ring stage."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = g_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    off_m, off_n = _tile_offsets(pid + (step // num_k) * nprog, num_m, num_n, BM, BN, GROUP_M)
+    k = (step % num_k) * BK
+    stage = step % STAGES
+    pred = step < total
+    bar = bars.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * g_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_bufs.index(stage), pred)
+    tma.async_copy_global_to_shared(g_desc, [off_n, k], bar, g_bufs.index(stage), pred)
+    tma.async_copy_global_to_shared(u_desc, [off_n, k], bar, u_bufs.index(stage), pred)
+
+
+@gluon.jit
 def _gate_up_silu_kernel(x_desc, g_desc, u_desc, out_desc, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                          num_warps: gl.constexpr):
+    """Persistent: program p takes tiles p, p + programs, ...; its (tile, k) steps form one stream
+    through the ring, so the next tile's first loads are in flight during this tile's last MMAs
+    and its epilogue."""
     BM: gl.constexpr = out_desc.block_type.shape[0]
     BN: gl.constexpr = out_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
-    M = x_desc.shape[0]
-    K = x_desc.shape[1]
-    N = out_desc.shape[1]
-
-    # Grouped order: GROUP_M row tiles walk each column strip together.
+    num_m = gl.cdiv(x_desc.shape[0], BM)
+    num_n = gl.cdiv(out_desc.shape[1], BN)
+    num_k = gl.cdiv(x_desc.shape[1], BK)
     pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BM)
-    in_group = GROUP_M * gl.cdiv(N, BN)
-    first_m = (pid // in_group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % in_group) % size_m) * BM
-    off_n = ((pid % in_group) // size_m) * BN
+    nprog = gl.num_programs(0)
+    total = gl.cdiv(num_m * num_n - pid, nprog) * num_k
 
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     g_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     u_bufs = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
+    out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -71,33 +97,34 @@ def _gate_up_silu_kernel(x_desc, g_desc, u_desc, out_desc, STAGES: gl.constexpr,
     acc_g = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
     acc_u = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
 
-    num_k = gl.cdiv(K, BK)
     for s in gl.static_range(STAGES - 1):
-        _load_stage(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, s, off_m, off_n, s * BK, s < num_k)
-
-    for ki in range(num_k):
-        stage = ki % STAGES
-        mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
-        x = x_bufs.index(stage)
-        acc_g = warpgroup_mma(x, g_bufs.index(stage).permute((1, 0)), acc_g, is_async=True)
-        acc_u = warpgroup_mma(x, u_bufs.index(stage).permute((1, 0)), acc_u, is_async=True)
-        # This step's two MMAs stay in flight; the previous step's are done, so its stage is free.
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-        nk = ki + STAGES - 1
-        _load_stage(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, nk % STAGES, off_m, off_n, nk * BK,
-                    nk < num_k)
-    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, s, num_k, num_m, num_n, total, pid, nprog,
+                   STAGES, GROUP_M)
+    step = 0
+    for tile in range(pid, num_m * num_n, nprog):
+        for ki in range(num_k):
+            stage = step % STAGES
+            mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
+            x = x_bufs.index(stage)
+            acc_g = warpgroup_mma(x, g_bufs.index(stage).permute((1, 0)), acc_g, use_acc=ki > 0, is_async=True)
+            acc_u = warpgroup_mma(x, u_bufs.index(stage).permute((1, 0)), acc_u, use_acc=ki > 0, is_async=True)
+            # This step's two MMAs stay in flight; the previous step's are done, so its stage is free.
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, step + STAGES - 1, num_k, num_m, num_n,
+                       total, pid, nprog, STAGES, GROUP_M)
+            step += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        g = acc_g.to(dtype).to(gl.float32)
+        silu = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
+        y = (silu * acc_u.to(dtype).to(gl.float32)).to(dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has left out_smem
+        out_smem.store(y)
+        fence_async_shared()
+        off_m, off_n = _tile_offsets(tile, num_m, num_n, BM, BN, GROUP_M)
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+    tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-
-    g = acc_g.to(dtype).to(gl.float32)
-    s = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
-    y = (s * acc_u.to(dtype).to(gl.float32)).to(dtype)
-    out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    out_smem.store(y)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-    tma.store_wait(pendings=0)
 
 
 def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -119,7 +146,8 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, stages: int = STAGES, g
     rows, _ = x.shape
     inter = gate_up.shape[0] // 2
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, BLOCK_M) * triton.cdiv(inter, BLOCK_N),)
+    tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(inter, BLOCK_N)
+    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count),)
     _gate_up_silu_kernel[grid](_desc(x, [BLOCK_M, BLOCK_K]), _desc(gate_up[:inter], [BLOCK_N, BLOCK_K]),
                                _desc(gate_up[inter:], [BLOCK_N, BLOCK_K]), _desc(out, [BLOCK_M, BLOCK_N]),
                                stages, group_m, num_warps=NUM_WARPS)
