@@ -22,8 +22,10 @@ except ImportError:  # a Triton without Gluon's Hopper language
 
 # Decode-sized matmuls (at most 16 rows) through the Triton skinny kernel rather than cuBLAS.
 SKINNY_GEMV = True
-# Prefill-sized MLPs (more than 16 rows) on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel.
+# Prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel, from this many rows
+# (`python -m bench.fused_mlp`: below it cuBLAS then the SiLU·mul kernel is faster).
 FUSED_GATE_UP = True
+FUSED_GATE_UP_MIN_ROWS = 1024
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -50,7 +52,7 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
-    if (FUSED_GATE_UP and _gate_up is not None and _fast(x) and x.shape[0] > 16
+    if (FUSED_GATE_UP and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
         return _gate_up.gate_up_silu(x, layer.weight)
     return silu_mul(linear(x, layer))

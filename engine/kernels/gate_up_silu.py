@@ -30,15 +30,6 @@ NUM_WARPS = 8    # two warpgroups, each 64 rows of the tile
 
 
 @gluon.jit
-def _load_stage(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, stage, off_m, off_n, k, pred):
-    bar = bars.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * g_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_bufs.index(stage), pred)
-    tma.async_copy_global_to_shared(g_desc, [off_n, k], bar, g_bufs.index(stage), pred)
-    tma.async_copy_global_to_shared(u_desc, [off_n, k], bar, u_bufs.index(stage), pred)
-
-
-@gluon.jit
 def _tile_offsets(tile, num_m, num_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
     """Grouped order: GROUP_M row tiles walk each column strip of the weights together, so a strip
     is read from HBM about once and then from L2."""
@@ -49,74 +40,76 @@ def _tile_offsets(tile, num_m, num_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_
 
 
 @gluon.jit
-def _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, step, num_k, num_m, num_n, total, pid, nprog,
+def _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, step, num_k, num_m, num_n, inter, total, pid, nprog,
                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Issue the TMA loads of this program's `step`-th (tile, k) step into its ring stage."""
+    """Issue the TMA loads of this program's `step`-th (tile, k) step into its ring stage: x's rows,
+    and the tile's gate rows and up rows stacked as one [2 * BN, BK] operand."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = g_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     off_m, off_n = _tile_offsets(pid + (step // num_k) * nprog, num_m, num_n, BM, BN, GROUP_M)
     k = (step % num_k) * BK
     stage = step % STAGES
     pred = step < total
     bar = bars.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * g_desc.block_type.nbytes, pred=pred)
+    w_buf = w_bufs.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_bufs.index(stage), pred)
-    tma.async_copy_global_to_shared(g_desc, [off_n, k], bar, g_bufs.index(stage), pred)
-    tma.async_copy_global_to_shared(u_desc, [off_n, k], bar, u_bufs.index(stage), pred)
+    tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_buf.slice(0, BN), pred)
+    tma.async_copy_global_to_shared(w_desc, [inter + off_n, k], bar, w_buf.slice(BN, BN), pred)
 
 
 @gluon.jit
-def _gate_up_silu_kernel(x_desc, g_desc, u_desc, out_desc, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+def _gate_up_silu_kernel(x_desc, w_desc, out_desc, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                          num_warps: gl.constexpr):
     """Persistent: program p takes tiles p, p + programs, ...; its (tile, k) steps form one stream
     through the ring, so the next tile's first loads are in flight during this tile's last MMAs
-    and its epilogue."""
+    and its epilogue. One m64 x n(2 BN) instruction per warpgroup and k16 covers gate and up."""
     BM: gl.constexpr = out_desc.block_type.shape[0]
     BN: gl.constexpr = out_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
+    inter = out_desc.shape[1]
     num_m = gl.cdiv(x_desc.shape[0], BM)
-    num_n = gl.cdiv(out_desc.shape[1], BN)
+    num_n = gl.cdiv(inter, BN)
     num_k = gl.cdiv(x_desc.shape[1], BK)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     total = gl.cdiv(num_m * num_n - pid, nprog) * num_k
 
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    g_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    u_bufs = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BN, BK], w_desc.layout)
     out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
 
-    # Warps stacked along M: each warpgroup issues m64 x n(BN) x k16 instructions.
+    # Warps stacked along M: each warpgroup owns 64 rows and all 2 * BN columns (gate, then up).
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 16])
-    acc_g = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-    acc_u = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                                                         instr_shape=[16, 2 * BN, 16])
+    acc = gl.zeros((BM, 2 * BN), dtype=gl.float32, layout=acc_layout)
 
     for s in gl.static_range(STAGES - 1):
-        _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, s, num_k, num_m, num_n, total, pid, nprog,
-                   STAGES, GROUP_M)
+        _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, num_k, num_m, num_n, inter, total, pid, nprog, STAGES,
+                   GROUP_M)
     step = 0
     for tile in range(pid, num_m * num_n, nprog):
         for ki in range(num_k):
             stage = step % STAGES
             mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
-            x = x_bufs.index(stage)
-            acc_g = warpgroup_mma(x, g_bufs.index(stage).permute((1, 0)), acc_g, use_acc=ki > 0, is_async=True)
-            acc_u = warpgroup_mma(x, u_bufs.index(stage).permute((1, 0)), acc_u, use_acc=ki > 0, is_async=True)
-            # This step's two MMAs stay in flight; the previous step's are done, so its stage is free.
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-            _load_step(x_desc, g_desc, u_desc, x_bufs, g_bufs, u_bufs, bars, step + STAGES - 1, num_k, num_m, num_n,
-                       total, pid, nprog, STAGES, GROUP_M)
+            acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, use_acc=ki > 0,
+                                is_async=True)
+            # This step's MMA stays in flight; the previous step's is done, so its stage is free.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, step + STAGES - 1, num_k, num_m, num_n, inter, total,
+                       pid, nprog, STAGES, GROUP_M)
             step += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        g = acc_g.to(dtype).to(gl.float32)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Column c < BN of a thread's accumulator is gate, c + BN is up, held by the same thread.
+        gate, up = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
+        g = gate.to(dtype).to(gl.float32)
         silu = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
-        y = (silu * acc_u.to(dtype).to(gl.float32)).to(dtype)
+        y = (silu * up.to(dtype).to(gl.float32)).to(dtype)
         tma.store_wait(pendings=0)  # the previous tile's store has left out_smem
         out_smem.store(y)
         fence_async_shared()
@@ -148,7 +141,6 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, stages: int = STAGES, g
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(inter, BLOCK_N)
     grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count),)
-    _gate_up_silu_kernel[grid](_desc(x, [BLOCK_M, BLOCK_K]), _desc(gate_up[:inter], [BLOCK_N, BLOCK_K]),
-                               _desc(gate_up[inter:], [BLOCK_N, BLOCK_K]), _desc(out, [BLOCK_M, BLOCK_N]),
-                               stages, group_m, num_warps=NUM_WARPS)
+    _gate_up_silu_kernel[grid](_desc(x, [BLOCK_M, BLOCK_K]), _desc(gate_up, [BLOCK_N, BLOCK_K]),
+                               _desc(out, [BLOCK_M, BLOCK_N]), stages, group_m, num_warps=NUM_WARPS)
     return out
