@@ -17,14 +17,14 @@ except ImportError:  # no Triton: CPU-only installs
     _gemv = None  # type: ignore[assignment]
 try:
     from engine.kernels import gate_up_silu as _gate_up
-except ImportError:  # a Triton without Gluon's Hopper language
+except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hopper language
     _gate_up = None  # type: ignore[assignment]
 
 # Decode-sized matmuls (at most 16 rows) through the Triton skinny kernel rather than cuBLAS.
 SKINNY_GEMV = True
 # Prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel, from this many rows.
 # Measured faster in the engine's 4k, 16k and 32k prefills (`python -m bench.engine` against
-# `--no-fused-gate-up`); alone at 1-2k rows (`python -m bench.fused_mlp`) it is 4-9% slower.
+# `--no-fused-gate-up`); alone at 1-2k rows (`python -m bench.fused_mlp`) it is 4-32% slower.
 FUSED_GATE_UP = True
 FUSED_GATE_UP_MIN_ROWS = 4096
 
