@@ -3,9 +3,11 @@ a ring of shared-memory stages, asynchronous warpgroup MMAs) whose epilogue appl
 the store, so the [rows, 2 * intermediate] gate/up intermediate never reaches HBM and the SiLU·mul
 kernel (24 ms of HBM traffic in a 32k prefill) disappears.
 
-A program per SM walks BLOCK_M x BLOCK_N tiles of the output; for each it accumulates the matching
-tiles of gate and of up in two register accumulators from the same rows of x. Rounding follows the unfused path:
-gate and up to the model dtype (the matmul's output), SiLU to the model dtype, the product too.
+A program per SM walks BLOCK_M x BLOCK_N tiles of the output. For each it loads the tile's gate rows
+and up rows of the weight as one [2 * BLOCK_N, BLOCK_K] operand, so one accumulator holds gate in
+its first BLOCK_N columns and up in the rest. Columns of the last tile past the intermediate size
+read the wrong rows but are never stored. Rounding follows the unfused path: gate and up to the
+model dtype (the matmul's output), SiLU to the model dtype, the product too.
 """
 
 from __future__ import annotations
