@@ -140,8 +140,8 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
 
 def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMM with SiLU·mul in its epilogue gives the unfused path's values (cuBLAS gate/up,
-    then the SiLU·mul kernel) bit for bit, on ragged row counts where TMA pads loads and clips
-    stores; a prefill through it gives the unfused prefill's logits."""
+    then the SiLU·mul kernel) bit for bit, on ragged row and column counts where TMA pads loads and
+    clips stores; a prefill through it gives the unfused prefill's logits."""
     from engine import ops
     from engine.kernels import gate_up_silu as fused
     from engine.kernels.fused import silu_mul
@@ -156,6 +156,9 @@ def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.Mon
         x = torch.randn(rows, 3584, device=dev).bfloat16()
         assert fused.supports(x, w)
         assert torch.equal(fused.gate_up_silu(x, w), silu_mul(x @ w.t()))
+    ragged = (torch.randn(2 * 1000, 512, device=dev) / 512**0.5).bfloat16()  # 1,000 = 7 tiles + 104 columns
+    x = torch.randn(300, 512, device=dev).bfloat16()
+    assert torch.equal(fused.gate_up_silu(x, ragged), silu_mul(x @ ragged.t()))
     calls: list[int] = []
     launch = fused.gate_up_silu
 
