@@ -13,16 +13,10 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from tqdm import tqdm
 
 from client.load_plan import BackgroundUser, LoadPlan, RequestSpec
-from client.stream import StreamResult, collect, open_channel
+from client.stream import PREFILL_MODES, StreamResult, collect, open_channel
 
-MODES = ("disaggregated", "colocated", "chunked", "layered")
-MODE_ENUM = {
-    None: decode_pb2.PREFILL_MODE_UNSPECIFIED,
-    "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
-    "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
-    "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
-    "layered": decode_pb2.PREFILL_MODE_LAYERED,
-}
+MODES = tuple(PREFILL_MODES)
+MODE_ENUM: dict[str | None, int] = {None: decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
 # the ServerTiming fields each request records, with how the load report names them
 SERVER_TIMING = {"queue_s": "Queue (KV blocks, batch slot)", "prefill_queue_s": "Prefill server's queue",
                  "prefill_s": "Prefill compute", "kv_transfer_s": "KV handoff beyond the prefill",

@@ -20,15 +20,9 @@ from datetime import UTC, datetime
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from client.scenario_report import format_table, plot_gaps
-from client.stream import StreamResult, collect, open_channel, stream_generate
+from client.stream import PREFILL_MODES, StreamResult, collect, open_channel, stream_generate
 
-MODE_ENUM = {
-    "alone": decode_pb2.PREFILL_MODE_UNSPECIFIED,
-    "disaggregated": decode_pb2.PREFILL_MODE_DISAGGREGATED,
-    "colocated": decode_pb2.PREFILL_MODE_COLOCATED,
-    "chunked": decode_pb2.PREFILL_MODE_CHUNKED,
-    "layered": decode_pb2.PREFILL_MODE_LAYERED,
-}
+MODE_ENUM = {"alone": decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
 DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered"
 
 

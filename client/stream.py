@@ -10,6 +10,10 @@ from pathlib import Path
 import grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
+# prefill_mode numbers by the name the decode server's --mode takes (the proto's PREFILL_MODE_<NAME>)
+PREFILL_MODES = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
+                 for v in decode_pb2.PrefillMode.DESCRIPTOR.values if v.number}
+
 
 def open_channel(target: str, tls_ca: str | None = None) -> grpc.aio.Channel:
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]

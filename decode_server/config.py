@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd.v1 import decode_pb2
+
 from engine.server_config import ServerConfig, env_number, opt
 
-MODES = ("disaggregated", "colocated", "chunked", "layered")
+# --mode's choices and the request's prefill_mode numbers, named as in the proto (PREFILL_MODE_<NAME>)
+MODE_NUMBERS = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
+                for v in decode_pb2.PrefillMode.DESCRIPTOR.values if v.number}
+MODES = tuple(MODE_NUMBERS)
 
 
 @dataclass(frozen=True)

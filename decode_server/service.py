@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from decode_server import metrics
-from decode_server.config import DecodeConfig
+from decode_server.config import MODE_NUMBERS, DecodeConfig
 from decode_server.engine import DecodeEngine
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.sequence import ErrorEvent, Event, Sequence, TokenEvent
@@ -38,12 +38,7 @@ from engine.validation import InvalidRequest, check_lengths, check_token_ids
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("decode_server.requests")
 
-MODE_NAMES = {
-    decode_pb2.PREFILL_MODE_DISAGGREGATED: "disaggregated",
-    decode_pb2.PREFILL_MODE_COLOCATED: "colocated",
-    decode_pb2.PREFILL_MODE_CHUNKED: "chunked",
-    decode_pb2.PREFILL_MODE_LAYERED: "layered",
-}
+MODE_NAMES = {number: name for name, number in MODE_NUMBERS.items()}
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per context token can't fit
