@@ -101,7 +101,10 @@ def profile_prefill(runner: ModelRunner, length: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
-def prefill_ms(runner: ModelRunner, length: int, repeats: int = 2) -> tuple[float, PowerSampler]:
+PREFILL_REPEATS = 2  # timed prefills a length, after a warm-up; the energy counter spans them all
+
+
+def prefill_ms(runner: ModelRunner, length: int, repeats: int = PREFILL_REPEATS) -> tuple[float, PowerSampler]:
     """The fastest of `repeats` timed prefills after a warm-up, and the power, clock and energy
     they ran at (all of them together)."""
     times = []
@@ -189,11 +192,10 @@ def main() -> None:
         print(f"{batch:>12} {ms:>9.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}", flush=True)
     print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7} {'held floor':>10} {'of held':>7}")
     for n in args.prefill_lens:
-        repeats = 2
-        ms, power = prefill_ms(runner, n, repeats)
+        ms, power = prefill_ms(runner, n, PREFILL_REPEATS)
         flops = prefill_flops(runner, n)
         floor, held_floor = flops / (tflops * 1e12) * 1e3, flops / (held * 1e12) * 1e3
-        pj = pj_per_flop(power.reading, flops * repeats)
+        pj = pj_per_flop(power.reading, flops * PREFILL_REPEATS)
         doc["prefill_ms"][str(n)] = round(ms, 2)
         doc["prefill_floor_ms"][str(n)] = round(floor, 2)
         doc["prefill_floor_sustained_ms"][str(n)] = round(held_floor, 2)
