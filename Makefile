@@ -64,4 +64,4 @@ soak: install
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m mypy engine prefill_server decode_server client bench tests
+	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests

@@ -30,11 +30,11 @@ from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
 from bench.scenario import start, wait_ready
-from engine.grpc_common import GRPC_OPTIONS
 from engine.kv_cache import KVLayout, KVPool
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
+from serving.grpc_common import GRPC_OPTIONS
 
 CPU = torch.device("cpu")
 
@@ -209,7 +209,7 @@ def main() -> None:
     p.add_argument("--logs", default=None)
     p.add_argument("--serve-endpoint", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    keep_freed_memory()  # as the servers do (engine.grpc_common.run_main)
+    keep_freed_memory()  # as the servers do (serving.grpc_common.run_main)
     if args.serve_endpoint:
         asyncio.run(serve_endpoint(args.serve_endpoint, args.preset, args.tokens))
         return

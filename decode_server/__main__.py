@@ -10,9 +10,10 @@ import logging
 import grpc
 
 from decode_server.config import DecodeConfig, DecodeFaults
-from engine.cli_args import add_dataclass_args
-from engine.cli_args import parse_config as parse_into
-from engine.grpc_common import (
+from serving.build_runner import build_runner
+from serving.cli_args import add_dataclass_args
+from serving.cli_args import parse_config as parse_into
+from serving.grpc_common import (
     Health,
     bind,
     check_port_free,
@@ -22,7 +23,6 @@ from engine.grpc_common import (
     setup_process,
     start_metrics,
 )
-from engine.setup import build_runner
 
 log = logging.getLogger("decode_server")
 SERVICE = "pd.v1.Decode"

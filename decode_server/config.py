@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pd.v1 import decode_pb2
 
-from engine.server_config import ServerConfig, env_number, opt
+from serving.server_config import ServerConfig, env_number, opt
 
 # --mode's choices and the request's prefill_mode numbers, named as in the proto (PREFILL_MODE_<NAME>)
 MODE_NUMBERS = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number

@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 from pd.v1 import prefill_pb2
 
-from engine.grpc_common import StatusError
 from engine.kv_cache import KVPool
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
+from serving.grpc_common import StatusError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import Handoff, HandoffError
-from engine.grpc_common import GRPC_OPTIONS, StatusError
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
@@ -28,6 +27,7 @@ from engine.transport.handshake import (
     layout_to_proto,
     supported_transports,
 )
+from serving.grpc_common import GRPC_OPTIONS, StatusError
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from decode_server.config import MODE_NUMBERS, DecodeConfig
 from decode_server.engine import DecodeEngine
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.sequence import ErrorEvent, Event, Sequence, TokenEvent
-from engine.grpc_common import StatusError, deadline_passed
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
-from engine.validation import InvalidRequest, check_lengths, check_token_ids
+from serving.grpc_common import StatusError, deadline_passed
+from serving.validation import InvalidRequest, check_lengths, check_token_ids
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("decode_server.requests")

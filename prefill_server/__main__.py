@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import logging
 
-from engine.cli_args import add_dataclass_args
-from engine.cli_args import parse_config as parse_into
-from engine.grpc_common import (
+from engine.transport.grpc_wire import add_prefill_servicer
+from prefill_server.config import PrefillConfig, PrefillFaults
+from serving.build_runner import build_runner
+from serving.cli_args import add_dataclass_args
+from serving.cli_args import parse_config as parse_into
+from serving.grpc_common import (
     Health,
     StartupError,
     bind,
@@ -19,9 +22,6 @@ from engine.grpc_common import (
     setup_process,
     start_metrics,
 )
-from engine.setup import build_runner
-from engine.transport.grpc_wire import add_prefill_servicer
-from prefill_server.config import PrefillConfig, PrefillFaults
 
 log = logging.getLogger("prefill_server")
 SERVICE = "pd.v1.Prefill"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.server_config import ServerConfig, env_number, opt
+from serving.server_config import ServerConfig, env_number, opt
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ import grpc
 import torch
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
 
-from engine.grpc_common import deadline_passed
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -27,11 +26,12 @@ from engine.transport.handshake import (
     layout_to_proto,
     supported_transports,
 )
-from engine.validation import InvalidRequest, check_lengths, check_token_ids
 from prefill_server import metrics
 from prefill_server.config import PrefillConfig, PrefillFaults
 from prefill_server.transports import TransportHub
 from prefill_server.worker import PrefillJob, PrefillWorker
+from serving.grpc_common import deadline_passed
+from serving.validation import InvalidRequest, check_lengths, check_token_ids
 
 log = logging.getLogger(__name__)
 

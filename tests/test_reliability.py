@@ -371,8 +371,8 @@ def test_layer_slice_flag_is_read_and_checked(capsys: pytest.CaptureFixture[str]
 def test_gil_switch_interval_is_applied_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
     import sys
 
-    from engine.grpc_common import setup_process
     from prefill_server.__main__ import parse_config as prefill_config
+    from serving.grpc_common import setup_process
 
     before = sys.getswitchinterval()
     try:

@@ -143,7 +143,7 @@ def test_prefill_server_killed_mid_prefill_and_mid_transfer(slow_pair: dict[str,
     assert health_status(decode.address) == "SERVING"
 
     # restarted on the same port: used again without a restart of the decode server, as soon as its
-    # channel's reconnect backoff (at most 1 s, engine.grpc_common) lets it see the new process
+    # channel's reconnect backoff (at most 1 s, serving.grpc_common) lets it see the new process
     prefill = slow_pair["prefill"] = prefill.restarted().start()
     back = time.monotonic()
     while (p := Pending(decode.address, request(1000, 8)).result()).code == UNAVAILABLE:

@@ -272,7 +272,7 @@ def test_frozen_prefill_server(server_logs: Path) -> None:
     import signal
     import threading
 
-    from engine.grpc_common import GRPC_OPTIONS
+    from serving.grpc_common import GRPC_OPTIONS
 
     keepalive_s = (dict(GRPC_OPTIONS)["grpc.keepalive_time_ms"] + dict(GRPC_OPTIONS)["grpc.keepalive_timeout_ms"]) / 1e3
     prefill = Server("prefill_server", [], server_logs, env={"PD_FAULT_PREFILL_LAYER_DELAY_S": "0.5"})

@@ -8,10 +8,10 @@ import time
 import torch
 
 from engine.device import default_preset, resolve_device, resolve_dtype
-from engine.grpc_common import StartupError
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.runner import ModelRunner, kv_pool_bytes
-from engine.server_config import ServerConfig
+from serving.grpc_common import StartupError
+from serving.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What both servers share around the engine: flags and config, gRPC plumbing, start-up, request checks."""
