@@ -150,14 +150,16 @@ class BlockAllocator:
             self._runs.insert(i, [start, length])
 
 
-def run_start(block_table: list[int], num_tokens: int, block_size: int) -> int | None:
-    """The first slot when tokens [0, num_tokens) of a sequence with this block table are one
+def run_start(block_table: list[int], num_tokens: int, block_size: int, start: int = 0) -> int | None:
+    """The first slot when tokens [start, num_tokens) of a sequence with this block table are one
     ascending run of slots (then they are plain slices of its pool), else None. Host only."""
-    n = -(-num_tokens // block_size)
-    if n == 0 or len(block_table) < n:
+    first_block, n = start // block_size, -(-num_tokens // block_size)
+    if n <= first_block or start >= num_tokens or len(block_table) < n:
         return None
-    first = block_table[0]
-    return first * block_size if block_table[:n] == list(range(first, first + n)) else None
+    first = block_table[first_block]
+    if block_table[first_block:n] != list(range(first, first + n - first_block)):
+        return None
+    return first * block_size + start % block_size
 
 
 def long_tensor(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -219,9 +221,9 @@ class KVPool:
         """`slot_ids` in this pool's block size, on the pool's device."""
         return slot_ids(block_table, start, end, self.layout.block_size, self.device)
 
-    def table_start(self, block_table: list[int], num_tokens: int) -> int | None:
+    def table_start(self, block_table: list[int], num_tokens: int, start: int = 0) -> int | None:
         """`run_start` in this pool's block size."""
-        return run_start(block_table, num_tokens, self.layout.block_size)
+        return run_start(block_table, num_tokens, self.layout.block_size, start)
 
     def run(self, layer: int, first: int, n: int) -> torch.Tensor:
         """K and V of the `n` slots from `first` in wire order, `[2, n, num_kv_heads, head_dim]`: a

@@ -85,6 +85,9 @@ def test_table_start_names_one_run_of_slots() -> None:
     assert pool.table_start([5, 4], 8) is None
     assert pool.table_start([3], 0) is None
     assert pool.table_start([3], 5) is None         # the table is too short
+    assert pool.table_start([7, 3, 4], 12, start=5) == 13  # from token 5: the blocks after the first
+    assert pool.table_start([7, 3, 9], 12, start=5) is None
+    assert pool.table_start([7, 3, 4], 12, start=12) is None  # no tokens
 
 
 def test_writing_several_layers_at_once_equals_one_at_a_time() -> None:

@@ -1,0 +1,190 @@
+"""Automatic prefix caching: full KV blocks of finished prefills stay in the pool, keyed by the hash
+chain of their tokens, so a later prompt that starts the same way reuses them instead of recomputing.
+
+Who owns what:
+- A sequence's block table is its cached leading blocks (`lookup` takes a reference on each) followed
+  by private blocks (`allocate`). It writes only its private blocks: a cached block is full, and every
+  token in it was written before it was published, so a shared block is never written.
+- `publish` turns a sequence's full, written blocks into cache entries (the sequence keeps its
+  reference); a block equal to one already cached stays private.
+- `release` drops the sequence's references: a cached block nobody references joins the LRU list (its
+  KV stays for the next hit), a private block goes back to the allocator.
+- `allocate` evicts least recently used unreferenced blocks when the allocator runs short, so
+  `num_available` (free + evictable) is what a request can get: the cache never fails a request that
+  would fit without it.
+
+A hit is confirmed by the tokens, not the hash alone: each entry keeps its block's tokens and the entry
+it followed when published, and a lookup accepts an entry only when both match the prompt. A hash
+collision can miss, never serve another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.kv_cache import BlockAllocator
+
+Tokens = Sequence[int] | np.ndarray
+
+
+def token_bytes(tokens: Tokens) -> memoryview:
+    """Token ids as little-endian int32 bytes, the form blocks are hashed and compared in."""
+    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+
+
+def chain_hashes(data: memoryview, block_size: int, num_blocks: int) -> list[bytes]:
+    """The hash of each of the first `num_blocks` full blocks, each over its parent's hash and its own
+    tokens: equal hashes mean (barring a collision) equal prefixes. One hash call per block."""
+    step = 4 * block_size
+    hashes: list[bytes] = []
+    parent = b""
+    for i in range(num_blocks):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(data[i * step:(i + 1) * step])
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(eq=False)
+class _Entry:
+    block: int
+    key: bytes
+    tokens: bytes
+    parent: _Entry | None  # the entry this block followed when it was published; None for a first block
+    refs: int = 0
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    cached_blocks: int      # blocks holding a cached prefix, referenced or not
+    used_blocks: int        # of those, blocks some sequence references
+    queried_tokens: int     # prompt tokens looked up so far
+    hit_tokens: int         # of those, tokens whose KV was found
+
+
+class PrefixCache:
+    """The pool's cached prefixes over its block allocator. Thread-safe (engine thread and event loop).
+
+    With `enabled` False it only allocates and frees: nothing is looked up, published or kept.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+        self.allocator, self.block_size, self.enabled = allocator, block_size, enabled
+        self._by_key: dict[bytes, _Entry] = {}
+        self._by_block: dict[int, _Entry] = {}
+        self._lru: OrderedDict[int, _Entry] = OrderedDict()  # unreferenced entries, oldest first
+        self._queried = self._hits = 0
+        self._lock = threading.Lock()
+
+    # --- sizes ----------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a request can have now: free ones, and cached ones nobody references."""
+        with self._lock:
+            return self.allocator.num_free + len(self._lru)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(len(self._by_block), len(self._by_block) - len(self._lru), self._queried, self._hits)
+
+    # --- a sequence's blocks --------------------------------------------------------------------
+    def cached_prefix_len(self, tokens: Tokens) -> int:
+        """How many leading tokens of this prompt `lookup` would find now (no reference, not counted)."""
+        with self._lock:
+            return len(self._match(tokens)) * self.block_size
+
+    def lookup(self, tokens: Tokens) -> list[int]:
+        """The cached leading blocks of this prompt, each now referenced for the caller (who gives them
+        back with `release`). Stops before the block holding the last token: that token is always
+        computed, for its logits."""
+        if not self.enabled:
+            return []
+        with self._lock:
+            entries = self._match(tokens)
+            for entry in entries:
+                if entry.refs == 0:
+                    del self._lru[entry.block]
+                entry.refs += 1
+            self._queried += len(tokens)
+            self._hits += len(entries) * self.block_size
+        return [e.block for e in entries]
+
+    def _match(self, tokens: Tokens) -> list[_Entry]:
+        if not self.enabled or not self._by_key:
+            return []
+        data = token_bytes(tokens)
+        step = 4 * self.block_size
+        found: list[_Entry] = []
+        parent: _Entry | None = None
+        for i, key in enumerate(chain_hashes(data, self.block_size, (len(tokens) - 1) // self.block_size)):
+            entry = self._by_key.get(key)
+            if entry is None or entry.parent is not parent or entry.tokens != data[i * step:(i + 1) * step]:
+                break
+            found.append(entry)
+            parent = entry
+        return found
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` private blocks, evicting unreferenced cached blocks (least recently used first) when the
+        allocator has too few free. Raises OutOfBlocks when even that is not enough."""
+        with self._lock:
+            short = n - self.allocator.num_free
+            if 0 < short <= len(self._lru):  # when eviction can't cover it, keep the cache: the allocator refuses
+                self.allocator.free([self._evict_oldest() for _ in range(short)])
+            return self.allocator.allocate(n)
+
+    def _evict_oldest(self) -> int:
+        block, entry = self._lru.popitem(last=False)
+        del self._by_block[block]
+        if self._by_key.get(entry.key) is entry:
+            del self._by_key[entry.key]
+        return block
+
+    def publish(self, tokens: Tokens, block_table: Sequence[int], num_tokens: int) -> None:
+        """Cache the full blocks among the first `num_tokens` of this sequence (their KV is written, or
+        enqueued on the stream every later reader uses). The caller keeps its reference to each."""
+        if not self.enabled:
+            return
+        data = token_bytes(tokens[:num_tokens])
+        step = 4 * self.block_size
+        with self._lock:
+            parent: _Entry | None = None
+            for i, key in enumerate(chain_hashes(data, self.block_size, num_tokens // self.block_size)):
+                block, block_tokens = block_table[i], bytes(data[i * step:(i + 1) * step])
+                entry = self._by_block.get(block)
+                if entry is None:
+                    existing = self._by_key.get(key)
+                    if existing is not None:
+                        if existing.parent is not parent or existing.tokens != block_tokens:
+                            return  # a hash collision: this chain stays uncached from here on
+                        entry = existing  # the same block is cached already; ours stays private
+                    else:
+                        entry = _Entry(block, key, block_tokens, parent, refs=1)
+                        self._by_key[key] = self._by_block[block] = entry
+                parent = entry
+
+    def release(self, block_table: Sequence[int]) -> None:
+        """Drop a sequence's blocks: references to cached ones (unreferenced ones become evictable,
+        its last blocks first, so a prefix outlives its tails), private ones back to the allocator."""
+        private: list[int] = []
+        with self._lock:
+            for block in reversed(block_table):
+                entry = self._by_block.get(block)
+                if entry is None:
+                    private.append(block)
+                    continue
+                entry.refs -= 1
+                if entry.refs == 0:
+                    self._lru[block] = entry
+            self.allocator.free(private)
