@@ -35,7 +35,7 @@ Tokens = Sequence[int] | np.ndarray
 
 def token_bytes(tokens: Tokens) -> memoryview:
     """Token ids as little-endian int32 bytes, the form blocks are hashed and compared in."""
-    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+    return np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
 
 
 def chain_hashes(data: memoryview, block_size: int, num_blocks: int) -> list[bytes]:
