@@ -14,11 +14,13 @@ class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_MODE_COLOCATED: _ClassVar[PrefillMode]
     PREFILL_MODE_CHUNKED: _ClassVar[PrefillMode]
     PREFILL_MODE_LAYERED: _ClassVar[PrefillMode]
+    PREFILL_MODE_AUTO: _ClassVar[PrefillMode]
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_DISAGGREGATED: PrefillMode
 PREFILL_MODE_COLOCATED: PrefillMode
 PREFILL_MODE_CHUNKED: PrefillMode
 PREFILL_MODE_LAYERED: PrefillMode
+PREFILL_MODE_AUTO: PrefillMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -55,7 +57,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport", "prefill_queue_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport", "prefill_queue_s", "cached_tokens", "placement")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,8 @@ class ServerTiming(_message.Message):
     KV_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -76,7 +80,9 @@ class ServerTiming(_message.Message):
     kv_exposed_s: float
     kv_transport: str
     prefill_queue_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_exposed_s: _Optional[float] = ..., kv_transport: _Optional[str] = ..., prefill_queue_s: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    placement: str
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., since_arrival_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_exposed_s: _Optional[float] = ..., kv_transport: _Optional[str] = ..., prefill_queue_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_id", "index", "text", "finish_reason", "timing", "request_id")

@@ -64,7 +64,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv", "decode_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class PrefillRequest(_message.Message):
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
@@ -79,7 +80,8 @@ class PrefillRequest(_message.Message):
     peer_id: str
     kv_chunk_tokens: int
     verify_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")
@@ -104,7 +106,7 @@ class TransferStart(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum", "queue_s", "checksum_s")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum", "queue_s", "checksum_s", "cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class PrefillDone(_message.Message):
     KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
@@ -119,7 +122,8 @@ class PrefillDone(_message.Message):
     kv_checksum: int
     queue_s: float
     checksum_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("kv", "layer_sent", "start", "done")
