@@ -22,6 +22,7 @@ from serving.grpc_common import (
     setup_process,
     start_metrics,
 )
+from serving.prefix_metrics import register_prefix_cache_metrics
 
 log = logging.getLogger("prefill_server")
 SERVICE = "pd.v1.Prefill"
@@ -38,6 +39,7 @@ def parse_config(argv: list[str] | None = None) -> PrefillConfig:
 
 
 async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
+    from engine.prefix_cache import PrefixCache
     from prefill_server import metrics
     from prefill_server.service import PrefillService
     from prefill_server.worker import PrefillWorker
@@ -48,12 +50,13 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     runner = await asyncio.to_thread(
         build_runner, cfg, "prefill", 1, False, 4.0,
         cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()))
-    worker = PrefillWorker(runner)
+    cache = PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=cfg.prefix_cache)
+    worker = PrefillWorker(runner, cache)
     service = PrefillService(cfg, runner, worker, faults)
     if faults.layer_delay_s:
         log.warning("fault injection: every prefill layer is delayed by %.3fs", faults.layer_delay_s)
-    allocator = runner.pool.allocator
-    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
+    metrics.bind_live_gauges(lambda: cache.num_available, cache.num_blocks)
+    register_prefix_cache_metrics(cache)
     server = make_server(lambda s: add_prefill_servicer(service, s), [SERVICE], health)
     port = bind(server, cfg)
     start_metrics(cfg)

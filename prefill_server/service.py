@@ -49,7 +49,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.draining = False
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
         self.paired: OrderedDict[str, str] = OrderedDict()
-        self.hub = TransportHub(runner, advertised_host(cfg))
+        self.cache = worker.cache
+        self.hub = TransportHub(runner, worker.cache, advertised_host(cfg))
 
     def start_draining(self) -> None:
         self.draining = True
@@ -112,6 +113,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             check_lengths(len(request.token_ids), 1, self.runner.max_model_len)
             tokens = list(request.token_ids)
             check_token_ids(tokens, self.runner.config.vocab_size)
+            if not 0 <= request.decode_cached_tokens < len(tokens):
+                raise InvalidRequest(f"decode_cached_tokens is {request.decode_cached_tokens}; it must be in "
+                                     f"[0, {len(tokens)}) for a {len(tokens)}-token prompt")
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
         except (InvalidRequest, ValueError) as e:
@@ -123,23 +127,25 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 f"prefill queue is full: {self.worker.waiting} prefills wait "
                                 f"(--max-queued-requests {self.cfg.max_queued_requests})")
         pool = self.runner.pool
+        cached = self.cache.lookup(tokens)
         try:
-            table = pool.allocator.allocate(pool.blocks_needed(len(tokens)))
+            table = cached + self.cache.allocate(pool.blocks_needed(len(tokens)) - len(cached))
         except OutOfBlocks as e:
+            self.cache.release(cached)
             metrics.REQUESTS_TOTAL.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill KV pool is full: {e}")
-        metrics.KV_CACHE_USAGE.set(pool.usage)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[object] = asyncio.Queue()
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
         job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
                          emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
                          make_sender=self._slow_sender if self.faults.layer_delay_s else None,
-                         verify_kv=request.verify_kv)
+                         verify_kv=request.verify_kv, cached_tokens=len(cached) * pool.layout.block_size,
+                         send_from=request.decode_cached_tokens)
         try:
             self.hub.configure(job, request.peer_id, agreed)
         except LookupError as e:
-            pool.allocator.free(table)
+            self.cache.release(table)
             metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.in_flight += 1

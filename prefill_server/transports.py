@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from pd.v1 import prefill_pb2
 
+from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.transport.base import KVSender
 from prefill_server.worker import PrefillJob
@@ -22,8 +23,9 @@ SenderFactory = Callable[[PrefillJob, torch.Tensor], KVSender]
 
 
 class TransportHub:
-    def __init__(self, runner: ModelRunner, advertise_host: str, transfer_timeout_s: float = 60.0) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, cache: PrefixCache, advertise_host: str,
+                 transfer_timeout_s: float = 60.0) -> None:
+        self.runner, self.cache = runner, cache
         self.advertise_host = advertise_host
         self.timeout_s = transfer_timeout_s
         self._store: Any = None
@@ -93,7 +95,8 @@ class TransportHub:
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
             pool = self.runner.pool
-            sender = NcclKVSender(pair, pool, slots, self.timeout_s, pool.table_start(job.block_table, slots.numel()))
+            first = pool.table_start(job.block_table, job.send_from + slots.numel(), job.send_from)
+            sender = NcclKVSender(pair, pool, slots, self.timeout_s, first)
             job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
             return sender
 
@@ -115,7 +118,7 @@ class TransportHub:
             if not early:
                 self._held[key] = (job.block_table, time.monotonic() + self.timeout_s)
         if early:
-            self.runner.pool.allocator.free(job.block_table)
+            self.cache.release(job.block_table)
         self.sweep()
 
     def release(self, peer_id: str, request_id: str) -> None:
@@ -125,7 +128,7 @@ class TransportHub:
             if held is None:
                 self._released_early.add(key)
         if held is not None:
-            self.runner.pool.allocator.free(held[0])
+            self.cache.release(held[0])
 
     def sweep(self) -> None:
         """Free blocks whose decode side never acknowledged (it died); it can't read them any more
@@ -135,6 +138,6 @@ class TransportHub:
             expired = [k for k, (_, deadline) in self._held.items() if deadline < now]
             blocks = [self._held.pop(k)[0] for k in expired]
         for b in blocks:
-            self.runner.pool.allocator.free(b)
+            self.cache.release(b)
         if expired:
             log.warning("freed the KV of %d cuda-ipc transfers never acknowledged", len(expired))

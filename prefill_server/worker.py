@@ -14,6 +14,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
+from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
@@ -40,13 +41,15 @@ class PrefillJob:
     # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
     hold_blocks: Callable[[PrefillJob], None] | None = None
     verify_kv: bool = False
+    cached_tokens: int = 0  # leading tokens whose KV the prefix cache gave: the prefill starts after them
+    send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, cache: PrefixCache) -> None:
+        self.runner, self.cache = runner, cache
         self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
@@ -94,8 +97,7 @@ class PrefillWorker:
                 if job.hold_blocks is not None:
                     job.hold_blocks(job)
                 else:
-                    self.runner.pool.allocator.free(job.block_table)
-                metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
+                    self.cache.release(job.block_table)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)
 
@@ -103,18 +105,23 @@ class PrefillWorker:
         return job.make_sender(job, slots) if job.make_sender is not None else self.grpc_sender(job, slots)
 
     def grpc_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        """The gRPC transport's sender: the job's KV as chunks in its response stream."""
-        pool = self.runner.pool
-        return GrpcKVSender(pool, slots, job.chunk_tokens, lambda *chunk: job.emit(encode_kv(*chunk)),
-                            pool.table_start(job.block_table, slots.numel()))
+        """The gRPC transport's sender: the job's KV as chunks in its response stream, each naming its
+        tokens' positions in the prompt."""
+        pool, skip = self.runner.pool, job.send_from
+
+        def emit(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
+            job.emit(encode_kv(layer, start + skip, end + skip, parts))
+
+        return GrpcKVSender(pool, slots, job.chunk_tokens, emit,
+                            pool.table_start(job.block_table, skip + slots.numel(), skip))
 
     def _run(self, job: PrefillJob) -> None:
         dequeued = time.perf_counter()
         if job.cancelled.is_set():
             raise TransferCancelled
         runner = self.runner
-        n = len(job.token_ids)
-        sender = self._sender(job, runner.pool.slots(job.block_table, 0, n))
+        n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
+        sender = self._sender(job, runner.pool.slots(job.block_table, skip, n))
 
         def layer_done(layer: int) -> None:
             if job.cancelled.is_set() and sender.cancellable:
@@ -123,27 +130,29 @@ class PrefillWorker:
 
         started = time.perf_counter()
         try:
-            logits = runner.prefill(job.token_ids, job.block_table, 0, on_layer_done=layer_done)
+            logits = runner.prefill(job.token_ids[cached:], job.block_table, cached, on_layer_done=layer_done)
             first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
+            self.cache.publish(job.token_ids, job.block_table, n)
         finally:
             computed = time.perf_counter()
             sender.finish()
         sent = time.perf_counter()
         if job.cancelled.is_set():
             raise TransferCancelled
-        kv_bytes = n * runner.layout.bytes_per_token
-        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, 0, n)) if job.verify_kv else 0
+        kv_bytes = (n - skip) * runner.layout.bytes_per_token
+        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, skip, n)) if job.verify_kv else 0
         checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
                                        kv_bytes=kv_bytes, kv_checksum=checksum, queue_s=dequeued - job.submitted,
-                                       checksum_s=checked - sent)
+                                       checksum_s=checked - sent, cached_tokens=cached)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)
         request_log.info(json.dumps({
             "event": "prefill_finished", "request_id": job.request_id, "prompt_tokens": n,
-            "transport": job.transport, "queue_s": round(done.queue_s, 6), "setup_s": round(started - dequeued, 6),
+            "cached_tokens": cached, "sent_tokens": n - skip, "transport": job.transport,
+            "queue_s": round(done.queue_s, 6), "setup_s": round(started - dequeued, 6),
             "prefill_s": round(done.prefill_s, 6), "kv_send_s": round(done.kv_send_s, 6),
             "checksum_s": round(done.checksum_s, 6)}))

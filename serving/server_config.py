@@ -48,6 +48,8 @@ class ServerConfig:
                                                                   "memory less a reserve, 0.25 GiB on CPU"))
     max_model_len: int | None = field(default=None, metadata=opt("longest prompt + output; default: the "
                                                                   "model's, capped at 40960"))
+    prefix_cache: bool = field(default=True, metadata=opt("keep the KV of full prompt blocks after a request, "
+                                                           "and reuse it for prompts that start the same way"))
     kv_transport: str = field(default="auto", metadata=opt("KV data plane: grpc, nccl, cuda-ipc; auto = nccl "
                                                             "with GPUs, grpc without", choices=KV_TRANSPORTS))
     max_queued_requests: int = field(default=256, metadata=opt("requests waiting beyond this get "
