@@ -2,8 +2,10 @@
 
 Prompts arrive as a Poisson process at --rate req/s for --duration s, their prompt and output
 lengths drawn from distributions; --background-users K users decode back to back the whole time
-(user A of the scenario, K times over). Every random choice comes from --seed, prompts are token
-ids, and ignore_eos is set, so two runs send the identical load. --compare sends that same load to
+(user A of the scenario, K times over). With --turns N each arrival is a conversation: every later
+turn re-sends the history (prompts and answers so far) plus a new user message. Every random choice
+comes from --seed, prompts are token ids, and ignore_eos is set, so two runs send the identical load
+(a conversation's later turns carry the answers the server gave). --compare sends that same load to
 several deployments or modes one after another and prints them side by side.
 """
 
@@ -37,16 +39,19 @@ whose TPOT (time per output token after the first) <= --slo-itl-ms; an SLO left 
 
 --compare NAME=TARGETS[@MODE[:CHUNK]] ...: one run per item, the same seeded load each time.
   TARGETS is host:port[,host:port...] (round-robin), or empty for --target's list; MODE
-  (disaggregated, colocated, chunked) is sent as each request's prefill_mode, default --mode;
-  CHUNK overrides --chunk-size for chunked.
+  (disaggregated, colocated, chunked, layered, auto) is sent as each request's prefill_mode,
+  default --mode; CHUNK overrides --chunk-size for chunked.
 
 examples:
   python -m client.load --target 127.0.0.1:50051 --rate 4 --duration 60 \\
       --prompt-len uniform:512:4096 --output-len 256 --background-users 8 --long-prompt-frac 0.1
   python -m client.load --rate 2 --duration 60 --background-users 16 --prompt-len 1024 \\
       --long-prompt-frac 0.2 --long-prompt-len 16384 --slo-ttft-ms 2000 --slo-itl-ms 50 \\
-      --compare split=gpu-a:50051@disaggregated colocated=gpu-a:50061,gpu-b:50061@colocated \\
-                chunked=gpu-a:50071,gpu-b:50071@chunked:512 --json load.json --plot load.png
+      --compare split=gpu-a:50051@disaggregated auto=gpu-a:50051@auto \\
+                colocated=gpu-a:50061,gpu-b:50061@colocated chunked=gpu-a:50071,gpu-b:50071@chunked:512 \\
+                --json load.json --plot load.png
+  python -m client.load --target 127.0.0.1:50051 --rate 1 --duration 60 --turns 4 --prompt-len 2048 \\
+      --turn-prompt-len uniform:64:512 --output-len 128    # chats: 4 turns, each re-sending the history
 """
 
 
@@ -75,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="users that send a request, stream it to the end, and send the next until --duration")
     load.add_argument("--background-prompt-len", help="their prompt lengths (default: --prompt-len)")
     load.add_argument("--background-output-len", help="their output lengths (default: --output-len)")
+    load.add_argument("--turns", type=int, default=d.turns,
+                      help="each arrival is a conversation of this many turns; a turn is sent once the previous "
+                           "answer is complete, with the whole history plus a new user message (default 1)")
+    load.add_argument("--turn-prompt-len", help="the new user message's length in turns 2.. (default: --prompt-len)")
     load.add_argument("--seed", type=int, default=d.seed, help="same seed, same requests (default 0)")
     out = p.add_argument_group("measure and report")
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT limit in ms")
@@ -120,7 +129,7 @@ def deployments(args: argparse.Namespace) -> list[Deployment]:
 def load_spec(args: argparse.Namespace) -> LoadSpec:
     return LoadSpec(args.rate, args.duration, args.prompt_len, args.output_len, args.long_prompt_frac,
                     args.long_prompt_len, args.background_users, args.background_prompt_len,
-                    args.background_output_len, args.seed)
+                    args.background_output_len, args.seed, args.turns, args.turn_prompt_len)
 
 
 async def run_deployments(spec: LoadSpec, runs: Sequence[Deployment], timeout_s: float, tls_ca: str | None = None,

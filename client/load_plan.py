@@ -2,7 +2,9 @@
 
 Arrivals are planned up front. Background users draw their requests lazily (how many they send
 depends on how fast the server is), each from its own stream spawned from the same seed, so the
-arrivals never shift when a background user manages one more request.
+arrivals never shift when a background user manages one more request. With several turns an arrival
+starts a conversation: its later turns' user messages come from a stream of their own, so the
+arrivals are the same whatever the number of turns.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class LoadSpec:
     background_prompt_len: str | None = None
     background_output_len: str | None = None
     seed: int = 0
+    turns: int = 1
+    turn_prompt_len: str | None = None
 
     def __post_init__(self) -> None:
         if self.rate < 0 or self.duration <= 0:
@@ -79,21 +83,47 @@ class LoadSpec:
             raise ValueError("--long-prompt-frac must be in [0, 1] and --long-prompt-len >= 1")
         if self.background_users < 0:
             raise ValueError("--background-users must be >= 0")
-        for text in (self.prompt_len, self.output_len, self.background_prompt_len, self.background_output_len):
+        if self.turns < 1:
+            raise ValueError("--turns must be >= 1")
+        for text in (self.prompt_len, self.output_len, self.background_prompt_len, self.background_output_len,
+                     self.turn_prompt_len):
             if text is not None:
                 Length.parse(text)
 
 
 @dataclass(frozen=True, eq=False)
+class Turn:
+    """A later turn of a conversation: the user's new message, and how many tokens the answer gets."""
+
+    message: np.ndarray
+    output_len: int
+
+
+@dataclass(frozen=True, eq=False)
 class RequestSpec:
-    """One request of the plan; `at` is its send time in seconds from the start (0 for background users)."""
+    """One request of the plan; `at` is its send time in seconds from the start (0 for background users).
+
+    An arrival with `later_turns` opens a conversation: once its answer is complete, the next turn
+    sends this prompt, the answer, and the next message (`follow_up`), and so on."""
 
     key: str
-    kind: str  # "arrival" or "background"
+    kind: str  # "arrival", "turn" (a conversation's second or later) or "background"
     at: float
     token_ids: np.ndarray
     output_len: int
     long: bool = False
+    later_turns: tuple[Turn, ...] = ()
+    turn: int = 1
+
+    def follow_up(self, answer: list[int], at: float) -> RequestSpec | None:
+        """The conversation's next request, once this one was answered with `answer`; None after the last turn."""
+        if not self.later_turns:
+            return None
+        nxt, *rest = self.later_turns
+        base = self.key.split(".t", 1)[0]
+        history = np.concatenate([self.token_ids, np.asarray(answer, dtype=np.int32), nxt.message])
+        return RequestSpec(f"{base}.t{self.turn + 1}", "turn", at, history, nxt.output_len, False, tuple(rest),
+                           self.turn + 1)
 
     def signature(self) -> tuple[str, float, int, tuple[int, ...]]:
         return self.key, self.at, self.output_len, tuple(self.token_ids.tolist())
@@ -126,11 +156,23 @@ class LoadPlan:
     users: list[BackgroundUser]
 
 
-def plan_arrivals(spec: LoadSpec, times: np.random.Generator, ids: np.random.Generator) -> list[RequestSpec]:
+def plan_turns(spec: LoadSpec, rng: np.random.Generator) -> tuple[Turn, ...]:
+    """An arrival's later turns (none with --turns 1)."""
+    message_len, output_len = Length.parse(spec.turn_prompt_len or spec.prompt_len), Length.parse(spec.output_len)
+    turns = []
+    for _ in range(spec.turns - 1):
+        n, out = message_len.sample(rng), output_len.sample(rng)
+        turns.append(Turn(_prompt(rng, n), out))
+    return tuple(turns)
+
+
+def plan_arrivals(spec: LoadSpec, times: np.random.Generator, ids: np.random.Generator,
+                  turns: np.random.Generator | None = None) -> list[RequestSpec]:
     """Poisson arrivals (exponential gaps at `rate`) over `duration`, each with its own prompt and output length.
 
-    Times, lengths and the long-prompt coin come from `times`, token ids from `ids`: every draw is
-    made for every arrival, so changing one length knob leaves the arrival times and other lengths as they were.
+    Times, lengths and the long-prompt coin come from `times`, token ids from `ids`, later turns from
+    `turns`: every draw is made for every arrival, so changing one length knob leaves the arrival
+    times and other lengths as they were.
     """
     prompt_len, output_len = Length.parse(spec.prompt_len), Length.parse(spec.output_len)
     arrivals: list[RequestSpec] = []
@@ -142,7 +184,8 @@ def plan_arrivals(spec: LoadSpec, times: np.random.Generator, ids: np.random.Gen
         long = bool(times.random() < spec.long_prompt_frac)
         short_len, out_len = prompt_len.sample(times), output_len.sample(times)
         prompt = _prompt(ids, spec.long_prompt_len if long else short_len)
-        arrivals.append(RequestSpec(f"r{len(arrivals)}", "arrival", t, prompt, out_len, long))
+        later = plan_turns(spec, turns) if turns is not None else ()
+        arrivals.append(RequestSpec(f"r{len(arrivals)}", "arrival", t, prompt, out_len, long, later))
     return arrivals
 
 
@@ -150,5 +193,7 @@ def build_plan(spec: LoadSpec) -> LoadPlan:
     """A fresh plan (background users restart from their first request), identical for identical specs."""
     times_seed, ids_seed, *user_seeds = np.random.SeedSequence(spec.seed).spawn(2 + spec.background_users)
     users = [BackgroundUser(k, spec, s) for k, s in enumerate(user_seeds)]
-    arrivals = plan_arrivals(spec, np.random.default_rng(times_seed), np.random.default_rng(ids_seed))
+    turns_seed = ids_seed.spawn(1)[0]  # a child stream: the arrivals' own draws stay as they were
+    arrivals = plan_arrivals(spec, np.random.default_rng(times_seed), np.random.default_rng(ids_seed),
+                             np.random.default_rng(turns_seed))
     return LoadPlan(spec, arrivals, users)

@@ -32,7 +32,7 @@ def plot_runs(results: Sequence[RunResult], path: str) -> None:
         times = [t for r in ok for t in r.token_times_s[1:]]
         gaps = [g * 1e3 for r in ok for g in r.gaps_s]
         itl_ax.scatter(times, gaps, s=4, alpha=0.5, color=color, linewidths=0, label=name)
-        for kind, marker in (("arrival", "o"), ("background", "x")):
+        for kind, marker in (("arrival", "o"), ("turn", "^"), ("background", "x")):
             chosen = [r for r in ok if r.kind == kind]
             if chosen:
                 ttft_ax.scatter([r.prompt_len for r in chosen], [r.ttft_s * 1e3 for r in chosen], s=16,

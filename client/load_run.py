@@ -54,6 +54,9 @@ class Record:
     status: str = "OK"          # "OK", a gRPC status code name, or a client-side exception's name
     error_message: str = ""
     server: dict[str, float] = field(default_factory=dict)
+    turn: int = 1               # its place in a conversation (--turns)
+    cached_tokens: int = 0      # prompt tokens whose KV came from a server's prefix cache
+    placement: str = ""         # where the server ran the prefill: "local" or "remote" (empty: not said)
 
     @property
     def ok(self) -> bool:
@@ -84,13 +87,15 @@ class RunResult:
 
 def make_record(spec: RequestSpec, target: str, result: StreamResult, t0: float) -> Record:
     record = Record(spec.key, spec.kind, target, len(spec.token_ids), spec.output_len, spec.long,
-                    result.sent_at - t0, [a - t0 for a in result.arrivals])
+                    result.sent_at - t0, [a - t0 for a in result.arrivals], turn=spec.turn)
     if result.error is not None:
         record.status, record.error_message = result.error.name, result.error_message
     elif not result.finish_reason:  # the stream closed without its last message: the server broke its contract
         record.status, record.error_message = "INCOMPLETE", f"stream ended after {len(result.tokens)} tokens"
     if result.last is not None:
-        record.server = {name: getattr(result.last.timing, name) for name in SERVER_TIMING}
+        timing = result.last.timing
+        record.server = {name: getattr(timing, name) for name in SERVER_TIMING}
+        record.cached_tokens, record.placement = timing.cached_tokens, timing.placement
     return record
 
 
@@ -112,36 +117,49 @@ class LoadRunner:
             max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
             prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size)
 
-    async def _send(self, spec: RequestSpec) -> Record:
+    async def _send(self, spec: RequestSpec) -> tuple[Record, list[int]]:
+        """One request; its record and the tokens it got."""
         index = next(self._next_target)
         target = self.deployment.targets[index]
         sent = time.perf_counter()
         request = self._prebuilt.pop(spec.key, None)
         if request is None:  # background users' requests depend on how many they get to send
             request = self._request(spec)
+        tokens: list[int] = []
         try:
             result = await collect(self._stubs[index], request, self.timeout_s)
-            record = make_record(spec, target, result, self.t0)
+            record, tokens = make_record(spec, target, result, self.t0), result.tokens
         except Exception as e:  # a client-side fault in one request must not end the run
             record = Record(spec.key, spec.kind, target, len(spec.token_ids), spec.output_len, spec.long,
-                            sent - self.t0, status=type(e).__name__, error_message=str(e))
+                            sent - self.t0, status=type(e).__name__, error_message=str(e), turn=spec.turn)
         self.records.append(record)
         self._count(record)
-        return record
+        return record, tokens
+
+    async def _conversation(self, spec: RequestSpec) -> None:
+        """An arrival, then its later turns, each sent once the previous answer is complete; a failed
+        turn ends the conversation."""
+        turn: RequestSpec | None = spec
+        while turn is not None:
+            record, answer = await self._send(turn)
+            turn = turn.follow_up(answer, time.perf_counter() - self.t0) if record.ok else None
 
     def _count(self, record: Record) -> None:
         if record.kind == "arrival":
             self._bar.update(1)
+        elif record.kind == "turn":
+            self._turns_done += 1
         else:
             self._background_done += 1
         self._failed += not record.ok
-        self._bar.set_postfix(background=self._background_done, failed=self._failed, refresh=False)
+        self._bar.set_postfix(background=self._background_done, turns=self._turns_done, failed=self._failed,
+                              refresh=False)
 
     async def _arrivals(self) -> None:
-        tasks: list[asyncio.Task[Record]] = []
+        tasks: list[asyncio.Task[None]] = []
         for spec in self.plan.arrivals:
             await asyncio.sleep(max(0.0, self.t0 + spec.at - time.perf_counter()))
-            tasks.append(asyncio.create_task(self._send(spec)))
+            tasks.append(asyncio.create_task(self._conversation(spec)))
         await asyncio.gather(*tasks)
 
     async def _background(self, user: BackgroundUser, deadline: float) -> None:
@@ -164,7 +182,7 @@ class LoadRunner:
         channels = [open_channel(target, self.tls_ca) for target in self.deployment.targets]
         self._stubs = [decode_pb2_grpc.DecodeStub(channel) for channel in channels]
         self._next_target = itertools.cycle(range(len(channels)))
-        self._background_done = self._failed = 0
+        self._background_done = self._turns_done = self._failed = 0
         self._bar = tqdm(total=len(self.plan.arrivals), desc=self.deployment.name, unit="req", file=sys.stderr,
                          disable=not self.progress, dynamic_ncols=True)
         try:

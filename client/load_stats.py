@@ -74,6 +74,15 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
         summary["background_itl_ms"] = distribution_ms([g for r in background for g in r.gaps_s])
     if long:
         summary["long_prompt_ttft_ms"] = distribution_ms([r.ttft_s for r in long])
+    later = [r for r in ok if r.turn > 1]
+    if later:  # conversations: what a prefix cache is for
+        summary["later_turn_ttft_ms"] = distribution_ms([r.ttft_s for r in later])
+        summary["first_turn_ttft_ms"] = distribution_ms([r.ttft_s for r in ok if r.kind == "arrival"])
+    if input_tokens:
+        summary["cached_prompt_frac"] = round(sum(r.cached_tokens for r in ok) / input_tokens, 4)
+    placements = Counter(r.placement for r in ok if r.placement)
+    if placements:
+        summary["placement"] = dict(sorted(placements.items()))
     timed = [r.server for r in ok if r.server]
     if timed:  # where the time to first token went, as the decode server saw it (ServerTiming)
         summary["server_mean_ms"] = {k: round(statistics.fmean(t[k] for t in timed) * 1e3, 3) for k in timed[0]}
@@ -87,7 +96,8 @@ def record_details(record: Record) -> dict[str, Any]:
         "key": record.key, "kind": record.kind, "target": record.target, "status": record.status,
         "error_message": record.error_message or None, "prompt_len": record.prompt_len,
         "max_new_tokens": record.max_new_tokens, "output_tokens": len(record.token_times_s),
-        "long_prompt": record.long, "sent_s": round(record.sent_s, 6),
+        "long_prompt": record.long, "turn": record.turn, "cached_tokens": record.cached_tokens,
+        "placement": record.placement or None, "sent_s": round(record.sent_s, 6),
         "ttft_ms": round(record.ttft_s * 1e3, 3) if ok else None,
         "tpot_ms": round(t * 1e3, 3) if ok and (t := record.tpot_s) is not None else None,
         "token_times_s": [round(t, 6) for t in record.token_times_s],
@@ -102,7 +112,9 @@ SECTIONS = (("ttft_ms", "Time to First Token", "TTFT"),
             ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
             ("itl_ms", "Inter-token Latency", "ITL"),
             ("background_itl_ms", "Background users' ITL", "ITL"),
-            ("long_prompt_ttft_ms", "Long prompts' TTFT", "TTFT"))
+            ("long_prompt_ttft_ms", "Long prompts' TTFT", "TTFT"),
+            ("first_turn_ttft_ms", "Conversations' first turn TTFT", "TTFT"),
+            ("later_turn_ttft_ms", "Conversations' later turns TTFT", "TTFT"))
 STAT_LABELS = (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99"), ("max", "Max"))
 
 
@@ -112,12 +124,15 @@ def table_rows(summaries: Sequence[Summary]) -> list[Row]:
                        ("Total generated tokens", "output_tokens"),
                        ("Request throughput (req/s)", "request_throughput"),
                        ("Output token throughput (tok/s)", "output_tok_per_s"),
-                       ("Total token throughput (tok/s)", "total_tok_per_s"), ("Goodput (req/s)", "goodput_rps")]
+                       ("Total token throughput (tok/s)", "total_tok_per_s"), ("Goodput (req/s)", "goodput_rps"),
+                       ("Prompt tokens from a prefix cache (frac)", "cached_prompt_frac")]
     for key, title, short in SECTIONS:
         if any(key in s for s in summaries):
             rows.append((title, ""))
             stats = STAT_LABELS if short == "ITL" else STAT_LABELS[:-1]
             rows += [(f"{label} {short} (ms)", f"{key}.{stat}") for stat, label in stats]
+    if any("placement" in s for s in summaries):
+        rows += [("Prefills run locally", "placement.local"), ("Prefills run remotely", "placement.remote")]
     if any("server_mean_ms" in s for s in summaries):
         rows.append(("Decode server's timing, mean", ""))
         rows += [(f"{label} (ms)", f"server_mean_ms.{key}") for key, label in SERVER_TIMING.items()]

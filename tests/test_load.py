@@ -50,6 +50,28 @@ def test_same_seed_same_plan_other_seed_other_plan() -> None:
     assert any(a.long for a in first.arrivals) and not all(a.long for a in first.arrivals)
 
 
+def test_conversations_keep_the_arrivals_and_resend_their_history() -> None:
+    multi = LoadSpec(**{**vars(SPEC), "turns": 3, "turn_prompt_len": "uniform:5:9"})
+    plan, single = build_plan(multi), build_plan(SPEC)
+    assert [a.signature() for a in plan.arrivals] == [a.signature() for a in single.arrivals]
+    assert plan_signature(build_plan(multi)) == plan_signature(plan)  # later turns are seeded too
+    assert all(a.later_turns == () for a in single.arrivals)
+    first = plan.arrivals[0]
+    assert len(first.later_turns) == 2 and all(5 <= len(t.message) <= 9 for t in first.later_turns)
+    second = first.follow_up([300, 301], at=1.5)
+    assert second is not None and (second.key, second.kind, second.turn, second.at) == ("r0.t2", "turn", 2, 1.5)
+    assert second.token_ids.tolist() == [*first.token_ids.tolist(), 300, 301, *first.later_turns[0].message.tolist()]
+    assert second.output_len == first.later_turns[0].output_len
+    third = second.follow_up([7], at=2.0)
+    assert third is not None and third.key == "r0.t3" and third.token_ids[:len(second.token_ids)].tolist() == \
+        second.token_ids.tolist()
+    assert third.follow_up([8], at=3.0) is None
+    messages = [t.message.tolist() for a in plan.arrivals for t in a.later_turns]
+    assert len({tuple(m) for m in messages}) > len(messages) // 2  # each message drawn afresh
+    with pytest.raises(ValueError, match="--turns"):
+        LoadSpec(turns=0)
+
+
 def test_length_distributions() -> None:
     import numpy as np
 
@@ -110,6 +132,28 @@ def test_load_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_pa
                                   background_users=1, seed=1))
     sent = {r["key"]: r["prompt_len"] for r in requests if r["kind"] == "arrival"}
     assert sent == {a.key: len(a.token_ids) for a in planned.arrivals}
+
+
+def test_multi_turn_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
+    decode, _ = pair
+    out = tmp_path / "turns.json"
+    done = run_load("--target", decode.address, "--rate", "3", "--duration", "1", "--prompt-len", "40",
+                    "--output-len", "5", "--turns", "3", "--turn-prompt-len", "12", "--seed", "3", "--json", str(out),
+                    "--json-details")
+    assert done.returncode == 0, done.stderr
+    assert "later turns TTFT" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["params"]["turns"] == 3
+    requests = {r["key"]: r for r in report["requests"]}
+    arrivals = [k for k, r in requests.items() if r["kind"] == "arrival"]
+    assert arrivals and report["completed"] == 3 * len(arrivals)
+    for key in arrivals:  # each turn: the previous prompt, its 5-token answer and a 12-token message
+        turns = [requests[key], requests[f"{key}.t2"], requests[f"{key}.t3"]]
+        assert [r["turn"] for r in turns] == [1, 2, 3] and [r["prompt_len"] for r in turns] == [40, 57, 74]
+        assert turns[0]["token_times_s"][-1] <= turns[1]["sent_s"] and turns[1]["token_times_s"][-1] <= \
+            turns[2]["sent_s"]
+    for key in ("first_turn_ttft_ms", "later_turn_ttft_ms"):
+        check_distribution(report[key])
 
 
 def test_compare_two_modes_on_one_server(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
