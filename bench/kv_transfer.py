@@ -2,7 +2,7 @@
 decode side, and whether it arrives bit for bit.
 
 --mode servers (GPU): real prefill and decode server processes with `--kv-transport T`; a
-prompt of --tokens is prefilled remotely (PD_VERIFY_KV=1 checksums every handoff); the figures
+prompt of --tokens is prefilled remotely (`--kv-checksum on` checksums every handoff); the figures
 are the decode server's own (ServerTiming): handoff time beyond the prefill's compute (and its
 checksums), and the part exposed after the prefill's last layer.
 --mode endpoints: the transport's real endpoints without a model, the whole KV moved with nothing
@@ -135,7 +135,7 @@ def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "PD_VERIFY_KV": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", transport, "--metrics-port",
               "0", "--max-model-len", str(args.tokens + 64)]
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
@@ -146,7 +146,8 @@ def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any
     try:
         wait_ready(prefill, "127.0.0.1:50062", _path(logs, "prefill.log"))
         decode = start("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
-                                         "127.0.0.1:50062", "--no-cuda-graphs", "--max-batch-size", "4"],
+                                         "127.0.0.1:50062", "--no-cuda-graphs", "--max-batch-size", "4",
+                                         "--kv-checksum", "on"],
                        _path(logs, "decode.log"), env)
         wait_ready(decode, "127.0.0.1:50061", _path(logs, "decode.log"))
         return asyncio.run(_timed_handoffs(args))
@@ -180,7 +181,7 @@ async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "bytes": t.kv_bytes, "seconds": round(t.kv_transfer_s, 5),
                              "gbps": None,  # "seconds" is the handoff beyond the prefill, not a link transfer
                              "exposed_ms": round(t.kv_exposed_s * 1e3, 3), "prefill_ms": round(t.prefill_s * 1e3, 1),
-                             "bitwise_equal": True})  # PD_VERIFY_KV=1: a mismatch fails the request (DATA_LOSS)
+                             "bitwise_equal": True})  # --kv-checksum on: a mismatch fails the request (DATA_LOSS)
                 print(f"{t.kv_transport}: {t.kv_bytes / 1e9:.2f} GB, handoff beyond prefill "
                       f"{t.kv_transfer_s * 1e3:.2f} ms, exposed {t.kv_exposed_s * 1e3:.2f} ms, prefill "
                       f"{t.prefill_s * 1e3:.0f} ms", flush=True)

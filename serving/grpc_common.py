@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -71,11 +72,23 @@ class StartupError(Exception):
     """A one-line reason the server can't start, and what to do about it."""
 
 
+# Read by NCCL when a pair's group is made. Our own deadlines abort a stuck pair, so NCCL's watchdog
+# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods.
+# Values already in the environment win.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def set_nccl_env() -> None:
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def setup_process(cfg: ServerConfig) -> None:
-    """Logging, and how often Python passes the GIL between the server's threads."""
+    """Logging, how often Python passes the GIL between the server's threads, and NCCL's environment."""
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
+    set_nccl_env()
 
 
 def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
