@@ -22,9 +22,10 @@ import torch
 
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
+from engine.decode_batch import DecodeSeq
 from engine.offline import make_runner
 from engine.ops import KernelOptions
-from engine.runner import DecodeSeq, ModelRunner
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 
 

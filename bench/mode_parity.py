@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import metadata, write_json
+from engine.decode_batch import DecodeSeq
 from engine.offline import make_runner
-from engine.runner import DecodeSeq, ModelRunner
+from engine.runner import ModelRunner
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.decode_batch import DecodeSeq
 from engine.ops import ALL_KERNELS, KernelOptions
-from engine.runner import DecodeSeq, ModelRunner
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 
 

@@ -299,8 +299,9 @@ def test_skinny_decode_at_the_7b_shape() -> None:
     """At the real shape (where the skinny matmul runs): graph == eager tokens, and a step's
     logits agree with the cuBLAS path."""
     from engine import ops
+    from engine.decode_batch import DecodeSeq
     from engine.offline import generate, make_runner
-    from engine.runner import DecodeSeq, ModelRunner
+    from engine.runner import ModelRunner
 
     def one_step(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
         table = runner.pool.allocator.allocate(runner.pool.blocks_needed(100))
