@@ -65,3 +65,4 @@ soak: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests
+	lint-imports --no-logo

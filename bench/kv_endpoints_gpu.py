@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.kv_transfer import make_pool
+from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
 from serving.grpc_common import set_nccl_env
 

@@ -29,30 +29,12 @@ import torch
 from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
+from bench.random_pool import make_pool
 from bench.scenario import start, wait_ready
-from engine.kv_cache import KVLayout, KVPool
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
 from serving.grpc_common import GRPC_OPTIONS
-
-CPU = torch.device("cpu")
-
-
-def make_pool(preset: str, tokens: int, seed: int | None, device: torch.device = CPU,
-              scattered: bool = False) -> tuple[KVPool, list[int]]:
-    """A KV pool of the preset's layout holding `tokens`, and their block table; filled with random
-    values from `seed` (the sending side), or left empty (`None`, the receiving side). The table
-    is one run of blocks, or with `scattered` the same blocks backwards (no two neighbours adjacent,
-    as in a fragmented pool: the GPU transports gather and scatter)."""
-    layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
-    pool = KVPool(layout, -(-tokens // 16) + 1, device)
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
-                                                           device=device, dtype=torch.int16))
-    table = pool.allocator.allocate(pool.blocks_needed(tokens))
-    return pool, table[::-1] if scattered else table
 
 
 class EndpointService(prefill_pb2_grpc.PrefillServicer):
