@@ -21,10 +21,9 @@ import torch
 
 from bench.common import metadata, write_json
 from engine.decode_batch import DecodeSeq
+from engine.device import DTYPES
 from engine.offline import make_runner
 from engine.runner import ModelRunner
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
