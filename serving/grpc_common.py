@@ -9,13 +9,15 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client.event_loop import run_event_loop
 from serving.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -209,19 +211,13 @@ async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, d
     return 1 if failed else 0
 
 
-def run_main(main: Callable[[], object]) -> None:
+def run_main(main: Callable[[], Coroutine[Any, Any, int]]) -> None:
     """Run an async main under uvloop; turn StartupError and bad flags into one line and exit 2."""
     from engine.transport.grpc_stream import keep_freed_memory
 
     keep_freed_memory()
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        runner = asyncio.run  # type: ignore[assignment]
-    try:
-        code = int(runner(main()) or 0)  # type: ignore[arg-type]
+        code = run_event_loop(main())
     except (StartupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
