@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,11 +29,11 @@ from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
 from bench.random_pool import make_pool
-from bench.scenario import start, wait_ready
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
 from serving.grpc_common import GRPC_OPTIONS
+from serving.launch import ServerFailed, ServerProcess, stop_all
 
 
 class EndpointService(prefill_pb2_grpc.PrefillServicer):
@@ -117,32 +116,23 @@ def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", transport, "--metrics-port",
               "0", "--max-model-len", str(args.tokens + 64)]
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    logs = str(Path(args.logs) / transport) if args.logs else tempfile.mkdtemp()
-    prefill = start("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"],
-                    _path(logs, "prefill.log"), env)
-    decode = None
-    try:
-        wait_ready(prefill, "127.0.0.1:50062", _path(logs, "prefill.log"))
-        decode = start("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
-                                         "127.0.0.1:50062", "--no-cuda-graphs", "--max-batch-size", "4",
-                                         "--kv-checksum", "on"],
-                       _path(logs, "decode.log"), env)
-        wait_ready(decode, "127.0.0.1:50061", _path(logs, "decode.log"))
+    logs = Path(args.logs) / transport if args.logs else Path(tempfile.mkdtemp())
+    prefill = ServerProcess("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"], "127.0.0.1:50062",
+                            logs / "prefill.log")
+    decode = ServerProcess("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
+                                             prefill.address, "--no-cuda-graphs", "--max-batch-size", "4",
+                                             "--kv-checksum", "on"], "127.0.0.1:50061", logs / "decode.log")
+    try:  # one after the other: on a shared GPU, the decode server sizes its KV pool from what the prefill left
+        prefill.start(timeout=900)
+        decode.start(timeout=900)
         return asyncio.run(_timed_handoffs(args))
+    except ServerFailed as e:
+        sys.exit(f"error: {e}")
     finally:
-        for proc in (decode, prefill):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(60)
-
-
-def _path(folder: str, name: str) -> Path:
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    return Path(folder) / name
+        stop_all([decode, prefill], timeout=60)
 
 
 async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
