@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.kv_transfer import make_pool
+from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
+from serving.grpc_common import set_nccl_env
 
 TIMEOUT_S = 120.0
 GATE_CYCLES = 20_000_000  # the kv-ready wait: about 10 ms at the SM clock, longer than posting 28 layers
@@ -114,6 +115,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
          sender_busy_ms: float = 0.0, timed_from: str = "kv-ready") -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
     devices the nccl protocol runs over Gloo, as in the servers (tests), timed from the first call."""
+    set_nccl_env()  # here and in the child, which inherits it, as in the servers
     if not devices[0].startswith("cuda"):
         timed_from = "first-call"
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:

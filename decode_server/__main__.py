@@ -31,7 +31,6 @@ SERVICE = "pd.v1.Decode"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m decode_server", description=__doc__)
     add_dataclass_args(parser, DecodeConfig)
-    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify prefill servers' TLS certificates")
     return parser
 
 
@@ -43,7 +42,7 @@ def prefill_addresses(spec: str) -> list[str]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
-async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> int:
+async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server import metrics
     from decode_server.engine import DecodeEngine
     from decode_server.prefill_client import PrefillRouter
@@ -62,11 +61,11 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
     router = None
     if cfg.prefill_addr:
         creds = None
-        if tls_ca:
-            with open(tls_ca, "rb") as f:
+        if cfg.tls_ca:
+            with open(cfg.tls_ca, "rb") as f:
                 creds = grpc.ssl_channel_credentials(f.read())
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
-                               cfg.prefill_timeout_s, creds)
+                               cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     service = DecodeService(cfg, runner, engine, tokenizer, router)
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(engine.running),
@@ -94,9 +93,9 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse_config(argv)
+    cfg, _ = parse_config(argv)
     setup_process(cfg)
-    run_main(lambda: serve(cfg, args.tls_ca, DecodeFaults.from_env()))
+    run_main(lambda: serve(cfg, DecodeFaults.from_env()))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class DecodeConfig(ServerConfig):
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
+    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle to verify prefill servers' TLS "
+                                                           "certificates"))
+    kv_checksum: str = field(default="off", metadata=opt(
+        "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
+        choices=("on", "off")))
 
     def __post_init__(self) -> None:
         super().__post_init__()
