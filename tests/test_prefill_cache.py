@@ -16,7 +16,8 @@ from pd.v1 import prefill_pb2, prefill_pb2_grpc
 from engine.kv_cache import KVLayout
 from engine.presets import TINY
 from engine.transport.handshake import layout_to_proto
-from tests.test_reliability_fixtures import Server, start_all, stop_all, wait_kv_idle
+from serving.launch import start_all, stop_all
+from tests.test_reliability_fixtures import Server, wait_kv_idle
 
 LAYOUT = KVLayout.for_model(TINY, torch.float32, 16)
 
@@ -27,9 +28,9 @@ def servers(server_logs: Path) -> Iterator[tuple[Server, Server, Server]]:
     cached = Server("prefill_server", [], server_logs)
     uncached = Server("prefill_server", ["--no-prefix-cache"], server_logs)
     small = Server("prefill_server", ["--kv-cache-gb", "0.0003", "--max-model-len", "256"], server_logs)
-    start_all(cached, uncached, small)
+    start_all([cached, uncached, small])
     yield cached, uncached, small
-    stop_all(cached, uncached, small)
+    stop_all([cached, uncached, small])
 
 
 class Peer:
