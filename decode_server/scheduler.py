@@ -179,12 +179,14 @@ class BatchScheduler:
             self._finish(seq)
         elif arrival.first_token is None:
             self.prefilling.append(seq)
-        elif not self._append(seq, arrival.first_token, time.perf_counter() - seq.timing.admitted):
-            self.ready.append(seq)
+        else:
+            now = time.perf_counter()
+            if not self._append(seq, arrival.first_token, now - seq.timing.admitted, now):
+                self.ready.append(seq)
 
-    def _append(self, seq: Sequence, token: int, step_s: float) -> bool:
+    def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
         """Record a token and send it; True (and the sequence let go) if it was the last."""
-        self._emit(seq, seq.append(token, step_s, time.perf_counter()))
+        self._emit(seq, seq.append(token, step_s, now))
         if seq.finish_reason:
             self._finish(seq)
             return True
@@ -274,11 +276,12 @@ class BatchScheduler:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it."""
         token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
-        elapsed = time.perf_counter() - started
+        now = time.perf_counter()
+        elapsed = now - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        if not self._append(seq, token, elapsed):
+        if not self._append(seq, token, elapsed, now):
             self.ready.append(seq)
 
     def _decode_step(self) -> None:
@@ -291,11 +294,6 @@ class BatchScheduler:
         elapsed = now - t0
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)
-        finished = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._emit(seq, seq.append(token, elapsed, now))
-            if seq.finish_reason:
-                finished.append(seq)
+        finished = [seq for seq, token in zip(seqs, tokens, strict=True) if self._append(seq, token, elapsed, now)]
         for seq in finished:
             self.running.remove(seq)
-            self._finish(seq)

@@ -24,7 +24,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from decode_server.config import DecodeConfig, PrefillMode
 from decode_server.core import DecodeCore, Generation, Request
-from decode_server.sequence import Rejected, TokenOutput
+from decode_server.sequence import Rejected
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
@@ -150,14 +150,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         detok = StreamDetokenizer(self.tokenizer) if self.tokenizer else None
         seq = generation.seq
         async for out in generation.tokens():
-            yield self._response(out, seq.request_id, seq.timing.to_proto(time.perf_counter(), out.step_s),
-                                 detok.step(out.token_id) if detok else "")
-
-    @staticmethod
-    def _response(out: TokenOutput, request_id: str, timing: decode_pb2.ServerTiming,
-                  text: str) -> decode_pb2.GenerateResponse:
-        return decode_pb2.GenerateResponse(token_id=out.token_id, index=out.index, text=text,
-                                           finish_reason=out.finish_reason, request_id=request_id, timing=timing)
+            yield decode_pb2.GenerateResponse(
+                token_id=out.token_id, index=out.index, text=detok.step(out.token_id) if detok else "",
+                finish_reason=out.finish_reason, request_id=seq.request_id,
+                timing=seq.timing.to_proto(time.perf_counter(), out.step_s))
 
 
 def add_to_server(service: DecodeService, server: grpc.aio.Server) -> None:
