@@ -95,7 +95,9 @@ class Handoff(ABC):
 
     async def wait_complete(self, deadline: float) -> None:
         """Until every layer is in the pool; then `bytes` is what arrived."""
-        receiver = self._started()
+        receiver = self.receiver
+        if receiver is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
         while not receiver.complete():
             if receiver.error is not None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {receiver.error}")
@@ -103,11 +105,6 @@ class Handoff(ABC):
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
             await asyncio.sleep(0.0002)
         self.bytes = self.num_tokens * self.pool.layout.bytes_per_token
-
-    def _started(self) -> KVReceiver:
-        if self.receiver is None:
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
-        return self.receiver
 
     def settled(self) -> bool:
         """Nothing can write the blocks any more (asked once the writer thread has run every call queued so far)."""
@@ -144,8 +141,9 @@ class GrpcHandoff(Handoff):
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
 
     async def wait_complete(self, deadline: float) -> None:
-        receiver = self._started()
-        assert isinstance(receiver, GrpcKVReceiver)
+        receiver = self.receiver
+        if receiver is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
         if not receiver.complete():
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before all KV arrived")
         await asyncio.get_running_loop().run_in_executor(self.writer, _sync_device, self.pool)
@@ -250,9 +248,7 @@ class IpcHandoff(Handoff):
         self.mark(f"copied{self.receiver.copied - 1}")
 
     async def wait_complete(self, deadline: float) -> None:
-        receiver = self._started()
-        assert self.receiver is receiver
-        while True:  # copies of the layers reported last are queued
+        while self.receiver is not None:  # copies of the layers reported last are queued
             if self._copying is not None:
                 await self._copying
             if self.receiver.copied >= self.reported:

@@ -9,7 +9,7 @@ Each iteration of `step()` reads as schedule, run, postprocess:
   running sequence;
 - postprocess: each sampled token goes into its request's `RequestOutput`, and the readers on
   the event loop are woken once for the step; finished sequences leave and give their KV blocks
-  back (`_finish`, the one place they are freed).
+  back (`Admission.release`, called from here only).
 
 From `submit` on, the sequence and its blocks belong to this loop.
 """
@@ -30,7 +30,7 @@ import torch
 from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
-from decode_server.sequence import Output, Rejected, RequestOutput, Sequence, wake_all
+from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
@@ -142,25 +142,18 @@ class BatchScheduler:
                 callback()
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
-        """Any thread, once the loop is gone."""
+        """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""
+        self.admission.release(seq)
         seq.out.add(Rejected(grpc.StatusCode.UNAVAILABLE,
                              f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
                              "retry on another replica"))
-        self.loop.call_soon_threadsafe(seq.out.wake)
-        self._finish(seq)
-
-    def _emit(self, seq: Sequence, item: Output) -> None:
-        seq.out.add(item)
-        self._woken.append(seq.out)
+        self.loop.call_soon_threadsafe(RequestOutput.wake_all, [seq.out])
 
     def _wake_readers(self) -> None:
         """One hop to the event loop for every output added since the last one."""
         if self._woken:
             woken, self._woken = self._woken, []
-            self.loop.call_soon_threadsafe(wake_all, woken)
-
-    def _finish(self, seq: Sequence) -> None:
-        self.admission.release(seq)
+            self.loop.call_soon_threadsafe(RequestOutput.wake_all, woken)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -176,7 +169,7 @@ class BatchScheduler:
     def _arrive(self, arrival: _Arrival) -> None:
         seq = arrival.seq
         if seq.cancelled.is_set():
-            self._finish(seq)
+            self.admission.release(seq)
         elif arrival.first_token is None:
             self.prefilling.append(seq)
         else:
@@ -185,10 +178,11 @@ class BatchScheduler:
                 self.ready.append(seq)
 
     def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
-        """Record a token and send it; True (and the sequence let go) if it was the last."""
-        self._emit(seq, seq.append(token, step_s, now))
+        """Record a token and send it; True (and the sequence's blocks freed) if it was the last."""
+        seq.out.add(seq.append(token, step_s, now))
+        self._woken.append(seq.out)
         if seq.finish_reason:
-            self._finish(seq)
+            self.admission.release(seq)
             return True
         return False
 
@@ -198,10 +192,10 @@ class BatchScheduler:
                 group.remove(seq)
                 if self.layered is not None and self.layered.seq is seq:
                     self.layered = None  # its slices so far are queued before any later use of its blocks
-                self._finish(seq)
+                self.admission.release(seq)
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self.running.remove(seq)
-            self._finish(seq)
+            self.admission.release(seq)
 
     def step(self) -> None:
         # schedule
@@ -266,11 +260,12 @@ class BatchScheduler:
         """One prompt's prefill failed: that request fails, the batch goes on."""
         self.prefilling.popleft()
         if isinstance(error, torch.cuda.OutOfMemoryError):
-            self._emit(seq, Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
+            seq.out.add(Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
         else:
             log.error("local prefill of %s failed", seq.request_id, exc_info=error)
-            self._emit(seq, Rejected(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
-        self._finish(seq)
+            seq.out.add(Rejected(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
+        self._woken.append(seq.out)
+        self.admission.release(seq)
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq

@@ -38,12 +38,13 @@ class RequestOutput:
         self._added = asyncio.Event()
 
     def add(self, item: Output) -> None:
-        """Any thread; the reader sees it after the next `wake`."""
+        """Any thread; the reader sees it once woken (`wake_all`, on the event loop)."""
         self._items.append(item)
 
-    def wake(self) -> None:
-        """On the event loop."""
-        self._added.set()
+    @staticmethod
+    def wake_all(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            output._added.set()
 
     def taken(self) -> list[Output]:
         """Every output added so far, for a caller that drives the scheduler itself (tests)."""
@@ -58,11 +59,6 @@ class RequestOutput:
                 break
             await self._added.wait()
         return self._items.popleft()
-
-
-def wake_all(outputs: list[RequestOutput]) -> None:
-    for output in outputs:
-        output.wake()
 
 
 @dataclass

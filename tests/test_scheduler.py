@@ -142,6 +142,7 @@ def test_a_dead_scheduler_fails_what_it_held_and_what_comes_after(runner: ModelR
                 await asyncio.wait_for(run(generation), 10)
             core.finish(generation, failed.value.code.name)
             codes.append(failed.value.code)
+        scheduler.stop()
         return codes[0], codes[1]
 
     assert asyncio.run(main()) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
