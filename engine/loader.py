@@ -111,7 +111,12 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"--model {folder}: model_type {model_type!r} is not supported; use a checkpoint of "
                              f"one of: {', '.join(FAMILIES)}")
     try:
-        return ModelConfig.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True), name=folder.name)
+        hf = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"--model {folder}: transformers can't read its config.json ({e}); fix the file "
+                             "or use another checkpoint") from e
+    try:
+        return ModelConfig.from_hf(hf, name=folder.name)
     except UnsupportedConfig as e:
         raise ModelLoadError(f"--model {folder}: {e}") from e
 

@@ -25,8 +25,10 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tiny_checkpoint(folder: Path, seed: int = 0, family: str = "qwen2", **overrides: object) -> Path:
-    """A tiny random checkpoint of one family, written by transformers itself (config.json + safetensors)."""
+def write_tiny_checkpoint(folder: Path, seed: int = 0, family: str = "qwen2", max_shard_size: str | None = None,
+                          **overrides: object) -> Path:
+    """A tiny random checkpoint of one family, written by transformers itself (config.json + safetensors,
+    in shards with an index when `max_shard_size` is given)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
@@ -42,7 +44,7 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, family: str = "qwen2", **
                 p.normal_(0.0, 0.2)
             elif "norm" in name:  # norms away from 1, so a norm applied wrongly shows
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return folder
 
 

@@ -99,6 +99,15 @@ def test_disaggregated_greedy_equals_transformers(family_pair: tuple[str, Server
     assert text == tokenizer.decode([r.token_id for r in replies]).rstrip("\ufffd")
 
 
+def test_sharded_checkpoint_loads_as_one(checkpoints: dict[str, Path], references: dict[str, list[list[int]]],
+                                         tmp_path: Path) -> None:
+    """save_pretrained's shards with their index: the same weights, the same tokens."""
+    folder = write_tiny_checkpoint(tmp_path / "sharded", seed=3, family="qwen3", max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
+    runner = make_runner(model=str(folder), max_model_len=512)
+    assert generate(runner, PROMPTS, STEPS) == references["qwen3"]
+
+
 def test_servers_of_different_families_refuse_to_pair(checkpoints: dict[str, Path], server_logs: Path) -> None:
     """A Qwen3 decode server and a Llama prefill server: the handshake refuses with
     FAILED_PRECONDITION, naming the model on each side."""
@@ -198,6 +207,7 @@ def test_llama3_8b_preset_has_the_real_parameter_count() -> None:
     ("gpt2", "model_type 'gpt2' is not supported; use a checkpoint of one of: llama, mistral, qwen2, qwen3"),
     ("sliding window", "sliding_window is 4096: sliding-window attention is not supported"),
     ("yarn", "RoPE type 'yarn' is not supported"),
+    ("not json", "config.json is not a JSON object"),
 ])
 def test_refusals_are_one_line_saying_what_to_do(case: str, expected: str, checkpoints: dict[str, Path],
                                                  tmp_path: Path) -> None:
@@ -210,6 +220,8 @@ def test_refusals_are_one_line_saying_what_to_do(case: str, expected: str, check
                                             "original_max_position_embeddings": 128}}}
     if case in changes:
         (folder / "config.json").write_text(json.dumps({**raw, **changes[case]}))
+    if case == "not json":
+        (folder / "config.json").write_text("{model_type: llama")
     with pytest.raises(ModelLoadError) as e:
         load_checkpoint(folder, torch.device("cpu"), torch.float32)
     message = str(e.value)
