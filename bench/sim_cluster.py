@@ -97,7 +97,8 @@ class Clock:
 
 
 class PrefillServer:
-    """One prompt at a time, first come first served; the KV streams out layer by layer as it computes."""
+    """One prompt at a time, first come first served; the KV streams out layer by layer as it computes, and the
+    next prompt starts once the last layer is sent."""
 
     def __init__(self, clock: Clock, costs: Costs, serving: Serving) -> None:
         self.clock, self.costs, self.serving = clock, costs, serving
@@ -122,9 +123,10 @@ class PrefillServer:
         end = self.clock.now + request.prefill_s
         if request.conversation is not None:
             self.cache[request.conversation] = request.prompt
-        self.busy_until = end
-        self.clock.at(end + self.costs.kv_handoff_ms(request.prompt) / 1e3, on_kv)
-        self.clock.at(end, self._next)
+        # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish())
+        self.busy_until = end + self.costs.kv_handoff_ms(request.prompt) / 1e3
+        self.clock.at(self.busy_until, on_kv)
+        self.clock.at(self.busy_until, self._next)
 
     def _next(self) -> None:
         if self.queue:
