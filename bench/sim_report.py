@@ -22,6 +22,10 @@ PREDICT_LOAD = LoadSpec(rate=2.0, duration=30.0, prompt_len="uniform:512:2048", 
                         long_prompt_len=16384, background_users=16, seed=7)
 PREDICT_SLO = Slo(ttft_ms=3000, itl_ms=50)
 PREDICT_RATES = (1.0, 2.0, 4.0, 6.0, 8.0)
+MEASURE_WITH = ("for R in 1 2 4 6 8: python -m bench.load --devices cuda:0 cuda:1 --kv-transport nccl --load-args "
+                "'--rate R --duration 30 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "
+                "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --seed 7' "
+                "--json bench/results/load-rateR-2xh200.json (split, colocated and layered among its deployments)")
 PREDICT_DEPLOYMENTS = {
     "auto": Deployment(1, 1, "auto"), "split": Deployment(1, 1, "disaggregated"),
     "colocated": Deployment(0, 2, "colocated"), "layered": Deployment(0, 2, "layered"),
@@ -97,7 +101,7 @@ def run_prediction(costs: Costs, progress: bool = True) -> dict[str, Any]:
             "slo": dataclasses.asdict(PREDICT_SLO), "serving": dataclasses.asdict(serving),
             "goodput_rps": "client.load's goodput: requests within the SLO per second of the run, background included",
             "goodput_at_slo_rps": "highest arrival rate (with the 16 background users) at which >= 90% meet the SLO",
-            "measure_with": "python -m bench.load --devices cuda:0 cuda:1 --kv-transport nccl --rate R for R in rates",
+            "measure_with": MEASURE_WITH,
             "runs": runs}
 
 

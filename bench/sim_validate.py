@@ -43,7 +43,8 @@ class RecordedRun:
 
     @property
     def label(self) -> str:
-        return f"{self.file}@{self.commit}:{self.name}"
+        via = f" ({self.transport})" if self.deployment.mode == "disaggregated" else ""
+        return f"{self.file}@{self.commit}:{self.name}{via}"
 
 
 def _spec(params: dict[str, Any]) -> LoadSpec:
