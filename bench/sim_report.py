@@ -73,8 +73,9 @@ def plot_plan(plans: dict[str, Any]) -> None:
             for r in rows:
                 if r["prefill"] == 0:
                     ax.axhline(r["goodput_rps"], linestyle=":", linewidth=1, color="grey")
-                    ax.annotate(r["mode"], (gpus * 0.98, r["goodput_rps"]), ha="right", va="bottom", fontsize=7)
-            ax.set_title(f"{gpus} H200s, {mix}")
+                    ax.annotate(r["mode"], (0.99, r["goodput_rps"]), xycoords=ax.get_yaxis_transform(),
+                                ha="right", va="bottom", fontsize=7, color="grey")
+            ax.set_title(f"{gpus} H200s, {mix} (dotted: every GPU decodes)")
             ax.set_xlabel("prefill GPUs (the rest decode)")
             ax.set_ylabel("goodput (req/s at 90% SLO)")
             ax.legend(fontsize=8)
