@@ -7,15 +7,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pd.v1 import prefill_pb2
 
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
-from engine.transport.base import KVSender
+from engine.transport.base import KVSender, KVTransport
 from prefill_server.worker import PrefillJob
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from engine.transport.nccl import NcclPair
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,8 @@ class TransportHub:
         self.runner, self.cache = runner, cache
         self.advertise_host = advertise_host
         self.timeout_s = transfer_timeout_s
-        self._store: Any = None
-        self._nccl: dict[str, Any] = {}           # peer_id -> NcclPair
+        self._store: dist.TCPStore | None = None
+        self._nccl: dict[str, NcclPair] = {}      # peer_id -> its pair
         self._ipc_export: tuple[bytes, int] | None = None
         self._held: dict[tuple[str, str], tuple[list[int], float]] = {}  # (peer, request) -> blocks, deadline
         self._released_early: set[tuple[str, str]] = set()  # acknowledged before the job let go
@@ -37,11 +42,11 @@ class TransportHub:
         self._pairings = 0
 
     # --- handshake ----------------------------------------------------------------------------
-    def pair(self, peer_id: str, transport: str) -> dict[str, Any]:
+    def pair(self, peer_id: str, transport: KVTransport) -> dict[str, Any]:
         """Set up `transport` for a decode peer; returns the HandshakeResponse fields it needs."""
-        if transport == "nccl":
+        if transport == KVTransport.NCCL:
             return self._pair_nccl(peer_id)
-        if transport == "cuda-ipc":
+        if transport == KVTransport.CUDA_IPC:
             from engine.transport.cuda_ipc import export_pool
 
             if self._ipc_export is None:
@@ -70,7 +75,7 @@ class TransportHub:
         return {"nccl_store_addr": f"{self.advertise_host}:{self._store.port}", "nccl_group": group}
 
     @staticmethod
-    def _warm_up(pair: Any) -> None:
+    def _warm_up(pair: NcclPair) -> None:
         try:
             pair.warm_up()
             log.info("NCCL pair %s ready", pair.group)
@@ -80,17 +85,18 @@ class TransportHub:
 
     # --- per request --------------------------------------------------------------------------
     def configure(self, job: PrefillJob, peer_id: str, transport: str) -> None:
-        """Give the job the sender (and block ownership) its transport needs."""
-        if transport == "nccl":
+        """Give the job the sender (and block ownership) its transport needs; the worker's own
+        gRPC sender otherwise."""
+        if transport == KVTransport.NCCL:
             pair = self._nccl.get(peer_id)
             if pair is None or pair.broken:
                 raise LookupError("the NCCL pair with this decode server is gone; handshake again")
             job.make_sender = self._nccl_sender(pair)
-        elif transport == "cuda-ipc":
+        elif transport == KVTransport.CUDA_IPC:
             job.make_sender = self._ipc_sender
             job.hold_blocks = lambda j: self._hold(peer_id, j)
 
-    def _nccl_sender(self, pair: Any) -> SenderFactory:
+    def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
         from engine.transport.nccl import NcclKVSender
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:

@@ -158,9 +158,8 @@ def test_failed_receive_frees_its_blocks_once_nothing_can_write_them(pairs: tupl
     through a staging buffer it needs not."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
 
-    from decode_server.kv_receive import Handoff
+    from decode_server.kv_receive import NcclHandoff
 
     prefill, decode = pairs
     src, src_table = filled_pool(21, 5)
@@ -175,7 +174,7 @@ def test_failed_receive_frees_its_blocks_once_nothing_can_write_them(pairs: tupl
 
     async def abandon() -> bool:
         with ThreadPoolExecutor(1) as writer:
-            handoff = Handoff("nccl", dst, dst_table, 21, writer, SimpleNamespace(nccl=decode))
+            handoff = NcclHandoff(dst, dst_table, 21, writer, decode)
             handoff.receiver = receiver
             return await handoff.abandon(failed=False)
 
