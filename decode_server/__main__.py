@@ -23,6 +23,7 @@ from serving.grpc_common import (
     setup_process,
     start_metrics,
 )
+from serving.prefix_metrics import register_prefix_cache_metrics
 
 log = logging.getLogger("decode_server")
 SERVICE = "pd.v1.Decode"
@@ -49,6 +50,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.prefill_client import PrefillRouter
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
+    from engine.prefix_cache import PrefixCache
 
     check_port_free(cfg)
     health = Health([SERVICE])
@@ -56,7 +58,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
-    admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop)
+    cache = PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=cfg.prefix_cache)
+    admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop, cache)
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
                                die_after_steps=faults.engine_die_after_steps)
     if faults.engine_die_after_steps is not None:
@@ -72,9 +75,9 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
     core = DecodeCore(cfg, scheduler, router, eos_ids)
     service = DecodeService(cfg, runner, core, tokenizer)
-    allocator = runner.pool.allocator
-    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(scheduler.running),
+    metrics.bind_live_gauges(lambda: cache.num_available, cache.num_blocks, lambda: len(scheduler.running),
                              core.num_waiting)
+    register_prefix_cache_metrics(cache)
     fatal = asyncio.Event()
     scheduler.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
     server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)

@@ -1,5 +1,7 @@
 """Admission: a request is let in once every KV block it can need (prompt + max_new_tokens) is
-reserved for it, first come first served; past the waiting limits it is refused at once."""
+reserved for it, first come first served; past the waiting limits it is refused at once. Its
+prompt's cached leading blocks (the prefix cache) count among them: it needs fewer new ones, and its
+prefill starts after them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 import grpc
 
 from decode_server.sequence import Rejected, Sequence
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVPool, OutOfBlocks
+from engine.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -27,8 +30,10 @@ class Admission:
     requests waiting, in arrival order, on the event loop."""
 
     def __init__(self, pool: KVPool, max_queued_requests: int, max_waiting_tokens: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.pool, self.allocator, self.loop = pool, pool.allocator, loop
+                 loop: asyncio.AbstractEventLoop, cache: PrefixCache | None = None) -> None:
+        """Without a `cache`, blocks come straight from the pool (a cache that keeps nothing)."""
+        self.pool, self.loop = pool, loop
+        self.cache = cache or PrefixCache(pool.allocator, pool.layout.block_size, enabled=False)
         self.max_queued_requests, self.max_waiting_tokens = max_queued_requests, max_waiting_tokens
         self._waiters: deque[_Waiter] = deque()
         self.waiting_tokens = 0  # the waiters' prompt + output tokens
@@ -39,18 +44,19 @@ class Admission:
         return len(self._waiters)
 
     async def reserve(self, seq: Sequence) -> None:
-        """Put every block the request can need in `seq.block_table`, waiting behind earlier
-        requests for as long as it takes; raises Rejected (RESOURCE_EXHAUSTED) past the limits."""
+        """Put every block the request can need in `seq.block_table` (and the tokens its cached blocks
+        hold in `seq.prefilled`), waiting behind earlier requests for as long as it takes; raises
+        Rejected (RESOURCE_EXHAUSTED) past the limits."""
         need = self.pool.blocks_needed(seq.total_tokens)
-        if need > self.allocator.num_blocks:
+        total = self.cache.num_blocks
+        if need > total:
             raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"the request needs {need} KV blocks, the whole pool has {self.allocator.num_blocks}")
-        if not self._waiters and self.allocator.num_free >= need:
-            seq.block_table = self.allocator.allocate(need)
+                           f"the request needs {need} KV blocks, the whole pool has {total}")
+        if not self._waiters and self._take(seq, need):
             return
         if self.waiting >= self.max_queued_requests:
             raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"KV pool is full ({self.allocator.num_free} of {self.allocator.num_blocks} blocks free, "
+                           f"KV pool is full ({self.cache.num_available} of {total} blocks free, "
                            f"this request needs {need}) and {self.waiting} requests already wait "
                            f"(--max-queued-requests {self.max_queued_requests})")
         if self.waiting_tokens + seq.total_tokens > self.max_waiting_tokens:
@@ -68,13 +74,22 @@ class Admission:
                 self._waiters.remove(waiter)
                 self._admit_waiters()  # this one may have been the head of the queue
 
+    def _take(self, seq: Sequence, need: int) -> bool:
+        """The sequence's blocks, cached prefix first, if the pool has them now (a waiter holds none)."""
+        try:
+            seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt, need)
+        except OutOfBlocks:
+            return False
+        seq.timing.cached_tokens = seq.prefilled
+        return True
+
     def release(self, seq: Sequence) -> None:
-        """Any thread: the sequence's blocks go back to the pool (once: its table is emptied), and
-        the requests waiting get them on the event loop."""
+        """Any thread: the sequence's blocks go back (once: its table is emptied) to the cache, or
+        to the pool, and the requests waiting get them on the event loop."""
         with self._lock:
             blocks, seq.block_table = seq.block_table, []
         if blocks:
-            self.allocator.free(blocks)
+            self.cache.release(blocks)
             self.loop.call_soon_threadsafe(self._admit_waiters)
 
     def _admit_waiters(self) -> None:
@@ -84,8 +99,7 @@ class Admission:
             if head.admitted.done():
                 self._waiters.popleft()
                 continue
-            if self.allocator.num_free < head.need:
+            if not self._take(head.seq, head.need):
                 return
-            head.seq.block_table = self.allocator.allocate(head.need)
             head.admitted.set_result(None)
             self._waiters.popleft()

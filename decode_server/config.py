@@ -7,7 +7,10 @@ from enum import StrEnum
 
 from pd.v1 import decode_pb2
 
+from decode_server.placement import PlacementThresholds
 from serving.server_config import ServerConfig, env_number, opt
+
+LOCAL_MODES = ("colocated", "chunked", "layered")
 
 
 class PrefillMode(StrEnum):
@@ -18,6 +21,7 @@ class PrefillMode(StrEnum):
     CHUNKED = "chunked"              # here, a chunk of the prompt between two decode steps
     LAYERED = "layered"              # here, a slice of the model's layers between two decode steps
     DISAGGREGATED = "disaggregated"  # on a prefill server, whose KV then comes over
+    AUTO = "auto"                    # here (--auto-local-mode) or on a prefill server, chosen per request
 
     @property
     def number(self) -> int:
@@ -54,6 +58,16 @@ class DecodeConfig(ServerConfig):
     kv_checksum: str = field(default="off", metadata=opt(
         "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
         choices=("on", "off")))
+    # mode auto; the defaults are provisional until measured (docs/prefix-cache.md)
+    auto_local_mode: str = field(default="colocated", metadata=opt(
+        "mode auto: how a prompt kept here is prefilled", choices=LOCAL_MODES))
+    auto_local_tokens: int = field(default=512, metadata=opt(
+        "mode auto: a prompt with at most this many uncached tokens is prefilled here, even while others decode"))
+    auto_idle_local_tokens: int = field(default=2048, metadata=opt(
+        "mode auto: at most this many uncached tokens are prefilled here when nobody is decoding"))
+    auto_remote_backlog_tokens: int = field(default=32768, metadata=opt(
+        "mode auto: while this server's remote prefills in flight hold this many uncached tokens, new "
+        "ones are prefilled here"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +75,14 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
         if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
             raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if min(self.auto_local_tokens, self.auto_idle_local_tokens, self.auto_remote_backlog_tokens) < 0:
+            raise ValueError("--auto-local-tokens, --auto-idle-local-tokens and --auto-remote-backlog-tokens "
+                             "must be >= 0")
+
+    @property
+    def placement_thresholds(self) -> PlacementThresholds:
+        return PlacementThresholds(self.auto_local_tokens, self.auto_idle_local_tokens,
+                                   self.auto_remote_backlog_tokens)
 
     @property
     def default_mode(self) -> PrefillMode:

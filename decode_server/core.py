@@ -23,6 +23,7 @@ from pd.v1 import decode_pb2
 
 from decode_server import metrics
 from decode_server.config import DecodeConfig, PrefillMode
+from decode_server.placement import LOCAL, REMOTE, PlacementInputs, place
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, Sequence, TokenOutput
@@ -64,6 +65,7 @@ class Generation:
         await core.admission.reserve(seq)
         timing.admitted = time.perf_counter()
         metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
+        core.place(seq)
         first_token = await core.remote_prefill(seq) if seq.mode == PrefillMode.DISAGGREGATED else None
         core.scheduler.submit(seq, first_token)
         self.submitted = True
@@ -92,6 +94,7 @@ class DecodeCore:
         self.admission = scheduler.admission
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
+        self.remote_backlog_tokens = 0  # their uncached tokens
         self.draining = False
 
     def num_waiting(self) -> int:
@@ -147,6 +150,16 @@ class DecodeCore:
             "mode": None, "prompt_tokens": None, "output_tokens": 0,
             **Timing(arrival=arrival).to_log(time.perf_counter())}))
 
+    def place(self, seq: Sequence) -> None:
+        """Where the admitted sequence's prefill runs: mode auto picks here (--auto-local-mode) or a
+        prefill server from its uncached tokens, who decodes here, and the remote prefills in flight."""
+        if seq.mode == PrefillMode.AUTO:
+            inputs = PlacementInputs(len(seq.prompt) - seq.prefilled, len(self.scheduler.running),
+                                     self.remote_backlog_tokens, self.router is not None)
+            remote = place(self.cfg.placement_thresholds, inputs) == REMOTE
+            seq.mode = PrefillMode.DISAGGREGATED if remote else PrefillMode(self.cfg.auto_local_mode)
+        seq.timing.placement = REMOTE if seq.mode == PrefillMode.DISAGGREGATED else LOCAL
+
     async def remote_prefill(self, seq: Sequence) -> int:
         """Prefill on a prefill server; its KV lands in this request's blocks. Returns the first token.
 
@@ -159,12 +172,14 @@ class DecodeCore:
         p = seq.params
         sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
         blocks = list(seq.block_table)
+        uncached = len(seq.prompt) - seq.prefilled
         self.remote_prefills += 1
+        self.remote_backlog_tokens += uncached
         try:
             for attempt in range(2):
                 try:
                     first_token = await self.router.prefill(seq.request_id, seq.prompt, sampling, seq.block_table,
-                                                            seq.timing)
+                                                            seq.prefilled, seq.timing)
                     break
                 except PrefillFailed as e:
                     retry = (attempt == 0 and seq.block_table == blocks  # blocks not held back by the router
@@ -174,6 +189,7 @@ class DecodeCore:
                     log.info("request %s: %s; retrying once with a fresh handshake", seq.request_id, e)
         finally:
             self.remote_prefills -= 1
+            self.remote_backlog_tokens -= uncached
         t = seq.timing
         metrics.PREFILL_SECONDS.observe(t.prefill_s)
         metrics.KV_TRANSFER_SECONDS.observe(t.kv_transfer_s)

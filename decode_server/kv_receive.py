@@ -47,14 +47,29 @@ class Handoff(ABC):
     releases_remote_blocks: ClassVar[bool] = False  # the prefill side holds its blocks until ReleaseIpc
     receiver: KVReceiver | None
 
-    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> None:
+    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                 start: int = 0) -> None:
+        """The KV of tokens [start, num_tokens) comes over; `start` (the tokens this server's prefix
+        cache holds) is a whole number of blocks, so the receivers see those tokens' own blocks."""
+        if start % pool.layout.block_size or not 0 <= start < num_tokens:
+            raise ValueError(f"a handoff starts at a block boundary before the prompt's end, not at token {start}")
         self.pool, self.block_table, self.num_tokens, self.writer = pool, block_table, num_tokens, writer
+        self.start = start
         self.receiver = None
         self.bytes = 0
         self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
+
+    @property
+    def sent_table(self) -> list[int]:
+        """The blocks of the tokens that come over (token `start` is the first of the first)."""
+        return self.block_table[self.start // self.pool.layout.block_size:]
+
+    @property
+    def sent_tokens(self) -> int:
+        return self.num_tokens - self.start
 
     def mark(self, what: str) -> None:
         self.marks.append((what, time.monotonic()))
@@ -104,7 +119,7 @@ class Handoff(ABC):
             if time.monotonic() > deadline:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
             await asyncio.sleep(0.0002)
-        self.bytes = self.num_tokens * self.pool.layout.bytes_per_token
+        self.bytes = self.sent_tokens * self.pool.layout.bytes_per_token
 
     def settled(self) -> bool:
         """Nothing can write the blocks any more (asked once the writer thread has run every call queued so far)."""
@@ -116,7 +131,7 @@ class Handoff(ABC):
         return True
 
     def verify(self, expected: int) -> None:
-        got = self.pool.checksum(self.pool.slots(self.block_table, 0, self.num_tokens))
+        got = self.pool.checksum(self.pool.slots(self.block_table, self.start, self.num_tokens))
         if got != expected:
             raise HandoffError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch after the {self.transport} "
                                                           f"handoff: got {got}, prefill sent {expected}")
@@ -129,10 +144,11 @@ class GrpcHandoff(Handoff):
     receiver: GrpcKVReceiver | None
 
     def _write_chunk(self, chunk: KVView) -> None:
-        """On the writer thread (the receiver's slot upload is device work too)."""
+        """On the writer thread (the receiver's slot upload is device work too). A chunk names its
+        tokens' positions in the prompt; the receiver counts from the first token sent."""
         if self.receiver is None:
-            self.receiver = GrpcKVReceiver(self.pool, self.block_table, self.num_tokens)
-        self.receiver.write(chunk.layer, chunk.token_start, chunk.token_end, chunk.data)
+            self.receiver = GrpcKVReceiver(self.pool, self.sent_table, self.sent_tokens)
+        self.receiver.write(chunk.layer, chunk.token_start - self.start, chunk.token_end - self.start, chunk.data)
 
     async def on_kv(self, chunk: KVView) -> None:
         try:
@@ -163,15 +179,15 @@ class NcclHandoff(Handoff):
     receiver: NcclKVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                 pair: NcclPair) -> None:
-        super().__init__(pool, block_table, num_tokens, writer)
+                 pair: NcclPair, start: int = 0) -> None:
+        super().__init__(pool, block_table, num_tokens, writer, start)
         self.pair = pair
 
     async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         from engine.transport.nccl import NcclKVReceiver, TransferFailed
 
         def receive() -> None:  # one writer call, not two: each waits for the GIL under load
-            self.receiver = NcclKVReceiver(self.pair, self.pool, self.block_table, self.num_tokens)
+            self.receiver = NcclKVReceiver(self.pair, self.pool, self.sent_table, self.sent_tokens)
             self.receiver.post(start.sequence, deadline)
 
         try:
@@ -211,8 +227,8 @@ class IpcHandoff(Handoff):
     receiver: IpcKVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                 remote: RemotePool) -> None:
-        super().__init__(pool, block_table, num_tokens, writer)
+                 remote: RemotePool, start: int = 0) -> None:
+        super().__init__(pool, block_table, num_tokens, writer, start)
         self.remote = remote
         self.reported = 0  # layers the prefill side says are readable
         self._copying: asyncio.Future[None] | None = None  # the writer's call copying them
@@ -220,9 +236,9 @@ class IpcHandoff(Handoff):
     async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         from engine.transport.cuda_ipc import IpcKVReceiver
 
-        receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
+        receiver = IpcKVReceiver(self.remote, self.pool, self.sent_table, self.sent_tokens)
         await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receiver.start,
-                                                         list(start.src_block_table), start.src_block_size)
+                                                         list(start.src_block_table), start.src_block_size, self.start)
         self.receiver = receiver
 
     async def on_layer_sent(self, layer: int) -> None:
@@ -283,8 +299,9 @@ class Pairing(ABC):
         """Let go of the pairing (its prefill server failed or restarted)."""
 
     @abstractmethod
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
-        """The handoff of one request's KV over this pairing."""
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                start: int = 0) -> Handoff:
+        """The handoff of one request's KV, tokens [start, num_tokens), over this pairing."""
 
 
 class GrpcPairing(Pairing):
@@ -298,8 +315,9 @@ class GrpcPairing(Pairing):
     def forget(self) -> None:
         pass  # nothing was set up beyond the channel
 
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
-        return GrpcHandoff(pool, block_table, num_tokens, writer)
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                start: int = 0) -> Handoff:
+        return GrpcHandoff(pool, block_table, num_tokens, writer, start)
 
 
 class NcclPairing(Pairing):
@@ -332,8 +350,9 @@ class NcclPairing(Pairing):
     def forget(self) -> None:
         self.pair.abort()
 
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
-        return NcclHandoff(pool, block_table, num_tokens, writer, self.pair)
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                start: int = 0) -> Handoff:
+        return NcclHandoff(pool, block_table, num_tokens, writer, self.pair, start)
 
 
 class IpcPairing(Pairing):
@@ -354,8 +373,9 @@ class IpcPairing(Pairing):
     def forget(self) -> None:
         pass  # the mapping stays open: copies queued from it may still run
 
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
-        return IpcHandoff(pool, block_table, num_tokens, writer, self.remote)
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                start: int = 0) -> Handoff:
+        return IpcHandoff(pool, block_table, num_tokens, writer, self.remote, start)
 
 
 PAIRINGS: dict[KVTransport, type[Pairing]] = {p.transport: p for p in (GrpcPairing, NcclPairing, IpcPairing)}

@@ -22,7 +22,8 @@ REQUESTS_RUNNING = Gauge("num_requests_running", "Sequences in the decode batch"
 REQUESTS_WAITING = Gauge("num_requests_waiting", "Requests accepted but not yet decoding: waiting for KV blocks, "
                          "in prefill (remote or local), or waiting for a batch slot")
 KV_CACHE_USAGE = Gauge("kv_cache_usage_perc", "Fraction of KV pool blocks in use")
-KV_FREE_BLOCKS = Gauge("kv_cache_free_blocks", "KV pool blocks free right now")
+KV_FREE_BLOCKS = Gauge("kv_cache_free_blocks", "KV pool blocks a request can have right now: free, or holding a "
+                       "cached prefix nobody uses")
 KV_TOTAL_BLOCKS = Gauge("kv_cache_total_blocks", "KV pool blocks that requests can use")
 REQUEST_SUCCESS = Counter("request_success_total", "Finished requests by finish reason", ["finish_reason"])
 REQUEST_FAILURE = Counter("request_failure_total", "Failed requests by gRPC status code", ["code"])

@@ -20,10 +20,6 @@ class PlacementThresholds:
     idle_local_tokens: int     # at most this many: local when nobody decodes here
     remote_backlog_tokens: int  # the prefill servers' uncached tokens in flight past which prefills stay local
 
-    def __post_init__(self) -> None:
-        if min(self.local_tokens, self.idle_local_tokens, self.remote_backlog_tokens) < 0:
-            raise ValueError("the --auto-* token thresholds must be >= 0")
-
 
 @dataclass(frozen=True)
 class PlacementInputs:

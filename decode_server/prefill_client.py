@@ -154,11 +154,11 @@ class PrefillRouter:
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
     async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
-                      block_table: list[int], timing: Timing) -> int:
-        """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
-        server, and records where the time went in `timing`. If the KV might still land after a
-        failure, the blocks are moved out of `block_table` (left reserved) so the caller cannot
-        reuse them."""
+                      block_table: list[int], cached_tokens: int, timing: Timing) -> int:
+        """Prefill remotely into `block_table`, whose first `cached_tokens` tokens' KV is here already
+        (only the rest comes over); returns the first token, sampled by the prefill server, and
+        records where the time went in `timing`. If the KV might still land after a failure, the
+        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them."""
         peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
@@ -167,10 +167,10 @@ class PrefillRouter:
         failed = True
         try:
             pairing = await peer.ensure_paired(self.timeout_s, self.writer)
-            handoff = pairing.handoff(self.runner.pool, block_table, len(prompt), self.writer)
+            handoff = pairing.handoff(self.runner.pool, block_table, len(prompt), self.writer, cached_tokens)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=pairing.transport, peer_id=peer.peer_id,
-                                                 verify_kv=self.verify_kv)
+                                                 verify_kv=self.verify_kv, decode_cached_tokens=cached_tokens)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
@@ -206,6 +206,7 @@ class PrefillRouter:
                                        kv_bytes=handoff.bytes, transport=pairing.transport,
                                        start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
                                        post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
+            timing.cached_tokens = max(cached_tokens, done.cached_tokens)
             return done.first_token_id
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):

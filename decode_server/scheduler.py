@@ -173,18 +173,26 @@ class BatchScheduler:
         elif arrival.first_token is None:
             self.prefilling.append(seq)
         else:
+            self._publish_prompt(seq)  # its KV is in the pool: the handoff completed before submit
             now = time.perf_counter()
             if not self._append(seq, arrival.first_token, now - seq.timing.admitted, now):
                 self.ready.append(seq)
 
     def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
-        """Record a token and send it; True (and the sequence's blocks freed) if it was the last."""
+        """Record a token and send it; True (and the sequence's blocks given back) if it was the last.
+        A finished sequence's blocks stay cached with its answer in them: a chat's next turn re-sends it."""
         seq.out.add(seq.append(token, step_s, now))
         self._woken.append(seq.out)
         if seq.finish_reason:
+            written = seq.prompt + seq.tokens[:-1]  # the last token's KV is never written
+            self.admission.cache.publish(written, seq.block_table, len(written))
             self.admission.release(seq)
             return True
         return False
+
+    def _publish_prompt(self, seq: Sequence) -> None:
+        """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve others."""
+        self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt))
 
     def _drop_cancelled(self) -> None:
         for group in (self.prefilling, self.ready):
@@ -241,7 +249,8 @@ class BatchScheduler:
         """The next slice of the model's layers over the whole prompt (layered); queued, not waited
         for: the decode step after it waits for both. The last slice samples the first token."""
         if self.layered is None or self.layered.seq is not seq:
-            slices = self.runner.prefill_slices(seq.prompt, seq.block_table, self.layer_slice_tokens)
+            slices = self.runner.prefill_slices(seq.prompt[seq.prefilled:], seq.block_table, self.layer_slice_tokens,
+                                                seq.prefilled)
             self.layered = LayeredPrefill(seq, slices, time.perf_counter())
         started = self.layered.started
         try:
@@ -271,6 +280,7 @@ class BatchScheduler:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it."""
         token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        self._publish_prompt(seq)
         now = time.perf_counter()
         elapsed = now - started
         seq.timing.prefill_s += elapsed

@@ -25,6 +25,8 @@ class Timing:
     kv_bytes: int = 0
     kv_transport: str = ""        # "" when prefilled here
     first_token: float = 0.0
+    cached_tokens: int = 0        # prompt tokens whose KV came from a prefix cache (either server's)
+    placement: str = ""           # where the prefill ran: "local" or "remote" ("" before it was decided)
 
     @property
     def queue_s(self) -> float:
@@ -44,9 +46,9 @@ class Timing:
             queue_s=self.admitted - self.arrival, prefill_s=self.prefill_s, kv_transfer_s=self.kv_transfer_s,
             first_token_s=self.first_token - self.arrival, decode_step_s=step_s, since_arrival_s=now - self.arrival,
             kv_bytes=self.kv_bytes, kv_exposed_s=self.kv_exposed_s, kv_transport=self.kv_transport,
-            prefill_queue_s=self.prefill_queue_s)
+            prefill_queue_s=self.prefill_queue_s, cached_tokens=self.cached_tokens, placement=self.placement)
 
-    def to_log(self, now: float) -> dict[str, float | None]:
+    def to_log(self, now: float) -> dict[str, float | str | None]:
         """The request log's timing fields, for a request that ended at perf_counter `now`."""
         return {
             "queue_s": round(self.queue_s, 6), "prefill_queue_s": round(self.prefill_queue_s, 6),
@@ -54,4 +56,5 @@ class Timing:
             "kv_exposed_s": round(self.kv_exposed_s, 6), "kv_start_at_s": round(self.kv_start_at_s, 6),
             "kv_post_s": round(self.kv_post_s, 6), "kv_post_busy_s": round(self.kv_post_busy_s, 6),
             "ttft_s": round(self.first_token - self.arrival, 6) if self.first_token else None,
-            "e2e_s": round(now - self.arrival, 6)}
+            "e2e_s": round(now - self.arrival, 6), "cached_tokens": self.cached_tokens,
+            "placement": self.placement or None}

@@ -2,8 +2,8 @@
 chain of their tokens, so a later prompt that starts the same way reuses them instead of recomputing.
 
 Who owns what:
-- A sequence's block table is its cached leading blocks (`lookup` takes a reference on each) followed
-  by private blocks (`allocate`). It writes only its private blocks: a cached block is full, and every
+- A sequence's block table is its cached leading blocks followed by private blocks (`acquire` takes
+  both at once, a reference on each cached one). It writes only its private blocks: a cached block is full, and every
   token in it was written before it was published, so a shared block is never written.
 - `publish` turns a sequence's full, written blocks into cache entries (the sequence keeps its
   reference); a block equal to one already cached stays private.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kv_cache import BlockAllocator
+from engine.kv_cache import BlockAllocator, OutOfBlocks
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -38,18 +38,23 @@ def token_bytes(tokens: Tokens) -> memoryview:
     return np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
 
 
+def block_key(parent: bytes, block: memoryview) -> bytes:
+    """A full block's key: the hash of its parent's key (b"" for a first block) and its tokens' bytes."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(block)
+    return h.digest()
+
+
 def chain_hashes(data: memoryview, block_size: int, num_blocks: int) -> list[bytes]:
-    """The hash of each of the first `num_blocks` full blocks, each over its parent's hash and its own
-    tokens: equal hashes mean (barring a collision) equal prefixes. One hash call per block."""
+    """The keys of the first `num_blocks` full blocks: equal keys mean (barring a collision) equal
+    prefixes. One hash call per block."""
     step = 4 * block_size
-    hashes: list[bytes] = []
+    keys: list[bytes] = []
     parent = b""
     for i in range(num_blocks):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(data[i * step:(i + 1) * step])
-        parent = h.digest()
-        hashes.append(parent)
-    return hashes
+        parent = block_key(parent, data[i * step:(i + 1) * step])
+        keys.append(parent)
+    return keys
 
 
 @dataclass(eq=False)
@@ -72,7 +77,7 @@ class CacheStats:
 class PrefixCache:
     """The pool's cached prefixes over its block allocator. Thread-safe (engine thread and event loop).
 
-    With `enabled` False it only allocates and frees: nothing is looked up, published or kept.
+    With `enabled` False it only allocates and frees: nothing is found, published or kept.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
@@ -100,25 +105,33 @@ class PrefixCache:
 
     # --- a sequence's blocks --------------------------------------------------------------------
     def cached_prefix_len(self, tokens: Tokens) -> int:
-        """How many leading tokens of this prompt `lookup` would find now (no reference, not counted)."""
+        """How many leading tokens of this prompt `acquire` would find now (no reference, not counted)."""
         with self._lock:
             return len(self._match(tokens)) * self.block_size
 
-    def lookup(self, tokens: Tokens) -> list[int]:
-        """The cached leading blocks of this prompt, each now referenced for the caller (who gives them
-        back with `release`). Stops before the block holding the last token: that token is always
-        computed, for its logits."""
-        if not self.enabled:
-            return []
+    def acquire(self, tokens: Tokens, num_blocks: int) -> tuple[list[int], int]:
+        """A block table of `num_blocks` for a sequence that starts with `tokens`: its cached leading
+        blocks (each now referenced for the caller, who gives them back with `release`), then
+        private ones. Returns it with the number of tokens it already holds. The block holding the
+        prompt's last token is never a hit: that token is always computed, for its logits.
+
+        All or nothing: raises OutOfBlocks, taking nothing, when the pool can't provide the rest."""
         with self._lock:
-            entries = self._match(tokens)
+            entries = self._match(tokens)[:num_blocks]
+            need = num_blocks - len(entries)
+            evictable = len(self._lru) - sum(1 for e in entries if e.refs == 0)
+            if need > self.allocator.num_free + evictable:
+                raise OutOfBlocks(f"need {need} KV blocks, {self.allocator.num_free + evictable} of "
+                                  f"{self.allocator.num_blocks} can be had")
             for entry in entries:
                 if entry.refs == 0:
                     del self._lru[entry.block]
                 entry.refs += 1
-            self._queried += len(tokens)
-            self._hits += len(entries) * self.block_size
-        return [e.block for e in entries]
+            private = self._allocate(need)
+            if self.enabled:
+                self._queried += len(tokens)
+                self._hits += len(entries) * self.block_size
+        return [e.block for e in entries] + private, len(entries) * self.block_size
 
     def _match(self, tokens: Tokens) -> list[_Entry]:
         if not self.enabled or not self._by_key:
@@ -139,10 +152,13 @@ class PrefixCache:
         """`n` private blocks, evicting unreferenced cached blocks (least recently used first) when the
         allocator has too few free. Raises OutOfBlocks when even that is not enough."""
         with self._lock:
-            short = n - self.allocator.num_free
-            if 0 < short <= len(self._lru):  # when eviction can't cover it, keep the cache: the allocator refuses
-                self.allocator.free([self._evict_oldest() for _ in range(short)])
-            return self.allocator.allocate(n)
+            return self._allocate(n)
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if 0 < short <= len(self._lru):  # when eviction can't cover it, keep the cache: the allocator refuses
+            self.allocator.free([self._evict_oldest() for _ in range(short)])
+        return self.allocator.allocate(n)
 
     def _evict_oldest(self) -> int:
         block, entry = self._lru.popitem(last=False)
@@ -153,24 +169,27 @@ class PrefixCache:
 
     def publish(self, tokens: Tokens, block_table: Sequence[int], num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` of this sequence (their KV is written, or
-        enqueued on the stream every later reader uses). The caller keeps its reference to each."""
+        enqueued on the stream every later reader uses). The caller keeps its reference to each.
+        Blocks it published before are passed over unhashed: a finished sequence publishes again."""
         if not self.enabled:
             return
         data = token_bytes(tokens[:num_tokens])
         step = 4 * self.block_size
         with self._lock:
             parent: _Entry | None = None
-            for i, key in enumerate(chain_hashes(data, self.block_size, num_tokens // self.block_size)):
-                block, block_tokens = block_table[i], bytes(data[i * step:(i + 1) * step])
+            for i in range(num_tokens // self.block_size):
+                block = block_table[i]
                 entry = self._by_block.get(block)
-                if entry is None:
+                if entry is None or entry.parent is not parent:
+                    block_tokens = data[i * step:(i + 1) * step]
+                    key = block_key(parent.key if parent else b"", block_tokens)
                     existing = self._by_key.get(key)
                     if existing is not None:
                         if existing.parent is not parent or existing.tokens != block_tokens:
                             return  # a hash collision: this chain stays uncached from here on
                         entry = existing  # the same block is cached already; ours stays private
                     else:
-                        entry = _Entry(block, key, block_tokens, parent, refs=1)
+                        entry = _Entry(block, key, bytes(block_tokens), parent, refs=1)
                         self._by_key[key] = self._by_block[block] = entry
                 parent = entry
 

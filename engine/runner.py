@@ -85,12 +85,13 @@ class ModelRunner:
         ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
 
-    def prefill_slices(self, token_ids: list[int], block_table: list[int],
-                       slice_tokens: int) -> Iterator[torch.Tensor | None]:
-        """A whole prompt's prefill a slice of layers at each step of the iterator (layered mode): as
-        many layers as keep prompt tokens x layers within `slice_tokens`, one at least. None until
-        the last step, which gives the last token's logits [V]."""
-        ids, positions, meta = self._prefill_inputs(token_ids, block_table, 0)
+    def prefill_slices(self, token_ids: list[int], block_table: list[int], slice_tokens: int,
+                       start: int = 0) -> Iterator[torch.Tensor | None]:
+        """A prompt's prefill (`token_ids` as positions start.., after a cached prefix) a slice of
+        layers at each step of the iterator (layered mode): as many layers as keep those tokens x
+        layers within `slice_tokens`, one at least. None until the last step, which gives the last
+        token's logits [V]."""
+        ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         layers_per_slice = max(1, slice_tokens // len(token_ids))
         for logits in self.model.prefill_slices(ids, positions, self.pool, meta, layers_per_slice):
             yield None if logits is None else logits[0]

@@ -128,11 +128,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 f"prefill queue is full: {self.worker.waiting} prefills wait "
                                 f"(--max-queued-requests {self.cfg.max_queued_requests})")
         pool = self.runner.pool
-        cached = self.cache.lookup(tokens)
         try:
-            table = cached + self.cache.allocate(pool.blocks_needed(len(tokens)) - len(cached))
+            table, cached = self.cache.acquire(tokens, pool.blocks_needed(len(tokens)))
         except OutOfBlocks as e:
-            self.cache.release(cached)
             metrics.REQUESTS_TOTAL.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill KV pool is full: {e}")
         loop = asyncio.get_running_loop()
@@ -141,7 +139,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
                          emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
                          make_sender=self._slow_sender if self.faults.layer_delay_s else None,
-                         verify_kv=request.verify_kv, cached_tokens=len(cached) * pool.layout.block_size,
+                         verify_kv=request.verify_kv, cached_tokens=cached,
                          send_from=request.decode_cached_tokens)
         try:
             self.hub.configure(job, request.peer_id, agreed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from decode_server.config import DecodeConfig
 from decode_server.placement import LOCAL, REMOTE, PlacementInputs, PlacementThresholds, place
 
 T = PlacementThresholds(local_tokens=512, idle_local_tokens=2048, remote_backlog_tokens=32768)
@@ -29,6 +30,7 @@ def test_a_prefill_backlog_or_no_prefill_server_keeps_prefills_local() -> None:
     assert where(30000, ready=False) == LOCAL
 
 
-def test_thresholds_are_not_negative() -> None:
-    with pytest.raises(ValueError, match="--auto-"):
-        PlacementThresholds(-1, 0, 0)
+def test_thresholds_are_flags_and_not_negative() -> None:
+    assert DecodeConfig(auto_local_tokens=100).placement_thresholds == PlacementThresholds(100, 2048, 32768)
+    with pytest.raises(ValueError, match="--auto-local-tokens"):
+        DecodeConfig(auto_idle_local_tokens=-1)

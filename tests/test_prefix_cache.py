@@ -23,13 +23,12 @@ def make_cache(num_blocks: int = 32, enabled: bool = True) -> PrefixCache:
     return PrefixCache(BlockAllocator(num_blocks, first=1), BS, enabled)
 
 
-def prefill(cache: PrefixCache, tokens: list[int], extra_blocks: int = 0) -> tuple[list[int], int]:
-    """What a server does for one prompt: look up, allocate the rest, (compute), publish.
+def prefill(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+    """What a server does for one prompt: acquire its blocks, (compute the rest), publish.
     Returns the block table and how many tokens came from the cache."""
-    hit = cache.lookup(tokens)
-    table = hit + cache.allocate(-(-len(tokens) // BS) + extra_blocks - len(hit))
+    table, cached = cache.acquire(tokens, -(-len(tokens) // BS))
     cache.publish(tokens, table, len(tokens))
-    return table, len(hit) * BS
+    return table, cached
 
 
 def test_a_repeated_prefix_hits_and_the_last_token_is_always_computed() -> None:
@@ -58,17 +57,14 @@ def test_hits_are_confirmed_by_tokens_not_hashes(monkeypatch: pytest.MonkeyPatch
     """With a hash that ignores the tokens (every block collides) or the chain (a block's hash is its
     own tokens'), a lookup still finds only the prompt's own prefix."""
     cache = make_cache()
-    monkeypatch.setattr(prefix_cache, "chain_hashes", lambda data, bs, n: [bytes([i]) for i in range(n)])
+    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, block: b"x")
     prefill(cache, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert cache.cached_prefix_len([9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0
     assert cache.cached_prefix_len([1, 2, 3, 4, 9, 9, 9, 9, 0]) == 4
-    assert cache.lookup([9, 9, 9, 9, 9]) == []
-
-    def no_chain(data: memoryview, bs: int, n: int) -> list[bytes]:
-        return [hashlib.sha256(data[i * 4 * bs:(i + 1) * 4 * bs]).digest() for i in range(n)]
+    assert cache.acquire([9, 9, 9, 9, 9], 2)[1] == 0
 
     cache = make_cache()
-    monkeypatch.setattr(prefix_cache, "chain_hashes", no_chain)
+    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, block: hashlib.sha256(block).digest())
     prefill(cache, [1, 1, 1, 1, 2, 2, 2, 2, 0])            # [2, 2, 2, 2] cached after [1, 1, 1, 1]
     prefill(cache, [3, 3, 3, 3, 4, 4, 4, 4, 0])
     assert cache.cached_prefix_len([3, 3, 3, 3, 2, 2, 2, 2, 0]) == 4  # same tokens, other parent: no hit
@@ -110,10 +106,23 @@ def test_a_hit_takes_its_blocks_off_the_eviction_list() -> None:
     prompt = list(range(9))
     table, _ = prefill(cache, prompt)
     cache.release(table)
-    hit = cache.lookup(prompt)                            # referenced again after being unreferenced
-    assert len(hit) == 2 and cache.num_available == 4
+    hit, cached = cache.acquire(prompt, 2)                # referenced again after being unreferenced
+    assert cached == 8 and hit == table[:2] and cache.num_available == 4
     rest = cache.allocate(4)
     assert not set(rest) & set(hit) and cache.cached_prefix_len(prompt) == 8
+
+
+def test_acquire_is_all_or_nothing_and_counts_its_own_hits_once() -> None:
+    cache = make_cache(num_blocks=7)
+    prompt = list(range(9))
+    table, _ = prefill(cache, prompt)
+    cache.release(table)                                  # 2 cached blocks nobody uses, 4 free
+    before = (cache.num_available, cache.stats())
+    with pytest.raises(OutOfBlocks):
+        cache.acquire(prompt, 7)                          # 2 hits + 5 more: one too many
+    assert (cache.num_available, cache.stats()) == before and cache.cached_prefix_len(prompt) == 8
+    whole, cached = cache.acquire(prompt, 6)              # 2 hits + the 4 free: exactly the pool
+    assert cached == 8 and sorted(whole) == list(range(1, 7)) and cache.num_available == 0
 
 
 def test_a_request_that_fits_without_the_cache_fits_with_it() -> None:
@@ -131,8 +140,8 @@ def test_a_request_that_fits_without_the_cache_fits_with_it() -> None:
 def test_a_block_computed_twice_is_cached_once() -> None:
     cache = make_cache()
     prompt = list(range(12))
-    a = cache.lookup(prompt) + cache.allocate(3)          # two prefills of the same prompt at once,
-    b = cache.lookup(prompt) + cache.allocate(3)          # neither finding the other's blocks
+    a, _ = cache.acquire(prompt, 3)                       # two prefills of the same prompt at once,
+    b, _ = cache.acquire(prompt, 3)                       # neither finding the other's blocks
     cache.publish(prompt, a, 12)
     cache.publish(prompt, b, 12)                          # b's copies stay private
     assert cache.stats().cached_blocks == 3 and cache.stats().used_blocks == 3
@@ -140,7 +149,7 @@ def test_a_block_computed_twice_is_cached_once() -> None:
     assert cache.allocator.num_free == 31 - 3             # b's blocks went back
     cache.release(a)
     assert cache.num_available == 31 and cache.stats().used_blocks == 0
-    assert cache.lookup(prompt + [1]) == a
+    assert cache.acquire(prompt + [1], 4)[0][:3] == a
 
 
 def test_republishing_a_longer_sequence_extends_its_chain() -> None:
@@ -170,7 +179,7 @@ def test_a_long_prompt_is_looked_up_in_milliseconds() -> None:
     prompt = np.random.default_rng(0).integers(0, 150_000, 32768).tolist()
     prefill(cache, prompt)
     started = time.perf_counter()
-    assert len(cache.lookup(prompt)) == 8191
+    assert cache.acquire(prompt, 8192)[1] == 8191 * BS
     assert time.perf_counter() - started < 0.5           # about 3 ms; a per-token loop takes far longer
 
 
@@ -187,18 +196,16 @@ def test_pool_model(ops: list[tuple[str, list[int], int]]) -> None:
     live: list[list[int]] = []
     for op, prompt, pick in ops:
         if op == "start":
-            hit = cache.lookup(prompt)
-            for i, block in enumerate(hit):
-                assert content[block].tolist() == prompt[i * BS:(i + 1) * BS]
+            need = -(-len(prompt) // BS)
             try:
-                private = cache.allocate(-(-len(prompt) // BS) - len(hit))
+                table, cached = cache.acquire(prompt, need)
             except OutOfBlocks:
-                assert cache.num_available < -(-len(prompt) // BS) - len(hit)
-                cache.release(hit)
+                assert cache.num_available < need
                 continue
-            assert not set(private) & ({b for t in live for b in t} | set(hit))  # never handed out twice
-            table = hit + private
-            for pos in range(len(hit) * BS, len(prompt)):  # the prefill writes only its private blocks
+            for i, block in enumerate(table[:cached // BS]):
+                assert content[block].tolist() == prompt[i * BS:(i + 1) * BS]
+            assert not set(table[cached // BS:]) & {b for t in live for b in t}  # never handed out twice
+            for pos in range(cached, len(prompt)):  # the prefill writes only its private blocks
                 content[table[pos // BS], pos % BS] = prompt[pos]
             cache.publish(prompt, table, len(prompt))
             live.append(table)

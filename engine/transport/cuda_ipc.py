@@ -154,17 +154,18 @@ class IpcKVReceiver(KVReceiver):
         self.copied = 0
         self.error: BaseException | None = None  # copies are queued by the caller; none fail on their own
 
-    def start(self, src_block_table: list[int], src_block_size: int) -> None:
-        """When both sides' blocks are one run of slots each layer is two plain copies (K, V) over
-        NVLink; otherwise the two slot lists go to the devices for a gather and a scatter (uploaded
-        on this receiver's stream: from pageable memory an upload first waits for its stream, and
-        on the default stream that is the engine's step)."""
+    def start(self, src_block_table: list[int], src_block_size: int, src_start: int = 0) -> None:
+        """The prompt's tokens from `src_start` on (those this side lacks) are read from the prefill
+        pool's blocks. When both sides' blocks are one run of slots each layer is two plain copies
+        (K, V) over NVLink; otherwise the two slot lists go to the devices for a gather and a scatter
+        (uploaded on this receiver's stream: from pageable memory an upload first waits for its
+        stream, and on the default stream that is the engine's step)."""
         n = self.num_tokens
-        self.src_first = run_start(src_block_table, n, src_block_size)
+        self.src_first = run_start(src_block_table, src_start + n, src_block_size, src_start)
         self.dst_first = self.pool.table_start(self.block_table, n)
         if self.src_first is not None and self.dst_first is not None:
             return
-        self.src = slot_ids(src_block_table, 0, n, src_block_size, self.remote.storage.device)
+        self.src = slot_ids(src_block_table, src_start, src_start + n, src_block_size, self.remote.storage.device)
         with torch.cuda.stream(self.stream):
             self.dst = self.pool.slots(self.block_table, 0, n)
 
