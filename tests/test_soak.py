@@ -4,7 +4,9 @@ KV and some are refused), and the prefill server SIGKILLed and restarted midway.
 
 - every request ended with a status the reliability contract allows, and none hung;
 - one JSON log line per request;
-- both servers' KV pools are exactly as free as before, nothing running or waiting;
+- both servers' KV pools are exactly as free as before, nothing running or waiting: every block is
+  free or holds a cached prefix nobody uses (a third of the prompts continue an earlier one, so
+  the prefix caches are hit, and hit by requests that are then cancelled);
 - a fresh decode server gives the same tokens for completed requests, and the tokens of the
   cancelled ones are a prefix of its answer.
 
@@ -40,7 +42,7 @@ SEED = int(os.environ.get("SOAK_SEED", "20251"))
 CONCURRENCY = 24
 CONTEXT = 4096
 MODES = [decode_pb2.PREFILL_MODE_UNSPECIFIED, decode_pb2.PREFILL_MODE_DISAGGREGATED,
-         decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED]
+         decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED, decode_pb2.PREFILL_MODE_AUTO]
 ACTIONS = ["complete"] * 50 + ["cancel"] * 15 + ["disconnect"] * 10 + ["deadline"] * 12 + ["invalid"] * 5 + \
     ["duplicate"] * 8
 CALL_TIMEOUT = 120.0  # no request may need this long: reaching it counts as a hang
@@ -66,12 +68,16 @@ class Outcome:
     ended: float = 0.0
 
 
-def draw(rng: random.Random, index: int) -> Spec:
+def draw(rng: random.Random, index: int, earlier: list[list[int]]) -> Spec:
+    """The index-th request; a third of them continue one of the `earlier` prompts (a conversation)."""
     action = rng.choice(ACTIONS)
     n = rng.choice([rng.randint(1, 64), rng.randint(64, 800), rng.randint(800, 3000)] if rng.random() < 0.1
                    else [rng.randint(1, 64), rng.randint(64, 800)])
-    new = rng.randint(1, min(96, CONTEXT - n))
-    req = decode_pb2.GenerateRequest(request_id=f"soak-{index}", token_ids=[rng.randrange(256) for _ in range(n)],
+    start = rng.choice(earlier)[:rng.randint(1, 1500)] if earlier and rng.random() < 0.33 else []
+    tokens = (start + [rng.randrange(256) for _ in range(n)])[:3000]
+    earlier.append(tokens)
+    new = rng.randint(1, min(96, CONTEXT - len(tokens)))
+    req = decode_pb2.GenerateRequest(request_id=f"soak-{index}", token_ids=tokens,
                                      max_new_tokens=new, prefill_mode=rng.choice(MODES),
                                      chunk_size=rng.choice([0, 16, 64, 200]), ignore_eos=rng.random() < 0.7)
     if rng.random() < 0.3:
@@ -155,14 +161,17 @@ async def soak(decode: Server, prefill: Server, rng: random.Random) -> tuple[lis
         outage.append(time.monotonic())
 
     chaos_task = asyncio.ensure_future(chaos())
-    await asyncio.gather(*(one(draw(rng, i)) for i in range(N_REQUESTS)))
+    earlier: list[list[int]] = []
+    await asyncio.gather(*(one(draw(rng, i, earlier)) for i in range(N_REQUESTS)))
     await chaos_task
     await channel.close()
     return done, outage[0], outage[1], replacement[0]
 
 
 def is_disaggregated(spec: Spec) -> bool:
-    return spec.request.prefill_mode in (decode_pb2.PREFILL_MODE_UNSPECIFIED, decode_pb2.PREFILL_MODE_DISAGGREGATED)
+    """It may have gone to the prefill server (auto: when its prompt was long enough)."""
+    return spec.request.prefill_mode in (decode_pb2.PREFILL_MODE_UNSPECIFIED, decode_pb2.PREFILL_MODE_DISAGGREGATED,
+                                         decode_pb2.PREFILL_MODE_AUTO)
 
 
 def check_outcomes(outcomes: list[Outcome], killed: float, back: float) -> None:
@@ -247,6 +256,9 @@ def test_soak(server_logs: Path) -> None:
         for b, a in zip(before, [decode.metrics(), prefill.metrics()], strict=True):
             assert a["kv_cache_free_blocks"] == b["kv_cache_free_blocks"] == b["kv_cache_total_blocks"]
             assert a["kv_cache_total_blocks"] == b["kv_cache_total_blocks"]
+            assert a["prefix_cache_used_blocks"] == 0 and a["prefix_cache_blocks"] <= a["kv_cache_total_blocks"]
+        cache = decode.metrics()
+        assert cache["prefix_cache_blocks"] > 0 and cache["prefix_cache_hit_tokens_total"] > 0
         assert health_status(decode.address) == "SERVING" and health_status(prefill.address) == "SERVING"
         # one JSON log line per request, and no stack trace
         log = decode.log()
