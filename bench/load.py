@@ -1,10 +1,12 @@
 """`python -m bench.load`: the same seeded many-user load against each deployment (client.load
 --compare), recorded with date, hardware, commit and command.
 
-One device: one decode server, colocated against chunked and layered (the mode is sent per request).
-Two devices: the split pair (prefill server on the first, decode server on the second, KV over
---kv-transport) against one decode server per device, colocated, chunked and layered; every server runs
-at once, each with --kv-cache-gb, and only the deployment under test gets requests.
+One device: one decode server, colocated against chunked and layered (the mode is sent per request);
+with --cache-compare, two decode servers on it instead, one with its prefix cache and one without
+(--no-prefix-cache), for a multi-turn load (client.load --turns). Two devices: the split pair
+(prefill server on the first, decode server on the second, KV over --kv-transport) against one
+decode server per device, colocated, chunked and layered; every server runs at once, each with
+--kv-cache-gb, and only the deployment under test gets requests.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import metadata, write_json
 from serving.launch import ServerFailed, ServerProcess, start_all, stop_all
@@ -36,10 +39,17 @@ class Server:
 
 
 def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | None,
-           port: int, server_args: list[str] | None = None) -> tuple[list[Server], list[str]]:
+           port: int, server_args: list[str] | None = None,
+           cache_compare: bool = False) -> tuple[list[Server], list[str]]:
     """The servers to start (on ports from `port` up) and the --compare items that address them."""
     common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset, *(server_args or [])]
     kv = ["--kv-cache-gb", str(kv_gb)] if kv_gb else []
+    if cache_compare:
+        on_dev = [*common, *kv, "--device", devices[0], "--mode", "colocated"]
+        cached, uncached = Server("decode_server", port, on_dev), Server("decode_server", port + 1,
+                                                                         [*on_dev, "--no-prefix-cache"])
+        return [cached, uncached], [f"prefix-cache={cached.address}@colocated",
+                                    f"no-prefix-cache={uncached.address}@colocated"]
     if len(devices) == 1:
         one = Server("decode_server", port, [*common, *kv, "--device", devices[0], "--mode", "colocated"])
         return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
@@ -68,15 +78,20 @@ def main() -> None:
     p.add_argument("--compare", nargs="+", default=None, help="client.load --compare items (default: the layout's)")
     p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
     p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\"")
+    p.add_argument("--cache-compare", action="store_true",
+                   help="one device: a decode server with its prefix cache against one without")
+    p.add_argument("--merge", action="store_true",
+                   help="add these runs to --json's (each with its own date, commit and command), keeping the rest")
     p.add_argument("--json", default="bench/results/load-h200.json")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="PNG of every deployment's token gaps over time and TTFT against prompt length")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
-    if len(args.devices) not in (1, 2):
-        p.error("--devices takes one or two devices")
-    kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 else None)
-    servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split())
+    if len(args.devices) not in (1, 2) or (args.cache_compare and len(args.devices) != 1):
+        p.error("--devices takes one or two devices (one with --cache-compare)")
+    kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 or args.cache_compare else None)
+    servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split(),
+                              args.cache_compare)
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
     procs = [ServerProcess(s.module, [*s.args, "--port", str(s.port)], s.address, logs / f"{s.module}-{s.port}.log")
@@ -89,20 +104,33 @@ def main() -> None:
         if subprocess.run(cmd).returncode != 0:
             sys.exit("error: the load run failed; server logs in " + str(logs))
         doc = json.loads(out.read_text())
-        deployment = ("one decode server on one device, no prefill server; prefill_mode sent per request"
+        deployment = ("two decode servers on one device, one with its prefix cache and one without; no prefill "
+                      "server" if args.cache_compare else
+                      "one decode server on one device, no prefill server; prefill_mode sent per request"
                       if len(servers) == 1 else
                       f"split: prefill server on {args.devices[0]}, decode server on {args.devices[1]} "
                       f"(KV over {args.kv_transport}); colocated and chunked: one decode server per device, "
                       "requests spread over both")
-        doc.update({**metadata(), "preset": args.preset, "devices": args.devices, "deployment": deployment,
+        recorded = {**metadata(), "preset": args.preset, "devices": args.devices, "deployment": deployment,
                     "servers": [f"python -m {s.module} {' '.join(s.args)} --port {s.port}" for s in servers],
-                    "load_command": " ".join(cmd[2:])})
-        write_json(args.json, doc)
+                    "load_command": " ".join(cmd[2:])}
+        write_json(args.json, merged(Path(args.json), doc, recorded) if args.merge else {**doc, **recorded})
         print(f"wrote {args.json}")
     except ServerFailed as e:
         sys.exit(f"error: {e}")
     finally:
         stop_all(procs, timeout=60)
+
+
+def merged(path: Path, doc: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any]:
+    """The results at `path` with these runs added (replacing runs of the same name), each carrying
+    its own parameters and provenance: the file's own describe the runs that were there."""
+    if not path.exists():
+        return {**doc, **recorded}
+    base: dict[str, Any] = json.loads(path.read_text())
+    for name, run in doc["runs"].items():
+        base.setdefault("runs", {})[name] = {**run, "params": doc["params"], "recorded": recorded}
+    return base
 
 
 if __name__ == "__main__":

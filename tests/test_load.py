@@ -218,3 +218,26 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     assert split["prefill_s"] > 0 and split["kv_transfer_s"] > 0 and split["prefill_queue_s"] >= 0
     assert colocated["prefill_s"] > 0 and colocated["kv_transfer_s"] == 0 == colocated["prefill_queue_s"]
     assert "Decode server's timing, mean" in done.stdout and "KV handoff beyond the prefill (ms)" in done.stdout
+
+
+def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> None:
+    """`bench.load --cache-compare --merge`: a multi-turn load against a decode server with its prefix
+    cache and one without, added to an existing results file whose runs stay as they were."""
+    out = tmp_path / "load.json"
+    out.write_text(json.dumps({"runs": {"colocated": {"completed": 7}}, "date": "then", "commit": "old"}))
+    load_args = ("--rate 4 --duration 1 --prompt-len 120 --turn-prompt-len 20 --turns 3 --output-len 6 "
+                 "--background-users 1 --seed 3")
+    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu",
+                           "--cache-compare", "--merge", "--kv-cache-gb", "0.05", "--port", str(free_port_run(2)),
+                           "--load-args", load_args, "--json", str(out), "--logs", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert runs["colocated"] == {"completed": 7} and (doc["date"], doc["commit"]) == ("then", "old")
+    cached, plain = runs["prefix-cache"], runs["no-prefix-cache"]
+    for run in (cached, plain):
+        assert run["failed"] == 0 and run["params"]["turns"] == 3 and "--cache-compare" in run["recorded"]["command"]
+        check_distribution(run["later_turn_ttft_ms"])
+    assert cached["cached_prompt_frac"] > 0.3 and plain["cached_prompt_frac"] == 0
+    assert "--no-prefix-cache" in " ".join(plain["recorded"]["servers"])
