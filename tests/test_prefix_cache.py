@@ -180,7 +180,7 @@ def test_a_long_prompt_is_looked_up_in_milliseconds() -> None:
     prefill(cache, prompt)
     started = time.perf_counter()
     assert cache.acquire(prompt, 8192)[1] == 8191 * BS
-    assert time.perf_counter() - started < 0.5           # about 3 ms; a per-token loop takes far longer
+    assert time.perf_counter() - started < 0.5           # a hash call a block, not a Python step a token
 
 
 @settings(max_examples=80, deadline=None)
