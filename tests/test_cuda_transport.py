@@ -108,3 +108,39 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
     finally:
         decode.stop()
         prefill.stop()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
+def test_a_conversation_hands_over_only_the_uncached_kv(transport: str, server_logs: Path) -> None:
+    """Later turns of a conversation, disaggregated, with both prefix caches: the decode server holds
+    the history and the prefill server sends only the KV after it (checksummed bit for bit on both
+    sides). In float32 (nccl, grpc) the tokens equal a cache-less server's; cuda-ipc moves 2-byte
+    KV, where the cached prefix's rounding may part greedy tokens (bench.mode_parity), so there only
+    the handoff is checked."""
+    needs(transport)
+    dtype = "bfloat16" if transport == "cuda-ipc" else "float32"
+    common = ["--preset", "tiny", "--dtype", dtype, "--kv-transport", transport, "--kv-cache-gb", "1"]
+    prefill = ServerProcess("prefill_server", common, server_logs, device="cuda:0").start(timeout=300)
+    decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, "--kv-checksum", "on"],
+                           server_logs, device=f"cuda:{min(1, GPUS - 1)}").start(timeout=300)
+    reference = ServerProcess("decode_server", [*common, "--no-prefix-cache", "--mode", "colocated"], server_logs,
+                              device="cuda:0").start(timeout=300)
+    try:
+        history = [(i * 7 + 3) % 256 for i in range(700)]
+        with grpc.insecure_channel(decode.address) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            for turn in range(3):
+                replies = list(stub.Generate(decode_pb2.GenerateRequest(
+                    token_ids=history, max_new_tokens=20, ignore_eos=True,
+                    prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=120))
+                answer, timing = [r.token_id for r in replies], replies[-1].timing
+                if turn:
+                    assert timing.cached_tokens >= len(history) - 20 - 50 - 16, turn
+                    sent = len(history) - timing.cached_tokens
+                    assert timing.kv_bytes == sent * 4 * 2 * 2 * 16 * (2 if dtype == "bfloat16" else 4)
+                if dtype == "float32":
+                    assert answer == generate(reference.address, history, decode_pb2.PREFILL_MODE_COLOCATED, 20)
+                history = history + answer + [(i * 13 + turn) % 256 for i in range(50)]
+    finally:
+        for server in (reference, decode, prefill):
+            server.stop()
