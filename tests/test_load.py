@@ -225,8 +225,7 @@ def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> Non
     cache and one without, added to an existing results file whose runs stay as they were."""
     out = tmp_path / "load.json"
     out.write_text(json.dumps({"runs": {"colocated": {"completed": 7}}, "date": "then", "commit": "old"}))
-    load_args = ("--rate 4 --duration 1 --prompt-len 120 --turn-prompt-len 20 --turns 3 --output-len 6 "
-                 "--background-users 1 --seed 3")
+    load_args = "--rate 4 --duration 1 --prompt-len 120 --turn-prompt-len 20 --turns 3 --output-len 6 --seed 3"
     done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu",
                            "--cache-compare", "--merge", "--kv-cache-gb", "0.05", "--port", str(free_port_run(2)),
                            "--load-args", load_args, "--json", str(out), "--logs", str(tmp_path / "logs")],
