@@ -41,8 +41,8 @@ def test_metrics_are_named_and_updated(rel_pair: tuple[Server, Server]) -> None:
     decode, prefill = rel_pair
     wait_kv_idle(decode, prefill)
     d0, p0 = decode.metrics(), prefill.metrics()
-    for mode in (DISAGG, COLOC, CHUNKED):
-        assert generate(decode.address, request(100, 6, prefill_mode=mode)) == grpc.StatusCode.OK
+    for mode in (DISAGG, COLOC, CHUNKED):  # a prompt no other test sends: the remote one finds no cached prefix
+        assert generate(decode.address, request(100, 6, salt=77, prefill_mode=mode)) == grpc.StatusCode.OK
     stop_at = decode_pb2.GenerateRequest(token_ids=[7, 8, 9], max_new_tokens=50, stop_token_ids=list(range(320)))
     assert generate(decode.address, stop_at) == grpc.StatusCode.OK  # ends on its first token: "stop"
     assert generate(decode.address, request(100, 5000, prefill_mode=COLOC), cancel_after=3) == \
