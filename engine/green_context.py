@@ -69,6 +69,19 @@ def split_granularity(major: int) -> tuple[int, int]:
     return 1, 1
 
 
+def split_problem(num_sms: int, total_sms: int, capability: tuple[int, int]) -> str | None:
+    """Why a device of `total_sms` SMs and compute `capability` can't give exactly `num_sms` SMs to a
+    green context and keep some for the rest, in one line; None if it can."""
+    fewest, step = split_granularity(capability[0])
+    if num_sms < fewest or num_sms % step:
+        nearest = max(fewest, -(-num_sms // step) * step)
+        return (f"{num_sms} SMs: compute capability {capability[0]}.{capability[1]} splits SMs in multiples of "
+                f"{step} (at least {fewest}); use {nearest}")
+    if num_sms > total_sms - step:
+        return f"{num_sms} SMs: the device has {total_sms}; leave some to decode (at most {total_sms - step})"
+    return None
+
+
 def unavailable(device: torch.device) -> str | None:
     """Why `device` has no green contexts, in one line; None if this torch and device have them."""
     if device.type != "cuda":
@@ -110,22 +123,14 @@ class GreenContexts:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(self.index)
         self.total_sms = props.multi_processor_count
-        self.fewest, self.step = split_granularity(props.major)
-        self.capability = f"{props.major}.{props.minor}"
+        self.capability = (props.major, props.minor)
         self._lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pools: dict[int, tuple[Any, torch.cuda.Stream]] = {}
 
     def check(self, num_sms: int) -> str | None:
-        if num_sms < self.fewest or num_sms % self.step:
-            nearest = max(self.fewest, -(-num_sms // self.step) * self.step)
-            return (f"{num_sms} SMs: compute capability {self.capability} splits SMs in multiples of {self.step} "
-                    f"(at least {self.fewest}); use {nearest}")
-        if num_sms >= self.total_sms:
-            return (f"{num_sms} SMs: the device has {self.total_sms}; leave some to decode (at most "
-                    f"{self.total_sms - self.step})")
-        return None
+        return split_problem(num_sms, self.total_sms, self.capability)
 
     def prepare(self, num_sms: int) -> None:
         """Make `num_sms`'s green context now (it raises here, at start-up, where the driver can't)."""
