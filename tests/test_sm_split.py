@@ -96,3 +96,33 @@ def test_the_adapter_creates_a_context_with_either_api(monkeypatch: pytest.Monke
     monkeypatch.setattr(green_contexts, "GreenContext", api)
     context = green_context._create(96, 1)
     assert (context.num_sms, context.device_id) == (96, 1)
+
+
+def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The lead's GPU commands, end to end on the CPU (where partitioned runs as layered): scenario rows
+    at two SM counts, then the trade-off plot and the SLO table the decode server reads."""
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    decode, _ = pair
+    scenario, table, png = tmp_path / "scenario.json", tmp_path / "table.json", tmp_path / "tradeoff.png"
+    proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "512",
+                           "--a-len", "128", "--a-new-tokens", "30", "--modes",
+                           "alone,colocated,layered,partitioned:16,partitioned:32", "--json", str(scenario)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "partitioned, 16 SMs" in proc.stdout
+    rows = json.loads(scenario.read_text())["rows"]
+    assert [r["prefill_sms"] for r in rows] == [None, None, None, 16, 32]
+    assert all(r["b_tokens_match_reference"] for r in rows[1:])
+    proc = subprocess.run([sys.executable, "-m", "bench.sm_split", str(scenario), "--b-len", "512", "--table",
+                           str(table), "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = SplitTable.load(table)
+    assert [r.prefill_sms for r in loaded.rows] == [16, 32]
+    assert [r.a_gap_ms for r in loaded.rows] == [round(r["a_worst_gap_ms"], 2) for r in rows[3:]]
+    assert loaded.decode_step_alone_ms == round(rows[0]["a_median_gap_ms"], 3)
+    assert json.loads(table.read_text())["provenance"]["date"]
+    assert png.read_bytes().startswith(b"\x89PNG")
