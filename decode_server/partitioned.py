@@ -12,6 +12,8 @@ What the two threads share: the model's weights (read only) and the KV pool, whe
 writes only the blocks of the sequence it prefills and the decode graphs read only the running
 sequences' blocks. Each thread keeps its own cuDNN/cuBLAS handles (PyTorch keeps them per thread),
 its own stream and so its own caching-allocator pool, and its own pinned buffer for the token.
+Only this thread waits for the device here, on its stream alone: the decode stream never waits for
+a prefill.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch
 
 from decode_server.sequence import Sequence
 from engine.green_context import SmPartitions
-from engine.host_read import TokenReader
 from engine.runner import ModelRunner
 from engine.sampling import sample
 from serving.grpc_common import StartupError
@@ -84,16 +85,18 @@ class PartitionedPrefill:
             self.runner.bind_thread()
             with self.partitions.confine(self.default_sms):
                 self.runner.prepare_engine_thread()  # this thread's cuDNN plans, built under its own stream
-            reader = TokenReader(self.runner.device, 1)
+            # the first token comes back through pinned memory and a wait on the green stream alone (no
+            # event: recording one made on the primary context on a green context's stream is not portable)
+            host = torch.empty(1, dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
         except BaseException as e:
             self._setup_failed = e
             return
         finally:
             self._ready.set()
         while (seq := self._jobs.get()) is not None:
-            self.post(self._prefill(seq, reader))
+            self.post(self._prefill(seq, host))
 
-    def _prefill(self, seq: Sequence, reader: TokenReader) -> PrefillDone:
+    def _prefill(self, seq: Sequence, host: torch.Tensor) -> PrefillDone:
         started = time.perf_counter()
         if seq.cancelled.is_set():
             return PrefillDone(seq, None, None, started, started)
@@ -108,10 +111,11 @@ class PartitionedPrefill:
             with self.partitions.confine(self.sms_for(seq)):
                 try:
                     logits = self.runner.prefill(seq.prompt, seq.block_table, 0, on_layer_done=stop_if_cancelled)
-                    token = reader.read(sample(logits[None], [seq.params], [0]))[0]
+                    host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                 finally:  # whatever was queued must finish before the scheduler may free the blocks
                     if self.runner.device.type == "cuda":
                         torch.cuda.current_stream(self.runner.device).synchronize()
+                token = int(host[0])
         except _Cancelled:
             pass
         except Exception as e:  # this request fails; the thread goes on with the next
