@@ -220,10 +220,12 @@ class IpcHandoff(Handoff):
     async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         from engine.transport.cuda_ipc import IpcKVReceiver
 
-        receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
-        await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receiver.start,
-                                                         list(start.src_block_table), start.src_block_size)
-        self.receiver = receiver
+        def receive() -> IpcKVReceiver:  # the stream, the event, the block lists: all off the event loop
+            receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
+            receiver.start(list(start.src_block_table), start.src_block_size)
+            return receiver
+
+        self.receiver = await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receive)
 
     async def on_layer_sent(self, layer: int) -> None:
         # At most one writer call a handoff, copying every layer reported by the time it runs: the

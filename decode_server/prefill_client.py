@@ -28,6 +28,7 @@ from engine.transport.handshake import (
     supported_transports,
 )
 from serving.grpc_common import GRPC_OPTIONS, StatusError
+from serving.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class PrefillRouter:
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
-    async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
+    async def prefill(self, request_id: str, prompt: TokenIds, sampling: decode_pb2.SamplingParams,
                       block_table: list[int], timing: Timing) -> int:
         """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
         server, and records where the time went in `timing`. If the KV might still land after a
@@ -168,6 +169,7 @@ class PrefillRouter:
         try:
             pairing = await peer.ensure_paired(self.timeout_s, self.writer)
             handoff = pairing.handoff(self.runner.pool, block_table, len(prompt), self.writer)
+            # a repeated field goes into the message in one copy (serving.token_ids)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=pairing.transport, peer_id=peer.peer_id,
                                                  verify_kv=self.verify_kv)

@@ -12,6 +12,7 @@ from decode_server.config import PrefillMode
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
+from serving.token_ids import TokenIds
 
 
 class Rejected(StatusError):
@@ -64,7 +65,7 @@ class RequestOutput:
 @dataclass
 class Sequence:
     request_id: str
-    prompt: list[int]
+    prompt: TokenIds  # read with numpy on the engine thread (serving.token_ids)
     max_new_tokens: int
     params: SamplingParams
     stop_ids: frozenset[int]

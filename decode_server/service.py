@@ -29,6 +29,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
 from serving.grpc_common import deadline_passed
+from serving.token_ids import TokenIds, token_ids
 from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             raise InvalidRequest("set exactly one of prompt (text) and token_ids, not both" if has_text
                                  else "the request has no prompt: set prompt (text) or token_ids")
         check_max_new_tokens(request.max_new_tokens)
+        tokens: TokenIds
         if has_ids:
             check_lengths(len(request.token_ids), request.max_new_tokens, limit)
-            tokens = list(request.token_ids)
+            tokens = request.token_ids  # kept as the field it came in: no per-token work on the event loop
         else:
             if self.tokenizer is None:
                 raise InvalidRequest("this server's model has no tokenizer, so it can't take prompt text; "
@@ -67,10 +69,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequest(f"prompt text of {len(request.prompt)} characters can't fit the context "
                                      f"limit of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} "
                                      "characters are accepted)")
+            encode = self.tokenizer.encode
             if len(request.prompt) > TOKENIZE_IN_THREAD_CHARS:
-                tokens = await asyncio.to_thread(self.tokenizer.encode, request.prompt)
+                tokens = await asyncio.to_thread(lambda: token_ids(encode(request.prompt)))
             else:
-                tokens = self.tokenizer.encode(request.prompt)
+                tokens = token_ids(encode(request.prompt))
             if not tokens:
                 raise InvalidRequest("the prompt text encodes to no tokens")
             check_lengths(len(tokens), request.max_new_tokens, limit)

@@ -111,7 +111,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 "handshake again")
         try:
             check_lengths(len(request.token_ids), 1, self.runner.max_model_len)
-            tokens = list(request.token_ids)
+            tokens = request.token_ids  # read with numpy, never a Python int each (serving.token_ids)
             check_token_ids(tokens, self.runner.config.vocab_size)
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)

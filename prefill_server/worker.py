@@ -20,6 +20,7 @@ from engine.transport.base import KVSender, TransferCancelled
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
 from prefill_server import metrics
+from serving.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
@@ -30,7 +31,7 @@ Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (e
 @dataclass
 class PrefillJob:
     request_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     params: SamplingParams
     block_table: list[int]
     transport: str

@@ -164,8 +164,8 @@ class IpcKVReceiver(KVReceiver):
         self.dst_first = self.pool.table_start(self.block_table, n)
         if self.src_first is not None and self.dst_first is not None:
             return
-        self.src = slot_ids(src_block_table, 0, n, src_block_size, self.remote.storage.device)
         with torch.cuda.stream(self.stream):
+            self.src = slot_ids(src_block_table, 0, n, src_block_size, self.remote.storage.device)
             self.dst = self.pool.slots(self.block_table, 0, n)
 
     def copy_layer(self, layer: int) -> None:
