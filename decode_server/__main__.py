@@ -49,6 +49,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.prefill_client import PrefillRouter
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
+    from serving.loop_lag import LoopLagProbe
 
     check_port_free(cfg)
     health = Health([SERVICE])
@@ -70,7 +71,10 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-    core = DecodeCore(cfg, scheduler, router, eos_ids)
+    loop_lag = None
+    if cfg.loop_lag_probe_ms:
+        loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
+    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
     service = DecodeService(cfg, runner, core, tokenizer)
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(scheduler.running),
@@ -81,6 +85,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     port = bind(server, cfg)
     start_metrics(cfg)
     scheduler.start()
+    if loop_lag is not None:
+        loop_lag.start()
     await server.start()
     await health.set(True)
     log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)", cfg.host, port, runner.device,
@@ -88,6 +94,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
 
     code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
                                        on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))
+    if loop_lag is not None:
+        loop_lag.stop()
     if router is not None:
         await router.close()
     return code

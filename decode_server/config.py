@@ -51,6 +51,10 @@ class DecodeConfig(ServerConfig):
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
     tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle to verify prefill servers' TLS "
                                                            "certificates"))
+    loop_lag_probe_ms: float = field(default=0.0, metadata=opt(
+        "every this many ms, hand the event loop a stamped callback from a thread and record how long it "
+        "waits to run (what a token from the engine thread waits): metric event_loop_lag_seconds, and each "
+        "request log line's loop_lag_max_s from its arrival to its first token; 0 = off"))
     kv_checksum: str = field(default="off", metadata=opt(
         "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
         choices=("on", "off")))
@@ -59,6 +63,8 @@ class DecodeConfig(ServerConfig):
         super().__post_init__()
         if self.mode == PrefillMode.DISAGGREGATED and not self.prefill_addr:
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
+        if self.loop_lag_probe_ms < 0:
+            raise ValueError("--loop-lag-probe-ms must be >= 0 (0 = off)")
         if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
             raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
 
