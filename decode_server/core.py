@@ -28,6 +28,8 @@ from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, Sequence, TokenOutput
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
+from serving.loop_lag import LoopLagProbe
+from serving.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("decode_server.requests")
@@ -38,7 +40,7 @@ class Request:
     """A request as a front end parsed and checked it."""
 
     request_id: str
-    prompt: list[int]
+    prompt: TokenIds
     max_new_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
@@ -64,7 +66,14 @@ class Generation:
         await core.admission.reserve(seq)
         timing.admitted = time.perf_counter()
         metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
-        first_token = await core.remote_prefill(seq) if seq.mode == PrefillMode.DISAGGREGATED else None
+        first_token = None
+        if seq.mode == PrefillMode.DISAGGREGATED:
+            core.scheduler.expect_handover()
+            try:
+                first_token = await core.remote_prefill(seq)
+            except BaseException:
+                core.scheduler.handover_ended()
+                raise
         core.scheduler.submit(seq, first_token)
         self.submitted = True
         last = timing.arrival
@@ -87,8 +96,9 @@ class Generation:
 
 class DecodeCore:
     def __init__(self, cfg: DecodeConfig, scheduler: BatchScheduler, router: PrefillRouter | None,
-                 eos_ids: frozenset[int]) -> None:
+                 eos_ids: frozenset[int], loop_lag: LoopLagProbe | None = None) -> None:
         self.cfg, self.scheduler, self.router, self.eos_ids = cfg, scheduler, router, eos_ids
+        self.loop_lag = loop_lag  # for each request's loop_lag_max_s
         self.admission = scheduler.admission
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
@@ -133,10 +143,15 @@ class DecodeCore:
         self.in_flight.discard(seq.request_id)
         if status != "OK":
             metrics.REQUEST_FAILURE.labels(status).inc()
+        now = time.perf_counter()
+        lag: dict[str, float] = {}
+        if self.loop_lag is not None:  # while the request arrived: from its arrival to its first token
+            t = seq.timing
+            lag["loop_lag_max_s"] = round(self.loop_lag.max_between(t.arrival, t.first_token or now), 6)
         request_log.info(json.dumps({
             "event": "request_finished", "request_id": seq.request_id, "status": status,
             "finish_reason": seq.finish_reason, "mode": seq.mode, "prompt_tokens": len(seq.prompt),
-            "output_tokens": len(seq.tokens), **seq.timing.to_log(time.perf_counter())}))
+            "output_tokens": len(seq.tokens), **seq.timing.to_log(now), **lag}))
 
     @staticmethod
     def log_rejected(request_id: str, code: grpc.StatusCode, arrival: float) -> None:

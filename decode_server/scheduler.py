@@ -34,8 +34,13 @@ from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
+from serving.token_ids import as_array
 
 log = logging.getLogger(__name__)
+
+# While a remote prefill is under way, a decode step waits for its tokens in slices this long,
+# taking handed-over first tokens in between: they leave at once, not after the step.
+HANDOVER_POLL_S = 0.0002
 
 
 @dataclass
@@ -75,6 +80,8 @@ class BatchScheduler:
         self.failed: BaseException | None = None
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
         self.steps = 0
+        self._handovers = 0  # remote prefills whose first token may be handed over (expect_handover)
+        self._handover_lock = threading.Lock()
         self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
 
     # --- called from the event loop ---------------------------------------------------------
@@ -106,6 +113,16 @@ class BatchScheduler:
         was cancelled): the loop frees its blocks."""
         seq.cancelled.set()
         self.submit(seq)
+
+    def expect_handover(self) -> None:
+        """A remote prefill began (event loop): until its first token is submitted, or it ends
+        without one (`handover_ended`), decode steps look for that token while they run."""
+        with self._handover_lock:
+            self._handovers += 1
+
+    def handover_ended(self) -> None:
+        with self._handover_lock:
+            self._handovers -= 1
 
     @property
     def num_waiting(self) -> int:
@@ -155,9 +172,10 @@ class BatchScheduler:
             woken, self._woken = self._woken, []
             self.loop.call_soon_threadsafe(RequestOutput.wake_all, woken)
 
-    def _take_inbox(self, block: bool) -> None:
+    def _take_inbox(self, wait_s: float = 0.0) -> None:
+        """Take every arrival, waiting up to `wait_s` for the first; wake the readers of what came out."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             while True:
                 if item is not None:
                     self._arrive(item)
@@ -168,6 +186,8 @@ class BatchScheduler:
 
     def _arrive(self, arrival: _Arrival) -> None:
         seq = arrival.seq
+        if arrival.first_token is not None:
+            self.handover_ended()
         if seq.cancelled.is_set():
             self.admission.release(seq)
         elif arrival.first_token is None:
@@ -200,7 +220,7 @@ class BatchScheduler:
     def step(self) -> None:
         # schedule
         idle = not (self.prefilling or self.ready or self.running)
-        self._take_inbox(block=idle)
+        self._take_inbox(wait_s=0.5 if idle else 0.0)
         self._drop_cancelled()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
@@ -222,7 +242,7 @@ class BatchScheduler:
         """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
         size = seq.chunk_size if seq.mode == PrefillMode.CHUNKED else len(seq.prompt)
         start = seq.prefilled
-        piece = seq.prompt[start:start + size]
+        piece = as_array(seq.prompt)[start:start + size]
         t0 = time.perf_counter()
         try:
             logits = self.runner.prefill(piece, seq.block_table, start)
@@ -284,7 +304,10 @@ class BatchScheduler:
         t0 = time.perf_counter()
         batch = [DecodeSeq(s.tokens[-1], len(s.prompt) + len(s.tokens) - 1, s.block_table) for s in seqs]
         logits, greedy = self.runner.decode(batch)
-        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        self._tokens.start(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        while self._handovers and not self._tokens.ready():
+            self._take_inbox(wait_s=HANDOVER_POLL_S)  # a handed-over first token leaves now, not after the step
+        tokens = self._tokens.take()
         now = time.perf_counter()
         elapsed = now - t0
         self.steps += 1
