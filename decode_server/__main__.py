@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -52,6 +53,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.sm_split import open_partitions
     from serving.loop_lag import LoopLagProbe
 
+    started = time.perf_counter()
     check_port_free(cfg)
     health = Health([SERVICE])
     await health.set(False)
@@ -62,7 +64,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     partitions, prefill_sms = open_partitions(cfg, runner.device)
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
                                die_after_steps=faults.engine_die_after_steps, partitions=partitions,
-                               prefill_sms=prefill_sms)
+                               prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type))
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
@@ -88,12 +90,15 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     port = bind(server, cfg)
     start_metrics(cfg)
     scheduler.start()
+    if router is not None and cfg.warms_up(runner.device.type):
+        await router.warm_up()
     if loop_lag is not None:
         loop_lag.start()
     await server.start()
     await health.set(True)
-    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)", cfg.host, port, runner.device,
-             runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "")
+    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s); started in %.1fs", cfg.host, port, runner.device,
+             runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "",
+             time.perf_counter() - started)
 
     code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
                                        on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))

@@ -9,6 +9,17 @@ from pd.v1 import decode_pb2
 
 from serving.server_config import ServerConfig, env_number, opt
 
+# The chunk sizes a chunked prefill may use (--chunk-size, a request's chunk_size): powers of two,
+# each warmed up at start-up, so none compiles or plans on a request's path.
+CHUNK_SIZES = tuple(1 << k for k in range(4, 14))
+
+
+def chunk_size_problem(size: int) -> str | None:
+    """Why `size` is not a chunk size this server takes, in words; None if it is."""
+    if size in CHUNK_SIZES:
+        return None
+    return f"must be a power of two from {CHUNK_SIZES[0]} to {CHUNK_SIZES[-1]} (each is warmed up), got {size}"
+
 
 class PrefillMode(StrEnum):
     """Where a prompt is prefilled: --mode's choices, and the request's prefill_mode as the proto
@@ -40,7 +51,8 @@ class DecodeConfig(ServerConfig):
     mode: str | None = field(default=None, metadata=opt(
         "where prompts are prefilled; default: disaggregated with --prefill-addr, else colocated",
         choices=tuple(PrefillMode)))
-    chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
+    chunk_size: int = field(default=512, metadata=opt(
+        "prompt tokens per chunk in chunked mode: a power of two from 16 to 8192"))
     layer_slice_tokens: int = field(default=32768, metadata=opt(
         "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
         "x layers within this (one layer at least)"))
@@ -75,8 +87,11 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
         if self.loop_lag_probe_ms < 0:
             raise ValueError("--loop-lag-probe-ms must be >= 0 (0 = off)")
-        if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
-            raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if self.max_batch_size < 1 or self.layer_slice_tokens < 1:
+            raise ValueError("--layer-slice-tokens and --max-batch-size must be positive")
+        problem = chunk_size_problem(self.chunk_size)
+        if problem:
+            raise ValueError(f"--chunk-size {problem}")
         if self.prefill_sms is not None and self.itl_slo_ms is not None:
             raise ValueError("pass either --prefill-sms or --itl-slo-ms (which picks --prefill-sms), not both")
         if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None

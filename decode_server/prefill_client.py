@@ -146,6 +146,23 @@ class PrefillRouter:
         for address in [a for a, p in self.peers.items() if a not in addresses and not p.in_flight]:
             await self.peers.pop(address).channel.close()
 
+    async def warm_up(self) -> None:
+        """Before serving: the KV writer thread started and bound to the device, and every prefill
+        server paired (the handshake; NCCL's group and its warm-up; the IPC mapping of its pool),
+        so the first remote prefill pays none of it. One not up yet is paired on first use."""
+        started = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)
+        await self._refresh()
+        paired = 0
+        for peer in list(self.peers.values()):
+            try:
+                await peer.ensure_paired(self.timeout_s, self.writer)
+                paired += 1
+            except PrefillFailed as e:
+                log.warning("not paired at start-up, pairing on first use: %s", e)
+        log.info("warm-up: KV receive (writer thread, %d of %d prefill servers paired) in %.2fs", paired,
+                 len(self.peers), time.perf_counter() - started)
+
     async def pick(self) -> PrefillPeer:
         await self._refresh()
         peers = list(self.peers.values())

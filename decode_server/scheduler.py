@@ -30,13 +30,14 @@ import torch
 
 from decode_server import metrics
 from decode_server.admission import Admission
-from decode_server.config import PrefillMode
+from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
+from engine.warmup import WarmUp
 from serving.token_ids import as_array
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,12 @@ class _Arrival:
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
                  layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
-                 partitions: SmPartitions | None = None, prefill_sms: int = 0) -> None:
+                 partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
-        steps; without them a partitioned prompt is prefilled as a layered one."""
+        steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
+        local prefill path once before `start` returns (engine.warmup)."""
         self.runner = runner
+        self.warm_up = warm_up
         self.admission = admission
         self.loop = admission.loop  # where the outputs' readers run
         self.max_batch_size = max_batch_size
@@ -151,6 +154,8 @@ class BatchScheduler:
         try:
             try:
                 self.runner.prepare_engine_thread()
+                if self.warm_up:
+                    self._warm_up()
             finally:
                 self._ready.set()
             while not self._stop.is_set():
@@ -177,6 +182,13 @@ class BatchScheduler:
                 self._fail(seq, e, release=False)
             for callback in self.on_failure:
                 callback()
+
+    def _warm_up(self) -> None:
+        warm = WarmUp(self.runner)
+        warm.run("whole prompts", warm.whole_prompts)
+        warm.run(f"chunks of {CHUNK_SIZES[0]}-{CHUNK_SIZES[-1]} tokens", lambda: warm.chunks(CHUNK_SIZES))
+        warm.run("layer slices", lambda: warm.layer_slices(self.layer_slice_tokens))
+        warm.run("sampling", lambda: warm.sampling(self._tokens))
 
     def _fail(self, seq: Sequence, error: BaseException, release: bool = True) -> None:
         """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""

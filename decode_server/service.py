@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from decode_server.config import DecodeConfig, PrefillMode
+from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.sequence import Rejected
 from engine.runner import ModelRunner
@@ -92,8 +92,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if mode is None:
             raise InvalidRequest(f"unknown prefill_mode {request.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}")
-        if request.chunk_size < 0:
-            raise InvalidRequest(f"chunk_size must be >= 0 (0 = the server's --chunk-size), got {request.chunk_size}")
+        problem = chunk_size_problem(request.chunk_size) if request.chunk_size else None
+        if problem:
+            raise InvalidRequest(f"chunk_size {problem}; or 0 for the server's --chunk-size")
         if request.prefill_sms < 0:
             raise InvalidRequest(f"prefill_sms must be >= 0 (0 = the server's --prefill-sms), got "
                                  f"{request.prefill_sms}")

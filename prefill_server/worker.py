@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
+from engine.warmup import WarmUp
 from prefill_server import metrics
 from serving.token_ids import TokenIds
 
@@ -46,8 +47,9 @@ class PrefillJob:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, warm_up: bool = False) -> None:
         self.runner = runner
+        self.warm_up = warm_up  # prefill every kind of prompt once before `start` returns (engine.warmup)
         self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
@@ -75,6 +77,10 @@ class PrefillWorker:
     def _loop(self) -> None:
         try:
             self.runner.prepare_engine_thread()
+            if self.warm_up:
+                warm = WarmUp(self.runner)
+                warm.run("whole prompts", warm.whole_prompts)
+                warm.run("sampling", lambda: warm.sampling(self._tokens))
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:

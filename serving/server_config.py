@@ -62,11 +62,18 @@ class ServerConfig:
                                                              "before another takes it (sys.setswitchinterval); "
                                                              "lower gives the engine and KV threads it back "
                                                              "sooner from a busy event loop"))
+    warm_up: str = field(default="auto", metadata=opt(
+        "run every path a request can take once before serving (kernel compiles, attention plans, the "
+        "allocator's largest blocks), each stage timed in the log; auto: on with a GPU, off on the CPU",
+        choices=("auto", "on", "off")))
     skinny_gemv: bool = field(default=True, metadata=opt("decode-sized matmuls (at most 16 rows) through our "
                                                           "Triton kernel rather than cuBLAS (GPU only)"))
     fused_gate_up: bool = field(default=True, metadata=opt("prefill-sized MLPs as one Gluon kernel (gate/up "
                                                             "GEMM with SiLU·mul) rather than cuBLAS then "
                                                             "SiLU·mul (Hopper GPUs only)"))
+
+    def warms_up(self, device_type: str) -> bool:
+        return self.warm_up == "on" or (self.warm_up == "auto" and device_type == "cuda")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:

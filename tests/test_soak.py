@@ -73,7 +73,7 @@ def draw(rng: random.Random, index: int) -> Spec:
     new = rng.randint(1, min(96, CONTEXT - n))
     req = decode_pb2.GenerateRequest(request_id=f"soak-{index}", token_ids=[rng.randrange(256) for _ in range(n)],
                                      max_new_tokens=new, prefill_mode=rng.choice(MODES),
-                                     chunk_size=rng.choice([0, 16, 64, 200]), ignore_eos=rng.random() < 0.7)
+                                     chunk_size=rng.choice([0, 16, 64, 256]), ignore_eos=rng.random() < 0.7)
     if rng.random() < 0.3:
         req.sampling.CopyFrom(decode_pb2.SamplingParams(temperature=rng.choice([0.5, 0.8, 1.2]),
                                                         top_p=rng.choice([0.0, 0.9]), top_k=rng.choice([0, 40]),
