@@ -7,8 +7,6 @@ import argparse
 import asyncio
 import logging
 
-import grpc
-
 from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
 from serving.cli_args import add_dataclass_args
@@ -16,6 +14,7 @@ from serving.cli_args import parse_config as parse_into
 from serving.grpc_common import (
     Health,
     bind,
+    channel_credentials,
     check_port_free,
     make_server,
     run_main,
@@ -31,7 +30,6 @@ SERVICE = "pd.v1.Decode"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m decode_server", description=__doc__)
     add_dataclass_args(parser, DecodeConfig)
-    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify prefill servers' TLS certificates")
     return parser
 
 
@@ -43,7 +41,7 @@ def prefill_addresses(spec: str) -> list[str]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
-async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> int:
+async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server import metrics
     from decode_server.engine import DecodeEngine
     from decode_server.prefill_client import PrefillRouter
@@ -61,10 +59,7 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
     if cfg.prefill_addr:
-        creds = None
-        if tls_ca:
-            with open(tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(f.read())
+        creds = channel_credentials(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds)
     service = DecodeService(cfg, runner, engine, tokenizer, router)
@@ -76,6 +71,7 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
     engine.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
     server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     engine.start()
     await server.start()
@@ -94,9 +90,9 @@ async def serve(cfg: DecodeConfig, tls_ca: str | None, faults: DecodeFaults) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse_config(argv)
+    cfg, _ = parse_config(argv)
     setup_process(cfg)
-    run_main(lambda: serve(cfg, args.tls_ca, DecodeFaults.from_env()))
+    run_main(lambda: serve(cfg, DecodeFaults.from_env()))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class DecodeConfig(ServerConfig):
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
+    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle that signed the prefill servers' TLS "
+                                                          "certificates; enables TLS towards them"))
+    tls_client_cert: str | None = field(default=None, metadata=opt(
+        "PEM certificate this server presents to prefill servers that require one (--tls-client-ca there)"))
+    tls_client_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-client-cert"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,6 +45,10 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
         if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
             raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
 
     @property
     def default_mode(self) -> str:

@@ -56,6 +56,7 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
     server = make_server(lambda s: add_prefill_servicer(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     worker.start()
     await server.start()
