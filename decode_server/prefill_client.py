@@ -58,12 +58,15 @@ class PrefillPeer:
     """One prefill server: a channel, and the pairing made at the handshake (redone after a failure)."""
 
     def __init__(self, address: str, runner: ModelRunner, requested_transport: str,
-                 credentials: grpc.ChannelCredentials | None) -> None:
+                 credentials: grpc.ChannelCredentials | None, server_name: str | None = None) -> None:
         self.address = address
         self.runner = runner
         self.requested_transport = requested_transport
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS) if credentials
-                        else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
+        self.credentials = credentials
+        # dialled by IP (a dns:/// target's addresses), a TLS certificate is checked against the name resolved
+        self.options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=self.options) if credentials
+                        else grpc.aio.insecure_channel(address, options=self.options))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.prefill_call = prefill_stream(self.channel)  # KV chunks arrive as views, not copies
         self.transport: str | None = None
@@ -114,16 +117,17 @@ class PrefillPeer:
             return chosen
 
     def _join_nccl(self, reply: prefill_pb2.HandshakeResponse, timeout: float) -> Any:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
+        """This side's half of the pair; its rendezvous runs over a channel like the handshake's (a blocking
+        one: torch calls the store from this thread), closed once the pair has met."""
         from engine.transport.nccl import DECODE_RANK, NcclPair
+        from engine.transport.nccl_rendezvous import RelayStore
 
-        host, _, port = reply.nccl_store_addr.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
-        pair = NcclPair(store, reply.nccl_group, DECODE_RANK, self.runner.device, timeout)
-        pair.warm_up()
+        with (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
+              else grpc.insecure_channel(self.address, options=self.options)) as channel:
+            store = RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, reply.nccl_secret,
+                               timeout)
+            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, self.runner.device, timeout)
+            pair.warm_up()
         return pair
 
     def forget_pairing(self) -> None:
@@ -164,20 +168,20 @@ class PrefillRouter:
         if time.monotonic() - self._resolved_at < DNS_REFRESH_S and self.peers:
             return
         self._resolved_at = time.monotonic()
-        addresses: list[str] = []
+        addresses: dict[str, str | None] = {}  # address -> the DNS name it was resolved from
         for target in self.targets:
             if target.startswith("dns:///"):
                 host, _, port = target.removeprefix("dns:///").rpartition(":")
                 try:
                     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                    addresses += sorted({f"{i[4][0]}:{port}" for i in infos})
+                    addresses.update((f"{i[4][0]}:{port}", host) for i in sorted(infos, key=lambda i: i[4][0]))
                 except OSError as e:
                     log.warning("can't resolve %s: %s", target, e)
             else:
-                addresses.append(target)
-        for address in addresses:
+                addresses[target] = None
+        for address, name in addresses.items():
             if address not in self.peers:
-                self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials)
+                self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials, name)
         for address in [a for a, p in self.peers.items() if a not in addresses and not p.in_flight]:
             await self.peers.pop(address).channel.close()
 

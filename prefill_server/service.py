@@ -12,6 +12,7 @@ from collections import OrderedDict
 import grpc
 import torch
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
+from torch.distributed import DistStoreError
 
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
@@ -49,7 +50,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.draining = False
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
         self.paired: OrderedDict[str, str] = OrderedDict()
-        self.hub = TransportHub(runner, advertised_host(cfg))
+        self.hub = TransportHub(runner)
 
     def start_draining(self) -> None:
         self.draining = True
@@ -92,6 +93,19 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseIpcResponse:
         self.hub.release(request.peer_id, request.request_id)
         return prefill_pb2.ReleaseIpcResponse()
+
+    async def Rendezvous(self, request: prefill_pb2.RendezvousRequest,
+                         context: grpc.aio.ServicerContext) -> prefill_pb2.RendezvousResponse:
+        """A store operation of a decode peer's NCCL pairing (engine.transport.nccl_rendezvous)."""
+        try:
+            return await asyncio.to_thread(self.hub.rendezvous, request)
+        except PermissionError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DistStoreError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"NCCL rendezvous: {e}")
+        raise AssertionError("unreachable: abort() raises")
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
         if self.draining:
@@ -177,12 +191,3 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 sender.finish()
 
         return Slow()
-
-
-def advertised_host(cfg: PrefillConfig) -> str:
-    """Where decode servers reach this one for NCCL rendezvous."""
-    if cfg.advertise_host:
-        return cfg.advertise_host
-    if cfg.host in ("0.0.0.0", "::", ""):
-        return socket.gethostbyname(socket.gethostname())
-    return cfg.host

@@ -1,11 +1,13 @@
 """Mutual TLS: with --tls-client-ca, both servers refuse a caller without a client certificate or with one
 another CA signed; the decode server presents --tls-client-cert to its prefill servers, so a disaggregated
-Generate works end to end; kubelet-style probes get health alone, in plaintext, on --health-port."""
+Generate works end to end (dialled by IP, the prefill server's certificate checked against the DNS name that
+resolved to it); kubelet-style probes get health alone, in plaintext, on --health-port."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,16 +72,18 @@ class CA:
                                                  serialization.NoEncryption()))
         return issued
 
-    def issue(self, common_name: str) -> Issued:
-        """A certificate good for both ends of a connection (server and client auth), as cert-manager issues."""
+    def issue(self, common_name: str, ip_too: bool = True) -> Issued:
+        """A certificate good for both ends of a connection (server and client auth), as cert-manager issues,
+        for localhost and (`ip_too`) 127.0.0.1."""
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import ExtendedKeyUsageOID
 
         key = ec.generate_private_key(ec.SECP256R1())
+        names = [x509.DNSName("localhost")]
+        if ip_too:
+            names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
         cert = (self._builder(self._name(common_name), key.public_key()).issuer_name(self.cert.subject)
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(self.key, self._sha256()))
@@ -110,11 +114,17 @@ class Mtls:
 def mtls(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[Mtls]:
     folder = tmp_path_factory.mktemp("mtls")
     ca = CA(folder, "pd")
+    # The decode server dials the addresses a dns:/// name resolves to, and checks the certificate against
+    # the name: the prefill server's certificate need not list its IP (a pod's, unknown when it is issued).
+    by_name = {info[4][0] for info in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)} == {"127.0.0.1"}
+    prefill_cert = ca.issue("prefill", ip_too=not by_name)
+    prefill = HealthPortServer("prefill_server", ["--tls-cert", str(prefill_cert.cert), "--tls-key",
+                                                  str(prefill_cert.key), "--tls-client-ca", str(ca.path)], server_logs)
     serving = ca.issue("server")
     tls = ["--tls-cert", str(serving.cert), "--tls-key", str(serving.key), "--tls-client-ca", str(ca.path)]
-    prefill = HealthPortServer("prefill_server", tls, server_logs)
     towards_prefill = ca.issue("decode")
-    decode = HealthPortServer("decode_server", [*tls, "--prefill-addr", prefill.address, "--tls-ca", str(ca.path),
+    target = f"dns:///localhost:{prefill.port}" if by_name else prefill.address
+    decode = HealthPortServer("decode_server", [*tls, "--prefill-addr", target, "--tls-ca", str(ca.path),
                                                 "--tls-client-cert", str(towards_prefill.cert),
                                                 "--tls-client-key", str(towards_prefill.key)], server_logs)
     start_all(prefill, decode)

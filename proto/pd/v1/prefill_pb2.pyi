@@ -1,5 +1,6 @@
 from pd.v1 import decode_pb2 as _decode_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -42,26 +43,76 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_store_addr", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots")
+    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots", "nccl_secret")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
-    NCCL_STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     NCCL_GROUP_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NCCL_SECRET_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transport: str
     server_id: str
     gpu_index: int
-    nccl_store_addr: str
     nccl_group: str
     ipc_pool_handle: bytes
     ipc_pool_offset: int
     ipc_pool_num_slots: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ...) -> None: ...
+    nccl_secret: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ..., nccl_secret: _Optional[bytes] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("peer_id", "secret", "op", "keys", "value", "expected", "amount", "timeout_s")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[RendezvousRequest.Op]
+        OP_SET: _ClassVar[RendezvousRequest.Op]
+        OP_GET: _ClassVar[RendezvousRequest.Op]
+        OP_ADD: _ClassVar[RendezvousRequest.Op]
+        OP_CHECK: _ClassVar[RendezvousRequest.Op]
+        OP_WAIT: _ClassVar[RendezvousRequest.Op]
+        OP_COMPARE_SET: _ClassVar[RendezvousRequest.Op]
+        OP_DELETE_KEY: _ClassVar[RendezvousRequest.Op]
+        OP_NUM_KEYS: _ClassVar[RendezvousRequest.Op]
+    OP_UNSPECIFIED: RendezvousRequest.Op
+    OP_SET: RendezvousRequest.Op
+    OP_GET: RendezvousRequest.Op
+    OP_ADD: RendezvousRequest.Op
+    OP_CHECK: RendezvousRequest.Op
+    OP_WAIT: RendezvousRequest.Op
+    OP_COMPARE_SET: RendezvousRequest.Op
+    OP_DELETE_KEY: RendezvousRequest.Op
+    OP_NUM_KEYS: RendezvousRequest.Op
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    secret: bytes
+    op: RendezvousRequest.Op
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., secret: _Optional[bytes] = ..., op: _Optional[_Union[RendezvousRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv")

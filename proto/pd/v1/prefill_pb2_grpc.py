@@ -49,6 +49,11 @@ class PrefillStub:
                 request_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.SerializeToString,
                 response_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/pd.v1.Prefill/Rendezvous',
+                request_serializer=pd_dot_v1_dot_prefill__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=pd_dot_v1_dot_prefill__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -72,6 +77,12 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rendezvous(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.ReleaseIpc,
                     request_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.FromString,
                     response_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=pd_dot_v1_dot_prefill__pb2.RendezvousRequest.FromString,
+                    response_serializer=pd_dot_v1_dot_prefill__pb2.RendezvousResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Prefill:
             '/pd.v1.Prefill/ReleaseIpc',
             pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.SerializeToString,
             pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pd.v1.Prefill/Rendezvous',
+            pd_dot_v1_dot_prefill__pb2.RendezvousRequest.SerializeToString,
+            pd_dot_v1_dot_prefill__pb2.RendezvousResponse.FromString,
             options,
             channel_credentials,
             insecure,
