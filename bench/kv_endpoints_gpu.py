@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from bench.kv_transfer import make_pool
 from engine.kv_cache import KVPool
+from engine.kv_checksum import layer_checksums
 
 TIMEOUT_S = 120.0
 GATE_CYCLES = 20_000_000  # the kv-ready wait: about 10 ms at the SM clock, longer than posting 28 layers
@@ -73,7 +74,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     store = _store(port, master=False)
     pool, table = make_pool(preset, tokens, 1, device, scattered)
     slots = pool.slots(table, 0, tokens)
-    store.set("checksum", str(pool.checksum(slots)))
+    store.set("checksum", ",".join(map(str, layer_checksums(pool, table, tokens))))
     store.set("table", ",".join(map(str, table)))
     if transport == "cuda-ipc":
         from engine.transport.cuda_ipc import export_pool
@@ -129,13 +130,13 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         if device.type == "cuda":
             torch.cuda.set_device(device)
         pool, table = make_pool(preset, tokens, None, device, scattered)
-        expected = int(store.get("checksum"))
+        expected = [int(c) for c in store.get("checksum").decode().split(",")]
         src_table = [int(b) for b in store.get("table").decode().split(",")]
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
             else _nccl_receives(store, pool, table, tokens, repeats + 1)
         out = []
         for i, (seconds, set_up_ms) in enumerate(timed):
-            equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
+            equal = layer_checksums(pool, table, tokens) == expected
             pool.storage.zero_()  # the next repeat must bring every byte again
             _sync(device)
             if i == 0:

@@ -13,6 +13,7 @@ import grpc
 from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVPool
+from engine.kv_checksum import first_mismatch, layer_checksums
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
 from serving.grpc_common import StatusError
@@ -176,11 +177,11 @@ class Handoff:
         log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
         return False
 
-    def verify(self, expected: int) -> None:
-        got = self.pool.checksum(self.pool.slots(self.block_table, 0, self.num_tokens))
-        if got != expected:
-            raise HandoffError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch after the {self.transport} "
-                                                          f"handoff: got {got}, prefill sent {expected}")
+    def verify(self, expected: list[int]) -> None:
+        layer = first_mismatch(layer_checksums(self.pool, self.block_table, self.num_tokens), expected)
+        if layer is not None:
+            raise HandoffError(grpc.StatusCode.DATA_LOSS, f"the KV that arrived over {self.transport} differs from "
+                                                          f"what the prefill server sent (layer {layer}'s checksum)")
 
 
 async def _drained(marker: Any) -> None:

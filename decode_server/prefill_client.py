@@ -207,7 +207,7 @@ class PrefillRouter:
             transport = await peer.ensure_paired(self.timeout_s, self.writer)
             handoff = Handoff(transport, self.runner.pool, block_table, len(prompt), self.writer, peer)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
-                                                 transport=transport, peer_id=peer.peer_id, verify_kv=VERIFY_KV)
+                                                 transport=transport, peer_id=peer.peer_id, kv_checksums=VERIFY_KV)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
@@ -234,7 +234,8 @@ class PrefillRouter:
             exposed = done.kv_send_s + (now - done_at)
             handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
             if VERIFY_KV:
-                await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, done.kv_checksum)
+                expected = list(done.layer_checksums)
+                await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False
             if transport == "cuda-ipc":
                 asyncio.ensure_future(self._release_ipc(peer, request_id))

@@ -37,6 +37,18 @@ from serving.validation import InvalidRequest, check_lengths, check_token_ids
 log = logging.getLogger(__name__)
 
 MAX_PAIRED_PEERS = 4096  # decode server instances remembered (oldest forgotten first)
+# A quiet Prefill stream (queued, or prefilling with the KV going by NCCL) gets a Heartbeat this often, so the
+# decode side tells a slow prompt from a frozen or cut-off server in seconds, not at the HTTP/2 keepalive.
+HEARTBEAT_S = 0.5
+HEARTBEAT = prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat())
+
+
+async def next_or_heartbeat(out: asyncio.Queue[object]) -> object:
+    """The job's next item, or a Heartbeat once HEARTBEAT_S pass without one."""
+    try:
+        return await asyncio.wait_for(out.get(), HEARTBEAT_S)
+    except TimeoutError:
+        return HEARTBEAT
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -149,7 +161,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
                          emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
                          make_sender=self._slow_sender if self.faults.layer_delay_s else None,
-                         verify_kv=request.verify_kv)
+                         kv_checksums=request.kv_checksums)
         try:
             self.hub.configure(job, request.peer_id, agreed)
         except LookupError as e:
@@ -160,7 +172,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.worker.submit(job)
         status = "OK"
         try:
-            while (item := await out.get()) is not None:
+            while (item := await next_or_heartbeat(out)) is not None:
                 if isinstance(item, Exception):
                     status = "INTERNAL"
                     await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")

@@ -14,6 +14,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
+from engine.kv_checksum import layer_checksums
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
@@ -39,7 +40,7 @@ class PrefillJob:
     make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
     # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
     hold_blocks: Callable[[PrefillJob], None] | None = None
-    verify_kv: bool = False
+    kv_checksums: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -132,13 +133,13 @@ class PrefillWorker:
         if job.cancelled.is_set():
             raise TransferCancelled
         kv_bytes = n * runner.layout.bytes_per_token
-        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, 0, n)) if job.verify_kv else 0
+        checksums = layer_checksums(runner.pool, job.block_table, n) if job.kv_checksums else []
         checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
-                                       kv_bytes=kv_bytes, kv_checksum=checksum, queue_s=dequeued - job.submitted,
+                                       kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
                                        checksum_s=checked - sent)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)

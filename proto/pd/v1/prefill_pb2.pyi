@@ -115,22 +115,22 @@ class RendezvousResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
     transport: str
     peer_id: str
     kv_chunk_tokens: int
-    verify_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
+    kv_checksums: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")
@@ -155,34 +155,40 @@ class TransferStart(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum", "queue_s", "checksum_s")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "queue_s", "checksum_s", "layer_checksums")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
     kv_bytes: int
-    kv_checksum: int
     queue_s: float
     checksum_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ...) -> None: ...
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("kv", "layer_sent", "start", "done")
+    __slots__ = ("kv", "layer_sent", "start", "done", "heartbeat")
     KV_FIELD_NUMBER: _ClassVar[int]
     LAYER_SENT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     kv: KVChunk
     layer_sent: int
     start: TransferStart
     done: PrefillDone
-    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class ReleaseIpcRequest(_message.Message):
     __slots__ = ("request_id", "peer_id")
