@@ -23,33 +23,16 @@ proto:
 	$(PYTHON) proto/generate.py
 
 serve-prefill:
-	@mkdir -p $(RUN_DIR)
-	@if [ -f $(RUN_DIR)/prefill.pid ] && kill -0 $$(cat $(RUN_DIR)/prefill.pid) 2>/dev/null; then \
-		echo "prefill server already running (pid $$(cat $(RUN_DIR)/prefill.pid))"; exit 0; fi; \
-	nohup $(PYTHON) -m prefill_server --host $(HOST) --port $(PREFILL_PORT) \
-		--metrics-port $(PREFILL_METRICS_PORT) $(PREFILL_ARGS) > $(RUN_DIR)/prefill.log 2>&1 & \
-	echo $$! > $(RUN_DIR)/prefill.pid; \
-	$(PYTHON) -m client.wait_ready $(HOST):$(PREFILL_PORT) --pid-file $(RUN_DIR)/prefill.pid --log $(RUN_DIR)/prefill.log
+	@$(PYTHON) -m serving.launch start prefill prefill_server --address $(HOST):$(PREFILL_PORT) --run-dir $(RUN_DIR) \
+		-- --host $(HOST) --port $(PREFILL_PORT) --metrics-port $(PREFILL_METRICS_PORT) $(PREFILL_ARGS)
 
 serve-decode:
-	@mkdir -p $(RUN_DIR)
-	@if [ -f $(RUN_DIR)/decode.pid ] && kill -0 $$(cat $(RUN_DIR)/decode.pid) 2>/dev/null; then \
-		echo "decode server already running (pid $$(cat $(RUN_DIR)/decode.pid))"; exit 0; fi; \
-	nohup $(PYTHON) -m decode_server --host $(HOST) --port $(DECODE_PORT) \
-		--metrics-port $(DECODE_METRICS_PORT) --prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS) \
-		> $(RUN_DIR)/decode.log 2>&1 & \
-	echo $$! > $(RUN_DIR)/decode.pid; \
-	$(PYTHON) -m client.wait_ready $(HOST):$(DECODE_PORT) --pid-file $(RUN_DIR)/decode.pid --log $(RUN_DIR)/decode.log
+	@$(PYTHON) -m serving.launch start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
+		-- --host $(HOST) --port $(DECODE_PORT) --metrics-port $(DECODE_METRICS_PORT) \
+		--prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS)
 
 stop:
-	@for name in decode prefill; do \
-		if [ -f $(RUN_DIR)/$$name.pid ]; then \
-			pid=$$(cat $(RUN_DIR)/$$name.pid); \
-			if kill $$pid 2>/dev/null; then \
-				while kill -0 $$pid 2>/dev/null; do sleep 0.2; done; echo "$$name server stopped"; fi; \
-			rm -f $(RUN_DIR)/$$name.pid; \
-		fi; \
-	done
+	@$(PYTHON) -m serving.launch stop decode prefill --run-dir $(RUN_DIR)
 
 demo: install
 	@$(MAKE) --no-print-directory serve-prefill serve-decode
@@ -65,3 +48,4 @@ soak: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests
+	lint-imports --no-logo

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,16 +12,7 @@ from typing import Any
 
 import torch
 
-
-def commit() -> str:
-    """The commit measured: $PD_COMMIT where the tree travels without .git, else git's HEAD."""
-    if os.environ.get("PD_COMMIT"):
-        return os.environ["PD_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+from client.provenance import git_commit
 
 
 def hardware() -> str:
@@ -33,7 +23,7 @@ def hardware() -> str:
 
 
 def metadata() -> dict[str, Any]:
-    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "hardware": hardware(), "commit": commit(),
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "hardware": hardware(), "commit": git_commit(),
             "command": "python -m " + " ".join([Path(sys.argv[0]).parent.name + "." + Path(sys.argv[0]).stem,
                                                 *sys.argv[1:]]),
             "torch": torch.__version__}

@@ -22,9 +22,10 @@ import torch
 
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
-from engine import ops
+from engine.decode_batch import DecodeSeq
 from engine.offline import make_runner
-from engine.runner import DecodeSeq, ModelRunner
+from engine.ops import KernelOptions
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 
 
@@ -162,15 +163,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
-    ops.SKINNY_GEMV = not args.no_skinny_gemv
-    ops.FUSED_GATE_UP = not args.no_fused_gate_up
+    kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up)
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
           f"held for seconds {describe(held_power)}{energy(held_pj)}", flush=True)
     runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
                          max_batch_size=max(args.batches), max_model_len=max(*args.prefill_lens, args.context + 512),
-                         cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket)
+                         cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket,
+                         kernels=kernels)
     wbytes = weight_bytes(runner)
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
            "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1),
@@ -178,8 +179,8 @@ def main() -> None:
            "sustained_matmul_pj_per_flop": rounded(held_pj),
            "weight_bytes": wbytes,
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
-           "skinny_gemv": ops.SKINNY_GEMV,
-           "fused_gate_up": ops.FUSED_GATE_UP,
+           "skinny_gemv": kernels.skinny_gemv,
+           "fused_gate_up": kernels.fused_gate_up,
            "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")

@@ -2,7 +2,8 @@
 how long a whole prompt's KV takes to move from one GPU's pool to another's when nothing hides it.
 
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
-first), its pool filled with random values. They meet on a TCPStore, as the servers do.
+first), its pool filled with random values. They meet on a loopback TCPStore (the servers relay
+their rendezvous over gRPC instead).
 - nccl: this side posts its receives (`NcclKVReceiver`), then the child sends every layer with
   `NcclKVSender`, timed to every layer in this pool (landed straight in it when both tables are
   one run, else scattered from staging), optionally after the sending GPU has run matmuls for
@@ -33,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.kv_transfer import make_pool
+from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
 from engine.kv_checksum import layer_checksums
+from serving.grpc_common import set_nccl_env
 
 TIMEOUT_S = 120.0
 GATE_CYCLES = 20_000_000  # the kv-ready wait: about 10 ms at the SM clock, longer than posting 28 layers
@@ -115,6 +117,7 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
          sender_busy_ms: float = 0.0, timed_from: str = "kv-ready") -> list[dict[str, Any]]:
     """The decode side (this process, on devices[1]; the prefill side on devices[0]). On two CPU
     devices the nccl protocol runs over Gloo, as in the servers (tests), timed from the first call."""
+    set_nccl_env()  # here and in the child, which inherits it, as in the servers
     if not devices[0].startswith("cuda"):
         timed_from = "first-call"
     if devices[0].startswith("cuda") and torch.cuda.device_count() < 2:

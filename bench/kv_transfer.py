@@ -2,7 +2,7 @@
 decode side, and whether it arrives bit for bit.
 
 --mode servers (GPU): real prefill and decode server processes with `--kv-transport T`; a
-prompt of --tokens is prefilled remotely (PD_VERIFY_KV=1 checksums every handoff); the figures
+prompt of --tokens is prefilled remotely (`--kv-checksum on` checksums every handoff); the figures
 are the decode server's own (ServerTiming): handoff time beyond the prefill's compute (and its
 checksums), and the part exposed after the prefill's last layer.
 --mode endpoints: the transport's real endpoints without a model, the whole KV moved with nothing
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,31 +28,13 @@ import torch
 from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
-from bench.scenario import start, wait_ready
-from engine.kv_cache import KVLayout, KVPool
+from bench.random_pool import make_pool
 from engine.kv_checksum import layer_checksums
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
 from serving.grpc_common import GRPC_OPTIONS
-
-CPU = torch.device("cpu")
-
-
-def make_pool(preset: str, tokens: int, seed: int | None, device: torch.device = CPU,
-              scattered: bool = False) -> tuple[KVPool, list[int]]:
-    """A KV pool of the preset's layout holding `tokens`, and their block table; filled with random
-    values from `seed` (the sending side), or left empty (`None`, the receiving side). The table
-    is one run of blocks, or with `scattered` the same blocks backwards (no two neighbours adjacent,
-    as in a fragmented pool: the GPU transports gather and scatter)."""
-    layout = KVLayout.for_model(PRESETS[preset], torch.bfloat16, 16)
-    pool = KVPool(layout, -(-tokens // 16) + 1, device)
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        pool.storage.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.storage.shape, generator=gen,
-                                                           device=device, dtype=torch.int16))
-    table = pool.allocator.allocate(pool.blocks_needed(tokens))
-    return pool, table[::-1] if scattered else table
+from serving.launch import ServerFailed, ServerProcess, stop_all
 
 
 class EndpointService(prefill_pb2_grpc.PrefillServicer):
@@ -136,31 +117,23 @@ def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "PD_VERIFY_KV": "1"}
     common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", transport, "--metrics-port",
               "0", "--max-model-len", str(args.tokens + 64)]
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    logs = str(Path(args.logs) / transport) if args.logs else tempfile.mkdtemp()
-    prefill = start("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"],
-                    _path(logs, "prefill.log"), env)
-    decode = None
-    try:
-        wait_ready(prefill, "127.0.0.1:50062", _path(logs, "prefill.log"))
-        decode = start("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
-                                         "127.0.0.1:50062", "--no-cuda-graphs", "--max-batch-size", "4"],
-                       _path(logs, "decode.log"), env)
-        wait_ready(decode, "127.0.0.1:50061", _path(logs, "decode.log"))
+    logs = Path(args.logs) / transport if args.logs else Path(tempfile.mkdtemp())
+    prefill = ServerProcess("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"], "127.0.0.1:50062",
+                            logs / "prefill.log")
+    decode = ServerProcess("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
+                                             prefill.address, "--no-cuda-graphs", "--max-batch-size", "4",
+                                             "--kv-checksum", "on"], "127.0.0.1:50061", logs / "decode.log")
+    try:  # one after the other: on a shared GPU, the decode server sizes its KV pool from what the prefill left
+        prefill.start(timeout=900)
+        decode.start(timeout=900)
         return asyncio.run(_timed_handoffs(args))
+    except ServerFailed as e:
+        sys.exit(f"error: {e}")
     finally:
-        for proc in (decode, prefill):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(60)
-
-
-def _path(folder: str, name: str) -> Path:
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    return Path(folder) / name
+        stop_all([decode, prefill], timeout=60)
 
 
 async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -181,7 +154,7 @@ async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "bytes": t.kv_bytes, "seconds": round(t.kv_transfer_s, 5),
                              "gbps": None,  # "seconds" is the handoff beyond the prefill, not a link transfer
                              "exposed_ms": round(t.kv_exposed_s * 1e3, 3), "prefill_ms": round(t.prefill_s * 1e3, 1),
-                             "bitwise_equal": True})  # PD_VERIFY_KV=1: a mismatch fails the request (DATA_LOSS)
+                             "bitwise_equal": True})  # --kv-checksum on: a mismatch fails the request (DATA_LOSS)
                 print(f"{t.kv_transport}: {t.kv_bytes / 1e9:.2f} GB, handoff beyond prefill "
                       f"{t.kv_transfer_s * 1e3:.2f} ms, exposed {t.kv_exposed_s * 1e3:.2f} ms, prefill "
                       f"{t.prefill_s * 1e3:.0f} ms", flush=True)

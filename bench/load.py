@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import metadata, write_json
-from bench.scenario import start, wait_ready
+from serving.launch import ServerFailed, ServerProcess, start_all, stop_all
 
 LOAD = ("--rate 2 --duration 30 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "
         "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --seed 7")
@@ -80,16 +79,14 @@ def main() -> None:
     servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split())
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [start(s.module, [*s.args, "--port", str(s.port)], logs / f"{s.module}-{s.port}.log", env)
+    procs = [ServerProcess(s.module, [*s.args, "--port", str(s.port)], s.address, logs / f"{s.module}-{s.port}.log")
              for s in servers]
     try:
-        for server, proc in zip(servers, procs, strict=True):
-            wait_ready(proc, server.address, logs / f"{server.module}-{server.port}.log")
+        start_all(procs, timeout=900)
         out = logs / "load.json"
         cmd = [sys.executable, "-m", "client.load", "--no-progress", "--json", str(out), *args.load_args.split(),
                "--compare", *(args.compare or compare), *(["--plot", args.plot] if args.plot else [])]
-        if subprocess.run(cmd, env=env).returncode != 0:
+        if subprocess.run(cmd).returncode != 0:
             sys.exit("error: the load run failed; server logs in " + str(logs))
         doc = json.loads(out.read_text())
         deployment = ("one decode server on one device, no prefill server; prefill_mode sent per request"
@@ -102,12 +99,10 @@ def main() -> None:
                     "load_command": " ".join(cmd[2:])})
         write_json(args.json, doc)
         print(f"wrote {args.json}")
+    except ServerFailed as e:
+        sys.exit(f"error: {e}")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            proc.wait(60)
+        stop_all(procs, timeout=60)
 
 
 if __name__ == "__main__":

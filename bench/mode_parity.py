@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import metadata, write_json
+from engine.decode_batch import DecodeSeq
+from engine.device import DTYPES
 from engine.offline import make_runner
-from engine.runner import DecodeSeq, ModelRunner
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from engine.runner import ModelRunner
 
 
 @dataclass

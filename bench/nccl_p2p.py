@@ -9,7 +9,6 @@ each size, back to back, timed by the receiver from a barrier to the last messag
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from datetime import timedelta
@@ -19,12 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import metadata, time_cuda, write_json
+from serving.grpc_common import set_nccl_env
 
 MB = 1 << 20
 
 
 def _run(rank: int, port: int, total_mb: int, sizes_mb: list[int], repeats: int, json_path: str | None) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("nccl", store=store, rank=rank, world_size=2, device_id=torch.device("cuda", rank))
@@ -68,6 +67,7 @@ def main() -> None:
     args = p.parse_args()
     if torch.cuda.device_count() < 2:
         sys.exit("error: bench.nccl_p2p needs two GPUs")
+    set_nccl_env()  # as the servers run NCCL; the spawned ranks inherit it
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port it picks
     mp.spawn(_run, args=(store.port, args.total_mb, args.sizes_mb, args.repeats, args.json), nprocs=2)
 

@@ -10,22 +10,21 @@ several deployments or modes one after another and prints them side by side.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import shlex
-import subprocess
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from client.event_loop import run_event_loop
 from client.load_plan import LoadSpec, build_plan
 from client.load_run import MODES, Deployment, LoadRunner, RunResult
 from client.load_stats import Slo, Summary, format_side_by_side, format_summary, record_details, summarize
+from client.provenance import git_commit
 
-T = TypeVar("T")
 COMPARE = re.compile(r"^(?P<name>[\w.\-]+)=(?P<targets>[^@]*)(?:@(?P<mode>[a-z]+)(?::(?P<chunk>\d+))?)?$")
 
 EXAMPLES = """\
@@ -134,16 +133,6 @@ async def run_deployments(spec: LoadSpec, runs: Sequence[Deployment], timeout_s:
     return results
 
 
-def git_commit() -> str | None:
-    """The client's commit, when it runs from a checkout (for recorded results)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def report(args: argparse.Namespace, argv: Sequence[str], spec: LoadSpec, slo: Slo,
            results: Sequence[RunResult], summaries: Sequence[Summary]) -> dict[str, Any]:
     params = {**vars(spec), "planned_arrivals": len(build_plan(spec).arrivals), "slo_ttft_ms": slo.ttft_ms,
@@ -158,14 +147,6 @@ def report(args: argparse.Namespace, argv: Sequence[str], spec: LoadSpec, slo: S
     if args.compare:
         return {"runs": runs, **meta}
     return {**next(iter(runs.values())), **meta}
-
-
-def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)  # type: ignore[no-any-return]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`python -m client.scenario`: the seed's experiment end to end over gRPC.
+"""`python -m client.scenario`: the A/B experiment end to end over gRPC.
 
 User A sends a 1,024-token prompt and receives 100 tokens; just before A's 20th token arrives
 (when its 19th does), B sends a long prompt. Each row runs that once in one prefill mode and
@@ -14,36 +14,16 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from client.scenario_report import format_table, plot_gaps
+from client.scenario_report import Row, format_table, plot_gaps
 from client.stream import PREFILL_MODES, StreamResult, collect, open_channel, stream_generate
 
 MODE_ENUM = {"alone": decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
 DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered"
-
-
-@dataclass
-class Row:
-    mode: str
-    chunk_size: int | None
-    b_len: int
-    a_median_gap_ms: float
-    a_worst_gap_ms: float
-    a_slow_gaps: int
-    b_ttft_ms: float | None
-    a_tokens_match_solo: bool
-    b_first_token_matches: bool | None
-    a_first_diff_index: int | None = None
-    b_tokens_match_reference: bool | None = None
-    b_sent_after_a_token: int | None = None
-    b_first_token_during_gap: int | None = None
-    b_server_prefill_ms: float | None = None
-    b_server_kv_transfer_ms: float | None = None
-    a_gaps_ms: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,28 @@
-"""The scenario's table (laid out like the seed's) and its plot."""
+"""The scenario's results: one row per B length and mode, their table and their plot."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from client.scenario import Row
+
+@dataclass
+class Row:
+    mode: str
+    chunk_size: int | None
+    b_len: int
+    a_median_gap_ms: float
+    a_worst_gap_ms: float
+    a_slow_gaps: int
+    b_ttft_ms: float | None
+    a_tokens_match_solo: bool
+    b_first_token_matches: bool | None
+    a_first_diff_index: int | None = None
+    b_tokens_match_reference: bool | None = None
+    b_sent_after_a_token: int | None = None
+    b_first_token_during_gap: int | None = None
+    b_server_prefill_ms: float | None = None
+    b_server_kv_transfer_ms: float | None = None
+    a_gaps_ms: list[float] = field(default_factory=list)
 
 
 def mode_label(row: Row) -> str:

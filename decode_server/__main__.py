@@ -61,7 +61,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     if cfg.prefill_addr:
         creds = channel_credentials(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
-                               cfg.prefill_timeout_s, creds)
+                               cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     service = DecodeService(cfg, runner, engine, tokenizer, router)
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(engine.running),

@@ -38,6 +38,9 @@ class DecodeConfig(ServerConfig):
     tls_client_cert: str | None = field(default=None, metadata=opt(
         "PEM certificate this server presents to prefill servers that require one (--tls-client-ca there)"))
     tls_client_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-client-cert"))
+    kv_checksum: str = field(default="on", metadata=opt(
+        "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
+        "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
 HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is as good as down
-VERIFY_KV = os.environ.get("PD_VERIFY_KV", "") == "1"  # checksum every handoff (benchmarks, tests)
 
 
 class PrefillFailed(StatusError):
@@ -151,10 +150,11 @@ class PrefillRouter:
     host:port addresses or dns:///name:port, re-resolved as prefill pods come and go."""
 
     def __init__(self, targets: list[str], runner: ModelRunner, transport: str, timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, verify_kv: bool = False) -> None:
         if not targets:
             raise ValueError("no prefill server address given")
         self.runner, self.transport, self.timeout_s, self.credentials = runner, transport, timeout_s, credentials
+        self.verify_kv = verify_kv  # checksum every handoff on both sides
         self.targets = targets
         self.peers: dict[str, PrefillPeer] = {}
         self._resolved_at = -1e9
@@ -207,7 +207,8 @@ class PrefillRouter:
             transport = await peer.ensure_paired(self.timeout_s, self.writer)
             handoff = Handoff(transport, self.runner.pool, block_table, len(prompt), self.writer, peer)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
-                                                 transport=transport, peer_id=peer.peer_id, kv_checksums=VERIFY_KV)
+                                                 transport=transport, peer_id=peer.peer_id,
+                                                 kv_checksums=self.verify_kv)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
@@ -233,7 +234,7 @@ class PrefillRouter:
                                    for what, t in [*handoff.marks, ("complete", now)]))
             exposed = done.kv_send_s + (now - done_at)
             handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
-            if VERIFY_KV:
+            if self.verify_kv:
                 expected = list(done.layer_checksums)
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False

@@ -33,7 +33,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
 from serving.grpc_common import StatusError, deadline_passed
-from serving.validation import InvalidRequest, check_lengths, check_token_ids
+from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("decode_server.requests")
@@ -92,8 +92,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if has_text == has_ids:
             raise InvalidRequest("set exactly one of prompt (text) and token_ids, not both" if has_text
                                  else "the request has no prompt: set prompt (text) or token_ids")
-        if request.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        check_max_new_tokens(request.max_new_tokens)
         if has_ids:
             check_lengths(len(request.token_ids), request.max_new_tokens, limit)
             tokens = list(request.token_ids)

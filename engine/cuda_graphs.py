@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import DecodeMeta
-
-if TYPE_CHECKING:
-    from engine.runner import DecodeSeq, ModelRunner
+from engine.decode_batch import DecodeSeq, table_width, write_rows
+from engine.kv_cache import KVPool
+from engine.model import Qwen2Model
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +28,14 @@ def bucket_sizes(max_batch: int, min_bucket: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, min_bucket: int = 1) -> None:
-        self.runner = runner
-        self.max_batch = runner.max_batch_size
-        self.buckets = bucket_sizes(self.max_batch, min(min_bucket, self.max_batch))
-        dev, n, nb = runner.device, self.max_batch, runner.max_blocks_per_seq
+    """Decode steps of `model` over `pool` for up to `max_batch` sequences of up to `max_model_len` tokens."""
+
+    def __init__(self, model: Qwen2Model, pool: KVPool, max_batch: int, max_model_len: int,
+                 min_bucket: int = 1) -> None:
+        self.model, self.pool, self.max_batch, self.max_model_len = model, pool, max_batch, max_model_len
+        self.block_size = pool.layout.block_size
+        self.buckets = bucket_sizes(max_batch, min(min_bucket, max_batch))
+        dev, n, nb = pool.device, max_batch, -(-max_model_len // self.block_size)
         # One int32 buffer: ids, positions, new slots, context lengths [4, n], the tables' row
         # length `width`, then the block tables packed row-major [b, width], width being the longest
         # table of the step. A step uploads one contiguous prefix of its pinned twin (a strided or
@@ -50,27 +52,27 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        graph_pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._capture(b, pool)
+            self._capture(b, graph_pool)
         log.info("captured %d decode CUDA graphs (buckets %s) in %.1fs", len(self.buckets), self.buckets,
                  time.perf_counter() - started)
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = DecodeMeta(self.slots[:b], self.tables[:b], self.lens[:b], self.runner.max_model_len, use_kernel=True,
+        meta = DecodeMeta(self.slots[:b], self.tables[:b], self.lens[:b], self.max_model_len, use_kernel=True,
                           table_stride=self.width)
-        logits = self.runner.model(self.ids[:b], self.positions[:b], self.runner.pool, meta)
+        logits = self.model(self.ids[:b], self.positions[:b], self.pool, meta)
         return logits, logits.argmax(dim=-1)
 
-    def _capture(self, b: int, pool: tuple[int, int]) -> None:
-        stream = torch.cuda.Stream(self.runner.device)
+    def _capture(self, b: int, graph_pool: tuple[int, int]) -> None:
+        stream = torch.cuda.Stream(self.pool.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and settle cuBLAS before capture
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
+        with torch.cuda.graph(graph, pool=graph_pool):  # type: ignore[arg-type]
             self.logits[b], self.greedy[b] = self._forward(b)
         self.graphs[b] = graph
 
@@ -81,17 +83,12 @@ class DecodeGraphs:
         """Logits [n, V] and greedy tokens [n] of one decode step (device tensors)."""
         n = len(seqs)
         b = self.bucket_for(n)
-        bs = self.runner.layout.block_size
         meta = self._meta_np
-        width = max(s.position // bs + 1 for s in seqs)
+        width = table_width(seqs, self.block_size)
         off = 4 * self.max_batch
         self._host[off] = width
         tables = self._host[off + 1:off + 1 + b * width].reshape(b, width)
-        for row, s in enumerate(seqs):
-            used = s.position // bs + 1
-            meta[0, row], meta[1, row] = s.token, s.position
-            meta[2, row], meta[3, row] = s.block_table[used - 1] * bs + s.position % bs, s.position + 1
-            tables[row, :used] = s.block_table[:used]  # entries past `used` are never read
+        write_rows(seqs, self.block_size, meta, tables)
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
         tables[n:b, 0] = 0

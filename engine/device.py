@@ -1,4 +1,4 @@
-"""Which device each server uses by default, and the dtype that goes with it."""
+"""Which device each server uses by default, the dtype that goes with it, and the dtypes by name."""
 
 from __future__ import annotations
 
@@ -8,6 +8,20 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
+
+# The dtypes a model and its KV cache can have, by the names flags and the KV layout use.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
 
 
 @dataclass(frozen=True)
@@ -39,10 +53,9 @@ def resolve_device(requested: str, role: str) -> torch.device:
 def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if requested not in table:
-        raise ValueError(f"--dtype {requested}: choose auto, float32, bfloat16 or float16")
-    return table[requested]
+    if requested not in DTYPES:
+        raise ValueError(f"--dtype {requested}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
 
 
 def default_preset() -> str:

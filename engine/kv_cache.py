@@ -19,23 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device import DTYPES, dtype_name
 from engine.model_config import ModelConfig
 
 SHAPE_ORDER = "layer,kv,token,head,dim"
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}")
-
 
 @dataclass(frozen=True)
 class KVLayout:

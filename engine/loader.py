@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from engine.model import Qwen2Model
 from engine.model_config import ModelConfig
+from engine.ops import ALL_KERNELS, KernelOptions
 from engine.presets import PRESET_SEED, PRESETS
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -31,19 +32,21 @@ class LoadedModel:
     source: str
 
 
-def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> Qwen2Model:
+def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+                 kernels: KernelOptions) -> Qwen2Model:
     with torch.device("meta"):
-        model = Qwen2Model(cfg, max_positions).to(dtype)
+        model = Qwen2Model(cfg, kernels, max_positions).to(dtype)
     model = model.to_empty(device=device)
     model.rope.reset()
     return model.eval()
 
 
-def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None) -> LoadedModel:
+def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
+                 kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
-    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
+    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     gen = torch.Generator(device=device).manual_seed(PRESET_SEED)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -94,7 +97,7 @@ def _hf_to_ours(cfg: ModelConfig, name: str) -> tuple[str, slice | None] | None:
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
-                    max_positions: int | None = None) -> LoadedModel:
+                    max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
     folder = Path(path)
     hint = "pass a local Hugging Face checkpoint folder (config.json + *.safetensors) or --preset"
     if not folder.is_dir():
@@ -111,7 +114,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(f"--model {folder}: model_type {hf.model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     cfg = ModelConfig.from_hf(hf, name=folder.name)
-    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
+    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     with torch.no_grad():
@@ -139,7 +142,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
 
 
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None) -> LoadedModel:
+               max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
     if model_path:
-        return load_checkpoint(model_path, device, dtype, max_positions)
-    return build_preset(preset or "tiny", device, dtype, max_positions)
+        return load_checkpoint(model_path, device, dtype, max_positions, kernels)
+    return build_preset(preset or "tiny", device, dtype, max_positions, kernels)

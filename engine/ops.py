@@ -6,6 +6,8 @@ CPU path matches transformers and the CUDA path matches itself eager or graphed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,13 +22,22 @@ try:
 except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hopper language
     _gate_up = None  # type: ignore[assignment]
 
-# Decode-sized matmuls (at most 16 rows) through the Triton skinny kernel rather than cuBLAS.
-SKINNY_GEMV = True
-# Prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel, from this many rows.
-# Measured faster in the engine's 4k, 16k and 32k prefills (`python -m bench.engine` against
-# `--no-fused-gate-up`); alone at 1-2k rows (`python -m bench.fused_mlp`) it is 4-32% slower.
-FUSED_GATE_UP = True
+# The fused gate/up kernel from this many rows on. Measured faster in the engine's 4k, 16k and 32k
+# prefills (`python -m bench.engine` against `--no-fused-gate-up`); alone at 1-2k rows
+# (`python -m bench.fused_mlp`) it is 4-32% slower.
 FUSED_GATE_UP_MIN_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which of our own CUDA kernels replace cuBLAS where they apply; fixed when the model is built.
+    The CPU path ignores them."""
+
+    skinny_gemv: bool = True     # decode-sized matmuls (at most 16 rows) through the Triton skinny kernel
+    fused_gate_up: bool = True   # prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel
+
+
+ALL_KERNELS = KernelOptions()
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -45,18 +56,18 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, x
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    if SKINNY_GEMV and _fast(x) and _gemv.supports(x, layer.weight):
+def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
+    if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
         return _gemv.gemv(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
 
 
-def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
-    if (FUSED_GATE_UP and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
+    if (kernels.fused_gate_up and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
         return _gate_up.gate_up_silu(x, layer.weight)
-    return silu_mul(linear(x, layer))
+    return silu_mul(linear(x, layer, kernels))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,24 +9,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import DecodeMeta, PrefillMeta, prepare_prefill_plans
+from engine.cuda_graphs import DecodeGraphs
+from engine.decode_batch import DecodeSeq, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class DecodeSeq:
-    token: int              # the last sampled token, whose KV this step writes
-    position: int           # its position in the sequence
-    block_table: list[int]
 
 
 def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: float) -> int:
@@ -59,13 +54,10 @@ class ModelRunner:
                              f"one {max_model_len}-token sequence needs {need}: raise --kv-cache-gb or lower "
                              "--max-model-len")
         self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.use_kernel = device.type == "cuda"
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
-            from engine.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self, min_decode_bucket)
+            self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
 
@@ -123,20 +115,12 @@ class ModelRunner:
     def decode_meta_tensors(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, ...]:
         """Host-built (ids, positions, new_slots, block_tables, context_lens) for `seqs`; the block
         tables are as wide as the longest sequence's."""
-        bs = self.layout.block_size
-        ids = torch.tensor([s.token for s in seqs], dtype=torch.long)
-        positions = torch.tensor([s.position for s in seqs], dtype=torch.long)
-        slots = torch.tensor([s.block_table[s.position // bs] * bs + s.position % bs for s in seqs],
-                             dtype=torch.long)
-        width = max(s.position // bs + 1 for s in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for row, s in enumerate(seqs):
-            used = s.block_table[:width]
-            tables[row, :len(used)] = torch.tensor(used, dtype=torch.int32)
-        lens = positions.to(torch.int32) + 1
-        if self.device.type == "cuda":
-            ids, positions, slots, tables, lens = (t.pin_memory() for t in (ids, positions, slots, tables, lens))
-        return ids, positions, slots, tables, lens
+        meta = np.zeros((4, len(seqs)), dtype=np.int64)
+        tables = np.zeros((len(seqs), table_width(seqs, self.layout.block_size)), dtype=np.int32)
+        write_rows(seqs, self.layout.block_size, meta, tables)
+        ids, positions, slots, lens = torch.from_numpy(meta)
+        out = (ids, positions, slots, torch.from_numpy(tables), lens.to(torch.int32))
+        return tuple(t.pin_memory() for t in out) if self.device.type == "cuda" else out
 
     def decode_eager(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, positions, slots, tables, lens = (t.to(self.device, non_blocking=True)

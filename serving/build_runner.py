@@ -9,6 +9,7 @@ import torch
 
 from engine.device import default_preset, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.ops import KernelOptions
 from engine.runner import ModelRunner, kv_pool_bytes
 from serving.grpc_common import StartupError
 from serving.server_config import ServerConfig
@@ -31,7 +32,8 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         max_len = cfg.max_model_len if cfg.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len)
+        kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up)
+        loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len, kernels=kernels)
     except ModelLoadError as e:
         raise StartupError(str(e)) from e
     max_len = min(max_len, loaded.config.max_position_embeddings)

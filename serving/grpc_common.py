@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client.event_loop import run_event_loop
 from serving.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -71,11 +74,23 @@ class StartupError(Exception):
     """A one-line reason the server can't start, and what to do about it."""
 
 
+# Read by NCCL when a pair's group is made. Our own deadlines abort a stuck pair, so NCCL's watchdog
+# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods.
+# Values already in the environment win.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def set_nccl_env() -> None:
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def setup_process(cfg: ServerConfig) -> None:
-    """Logging, and how often Python passes the GIL between the server's threads."""
+    """Logging, how often Python passes the GIL between the server's threads, and NCCL's environment."""
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
+    set_nccl_env()
 
 
 def read_pem(path: str, flag: str) -> bytes:
@@ -239,19 +254,13 @@ async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, d
     return 1 if failed else 0
 
 
-def run_main(main: Callable[[], object]) -> None:
+def run_main(main: Callable[[], Coroutine[Any, Any, int]]) -> None:
     """Run an async main under uvloop; turn StartupError and bad flags into one line and exit 2."""
     from engine.transport.grpc_stream import keep_freed_memory
 
     keep_freed_memory()
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        runner = asyncio.run  # type: ignore[assignment]
-    try:
-        code = int(runner(main()) or 0)  # type: ignore[arg-type]
+        code = run_event_loop(main())
     except (StartupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

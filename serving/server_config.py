@@ -66,6 +66,11 @@ class ServerConfig:
                                                              "before another takes it (sys.setswitchinterval); "
                                                              "lower gives the engine and KV threads it back "
                                                              "sooner from a busy event loop"))
+    skinny_gemv: bool = field(default=True, metadata=opt("decode-sized matmuls (at most 16 rows) through our "
+                                                          "Triton kernel rather than cuBLAS (GPU only)"))
+    fused_gate_up: bool = field(default=True, metadata=opt("prefill-sized MLPs as one Gluon kernel (gate/up "
+                                                            "GEMM with SiLU·mul) rather than cuBLAS then "
+                                                            "SiLU·mul (Hopper GPUs only)"))
 
     def __post_init__(self) -> None:
         if not all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.health_port)):

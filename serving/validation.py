@@ -19,9 +19,13 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
                                  f"[0, {vocab_size})")
 
 
-def check_lengths(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+def check_max_new_tokens(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise InvalidRequest(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    """The prompt and the tokens to generate fit the context (max_new_tokens is checked on its own first)."""
     if prompt_len + max_new_tokens > max_model_len:
         raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
                              f"{prompt_len + max_new_tokens} exceeds the context limit of {max_model_len} tokens")

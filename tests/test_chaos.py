@@ -105,7 +105,7 @@ def test_chaos_under_load(server_logs: Path) -> None:
     victim = Server("prefill_server", [], server_logs)
     survivor = Server("prefill_server", [], server_logs)
     decode = Server("decode_server", ["--prefill-addr", f"{victim.address},{survivor.address}"], server_logs)
-    start_all(victim, survivor, decode)
+    start_all([victim, survivor, decode])
     servers = [decode, survivor, victim]
     duration = 3 * CALM_S + FREEZE_S + 10  # the restart's model load takes a few seconds of it
     spec = LoadSpec(rate=RATE, duration=duration, prompt_len="uniform:16:192", output_len="uniform:4:16", seed=SEED)
@@ -146,4 +146,4 @@ def test_chaos_under_load(server_logs: Path) -> None:
         for s in servers:
             if s.proc is not None and s.proc.poll() is None:
                 s.signal(signal.SIGCONT)
-        stop_all(*servers)
+        stop_all(servers)

@@ -168,15 +168,16 @@ def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(fused, "gate_up_silu", counted)
     length = ops.FUSED_GATE_UP_MIN_ROWS
-    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_model_len=length + 64,
-                         kv_gb=2.0)
     prompt = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(5)).tolist()
-    table = runner.pool.allocator.allocate(runner.pool.blocks_needed(length))
-    with_fused = runner.prefill(prompt, table, 0)
-    assert len(calls) == runner.config.num_layers - 1  # the last layer's MLP sees one row
-    monkeypatch.setattr(ops, "FUSED_GATE_UP", False)
-    assert torch.equal(runner.prefill(prompt, table, 0), with_fused)
-    assert len(calls) == runner.config.num_layers - 1
+    logits = {}
+    for on in (True, False):  # the same preset weights (seeded) built twice, with and without the kernel
+        runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_model_len=length + 64,
+                             kv_gb=2.0, kernels=ops.KernelOptions(fused_gate_up=on))
+        table = runner.pool.allocator.allocate(runner.pool.blocks_needed(length))
+        logits[on] = runner.prefill(prompt, table, 0)
+        assert len(calls) == runner.config.num_layers - 1  # the last layer's MLP sees one row; none when off
+        del runner
+    assert torch.equal(logits[False], logits[True])
 
 
 def test_padded_rope_matches_unpadded() -> None:
@@ -298,30 +299,28 @@ def test_skinny_decode_at_the_7b_shape() -> None:
     """At the real shape (where the skinny matmul runs): graph == eager tokens, and a step's
     logits agree with the cuBLAS path."""
     from engine import ops
+    from engine.decode_batch import DecodeSeq
     from engine.offline import generate, make_runner
-    from engine.runner import DecodeSeq
+    from engine.runner import ModelRunner
 
-    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_batch_size=4,
-                         max_model_len=512, kv_gb=1.0, cuda_graphs=True)
+    def one_step(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+        table = runner.pool.allocator.allocate(runner.pool.blocks_needed(100))
+        runner.prefill(prompt, table, 0)
+        return runner.decode([DecodeSeq(5, len(prompt), table)])[0]
+
+    kwargs = dict(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_batch_size=4, max_model_len=512,
+                  kv_gb=1.0)
+    runner = make_runner(cuda_graphs=True, **kwargs)  # type: ignore[arg-type]
     prompts = [[(i * 7 + j * 13) % 1000 for i in range(40 + 30 * j)] for j in range(3)]
     graphed = generate(runner, prompts, 12)
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        assert generate(runner, prompts, 12) == graphed
-        pool = runner.pool
-        table = pool.allocator.allocate(pool.blocks_needed(100))
-        runner.prefill(prompts[2], table, 0)
-        seq = [DecodeSeq(5, len(prompts[2]), table)]
-        skinny = runner.decode(seq)[0]
-        ops.SKINNY_GEMV = False
-        try:
-            cublas = runner.decode(seq)[0]
-        finally:
-            ops.SKINNY_GEMV = True
-            pool.allocator.free(table)
-        assert rel_err(skinny, cublas) < 2e-2
-    finally:
-        runner.graphs = graphs
+    runner.graphs = None
+    assert generate(runner, prompts, 12) == graphed
+    skinny = one_step(runner, prompts[2])
+    del runner
+    # the same preset weights (seeded), built again with every matmul through cuBLAS
+    cublas = one_step(make_runner(kernels=ops.KernelOptions(skinny_gemv=False), **kwargs),  # type: ignore[arg-type]
+                      prompts[2])
+    assert rel_err(skinny, cublas) < 2e-2
 
 
 def test_token_reader_reads_what_tolist_reads() -> None:

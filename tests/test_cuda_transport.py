@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -25,11 +24,12 @@ def needs(transport: str) -> None:
 
 
 def gpu_pair(transport: str, logs: Path, extra: list[str] | None = None) -> tuple[ServerProcess, ServerProcess]:
-    os.environ["PD_VERIFY_KV"] = "1"  # every handoff checksummed bit for bit (DATA_LOSS otherwise)
     common = ["--kv-transport", transport, "--max-model-len", "8192", "--kv-cache-gb", "2"]
     prefill = ServerProcess("prefill_server", common, logs, device="cuda:0").start(timeout=300)
+    # --kv-checksum on: every handoff checksummed bit for bit (DATA_LOSS otherwise)
     decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, "--max-batch-size", "4",
-                                             *(extra or [])], logs, device=f"cuda:{min(1, GPUS - 1)}")
+                                             "--kv-checksum", "on", *(extra or [])], logs,
+                           device=f"cuda:{min(1, GPUS - 1)}")
     decode.start(timeout=300)
     return prefill, decode
 

@@ -127,9 +127,9 @@ def mtls(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterato
     decode = HealthPortServer("decode_server", [*tls, "--prefill-addr", target, "--tls-ca", str(ca.path),
                                                 "--tls-client-cert", str(towards_prefill.cert),
                                                 "--tls-client-key", str(towards_prefill.key)], server_logs)
-    start_all(prefill, decode)
+    start_all([prefill, decode])
     yield Mtls(decode, prefill, ca, ca.issue("client"), CA(folder, "other").issue("client"))
-    stop_all(decode, prefill)
+    stop_all([decode, prefill])
 
 
 def channel(address: str, ca: Path, client: Issued | None) -> grpc.Channel:

@@ -1,4 +1,5 @@
-"""DESIGN.md's reliability contract against real server processes: bad requests, admission limits,
+"""The reliability contract, against real server processes: every way a request can end is one gRPC
+status, and whatever the ending, its KV blocks go back to the pool. Bad requests, admission limits,
 oversize messages, cancels, disconnects, deadlines, an engine crash, the internal handshake, and
 what is never unpickled. KV is read back through each server's Prometheus endpoint."""
 

@@ -19,13 +19,12 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
+from serving.launch import start_all, stop_all
 from tests.test_reliability_fixtures import (
     Server,
     health_status,
     kv_idle,
     request,
-    start_all,
-    stop_all,
     wait_kv_idle,
     wait_until,
 )
@@ -82,10 +81,10 @@ def slow_pair(server_logs: Path) -> Iterator[dict[str, Server]]:
     """{'decode', 'prefill'}: the prefill server's layers each take LAYER_DELAY_S; tests may replace it."""
     prefill = Server("prefill_server", [], server_logs, env={"PD_FAULT_PREFILL_LAYER_DELAY_S": str(LAYER_DELAY_S)})
     decode = Server("decode_server", ["--prefill-addr", prefill.address, "--prefill-timeout-s", "30"], server_logs)
-    start_all(prefill, decode)
+    start_all([prefill, decode])
     servers = {"decode": decode, "prefill": prefill}
     yield servers
-    stop_all(servers["decode"], servers["prefill"])
+    stop_all([servers["decode"], servers["prefill"]])
 
 
 def streamed(prefill: Server) -> float:

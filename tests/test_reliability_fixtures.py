@@ -6,8 +6,6 @@ There are no tests in this module; its fixtures are session-scoped so one pair s
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd.v1 import decode_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.launch import start_all, stop_all
 from tests.servers import ServerProcess, free_port
 
 
@@ -49,36 +48,6 @@ class Server(ServerProcess):
                        env=self.env, tls_ca=self.tls_ca)
         again.args = list(self.args)
         return again
-
-
-def start_all(*servers: Server) -> None:
-    """Start several servers at once (their start-up is mostly imports)."""
-    errors: list[BaseException] = []
-
-    def start(server: Server) -> None:
-        try:
-            server.start()
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers:
-            s.kill()
-        raise errors[0]
-
-
-def stop_all(*servers: ServerProcess) -> None:
-    """SIGTERM them all, then wait for each (a drained exit takes a second or two per process)."""
-    for server in servers:
-        if server.proc is not None and server.proc.poll() is None:
-            server.signal(signal.SIGTERM)
-    for server in servers:
-        server.stop()  # waits; kills what did not exit
 
 
 def secure_channel(address: str, ca: bytes) -> grpc.Channel:
@@ -143,6 +112,6 @@ def rel_pair(server_logs: Path) -> Iterator[tuple[Server, Server]]:
     """(decode, prefill), tiny preset on CPU, paired over gRPC, both with a Prometheus port."""
     prefill = Server("prefill_server", [], server_logs)
     decode = Server("decode_server", ["--prefill-addr", prefill.address, "--chunk-size", "32"], server_logs)
-    start_all(prefill, decode)  # the decode server pairs on its first disaggregated request
+    start_all([prefill, decode])  # the decode server pairs on its first disaggregated request
     yield decode, prefill
-    stop_all(decode, prefill)
+    stop_all([decode, prefill])

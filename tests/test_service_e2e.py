@@ -165,3 +165,19 @@ def test_checkpoint_served_end_to_end(tiny_checkpoint: Path, server_logs: Path) 
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_kv_checksum_on_checks_every_handoff(pair, server_logs: Path) -> None:  # type: ignore[no-untyped-def]
+    """--kv-checksum on: the prefill server checksums what it sent and the decode server what landed
+    (a request whose prefill server left the checksum out would fail DATA_LOSS)."""
+    _, prefill = pair
+    decode = ServerProcess("decode_server", ["--prefill-addr", prefill.address, "--kv-checksum", "on"],
+                           server_logs).start()
+    try:
+        p = prompt(200, salt=3)
+        replies = run_stream(decode.address, decode_pb2.GenerateRequest(
+            token_ids=p, max_new_tokens=8, ignore_eos=True, prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED))
+        assert [r.token_id for r in replies] == generate(make_runner(preset="tiny", max_model_len=2048), [p], 8)[0]
+        assert replies[-1].timing.kv_bytes > 0
+    finally:
+        decode.stop()

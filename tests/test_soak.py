@@ -30,7 +30,8 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from tests.test_reliability_fixtures import Server, health_status, start_all, stop_all, wait_kv_idle
+from serving.launch import start_all, stop_all
+from tests.test_reliability_fixtures import Server, health_status, wait_kv_idle
 
 pytestmark = pytest.mark.soak
 
@@ -231,7 +232,7 @@ def test_soak(server_logs: Path) -> None:
     decode = Server("decode_server", ["--prefill-addr", prefill.address, "--max-model-len", str(CONTEXT),
                                       "--kv-cache-gb", "0.01", "--max-batch-size", "16", "--max-queued-requests", "10",
                                       "--max-waiting-tokens", "12000"], server_logs)
-    start_all(prefill, decode)
+    start_all([prefill, decode])
     servers = [decode, prefill]
     try:
         before = [decode.metrics(), prefill.metrics()]
@@ -265,7 +266,7 @@ def test_soak(server_logs: Path) -> None:
               f"{compared} compared with a fresh server, {len(missing)} cancelled before the server saw them; "
               + json.dumps(dict(sorted(summary.items()))))
     finally:
-        stop_all(*servers)
+        stop_all(servers)
 
 
 def test_frozen_prefill_server(server_logs: Path) -> None:
@@ -277,7 +278,7 @@ def test_frozen_prefill_server(server_logs: Path) -> None:
     keepalive_s = (dict(GRPC_OPTIONS)["grpc.keepalive_time_ms"] + dict(GRPC_OPTIONS)["grpc.keepalive_timeout_ms"]) / 1e3
     prefill = Server("prefill_server", [], server_logs, env={"PD_FAULT_PREFILL_LAYER_DELAY_S": "0.5"})
     decode = Server("decode_server", ["--prefill-addr", prefill.address], server_logs)
-    start_all(prefill, decode)
+    start_all([prefill, decode])
     results: dict[str, tuple[grpc.StatusCode, float]] = {}
 
     def send(name: str, req: decode_pb2.GenerateRequest, timeout: float) -> threading.Thread:
@@ -321,4 +322,4 @@ def test_frozen_prefill_server(server_logs: Path) -> None:
         print(f"\nfrozen prefill server: UNAVAILABLE after {took:.1f}s (keepalive {keepalive_s:.0f}s)")
     finally:
         prefill.signal(signal.SIGCONT)
-        stop_all(decode, prefill)
+        stop_all([decode, prefill])

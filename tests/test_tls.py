@@ -15,8 +15,9 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+from serving.launch import start_all, stop_all
 from tests.servers import ROOT
-from tests.test_reliability_fixtures import Server, request, secure_channel, start_all, stop_all
+from tests.test_reliability_fixtures import Server, request, secure_channel
 
 x509 = pytest.importorskip("cryptography.x509")
 
@@ -53,9 +54,9 @@ def tls_pair(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Ite
     prefill = Server("prefill_server", tls, server_logs, tls_ca=ca)
     decode = Server("decode_server", [*tls, "--prefill-addr", prefill.address, "--tls-ca", str(cert)], server_logs,
                     tls_ca=ca)
-    start_all(prefill, decode)
+    start_all([prefill, decode])
     yield decode, prefill, cert
-    stop_all(decode, prefill)
+    stop_all([decode, prefill])
 
 
 def test_tls_generate_end_to_end(tls_pair: tuple[Server, Server, Path]) -> None:

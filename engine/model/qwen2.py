@@ -51,8 +51,9 @@ class RotaryTable(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ops.KernelOptions) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -70,8 +71,10 @@ class DecoderLayer(nn.Module):
         goes on through attention and the MLP: no later layer reads the other rows."""
         h, x = self.input_norm(x, delta)
         rows = meta.rows if isinstance(meta, PrefillMeta) and meta.whole_prompt else None
-        q, k, v = ops.rope_and_store(ops.linear(h, self.qkv), positions, rope.cos, rope.sin, pool.layers[layer],
-                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
+        kernels = self.kernels
+        q, k, v = ops.rope_and_store(ops.linear(h, self.qkv, kernels), positions, rope.cos, rope.sin,
+                                     pool.layers[layer], meta.new_slots, self.num_heads, self.num_kv_heads,
+                                     self.head_dim, rows)
         if isinstance(meta, PrefillMeta) and last_row_only:
             t = meta.new_slots.numel()
             attn, x = last_row_attention(q[t - 1:t], k[:t], v[:t], pool, layer, meta), x[t - 1:t]
@@ -79,16 +82,17 @@ class DecoderLayer(nn.Module):
             attn = prefill_attention(q, k, v, pool, layer, meta)
         else:
             attn = decode_attention(q, pool, layer, meta)
-        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj))
-        return x, ops.linear(ops.gate_up_silu(h, self.gate_up), self.down)
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
+        return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ops.KernelOptions, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -132,4 +136,4 @@ class Qwen2Model(nn.Module):
 
     def _logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         h, _ = self.norm(x, delta)
-        return ops.linear(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head, self.kernels).float()

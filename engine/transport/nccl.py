@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +31,6 @@ from engine.kv_cache import KVPool
 from engine.transport.base import KVSender, TransferCancelled
 
 log = logging.getLogger(__name__)
-
-# Our own deadlines abort a stuck pair; NCCL's watchdog must not tear the whole server down.
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 # How often a waiting thread looks at its works. A sleep of 200 us lasts about 250 (the kernel's

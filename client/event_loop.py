@@ -1,0 +1,18 @@
+"""The event loop every async entry point runs on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to its end on uvloop, or on asyncio's own loop where uvloop is not installed (Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)  # type: ignore[no-any-return]

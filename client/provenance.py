@@ -1,0 +1,19 @@
+"""The commit a recorded result was produced at."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str:
+    """$PD_COMMIT where the tree travels without .git, else the checkout's short HEAD, else "unknown"."""
+    if os.environ.get("PD_COMMIT"):
+        return os.environ["PD_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"

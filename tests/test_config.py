@@ -1,0 +1,59 @@
+"""Settings live in the frozen config dataclasses and reach what they set; the process set-up, not an
+import, writes the environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.servers import ROOT
+
+
+def test_kernel_flags_reach_every_layer() -> None:
+    from decode_server.__main__ import parse_config
+    from engine.ops import KernelOptions
+    from serving.build_runner import build_runner
+
+    for flags, expected in (([], KernelOptions()),
+                            (["--no-skinny-gemv"], KernelOptions(skinny_gemv=False)),
+                            (["--no-fused-gate-up"], KernelOptions(fused_gate_up=False))):
+        cfg, _ = parse_config(["--device", "cpu", "--preset", "tiny", *flags])
+        model = build_runner(cfg, "decode", 1, False, 0.0).model
+        assert model.kernels == expected
+        assert all(layer.kernels == expected for layer in model.layers)
+
+
+def test_decode_flags_tls_ca_and_kv_checksum(capsys: pytest.CaptureFixture[str]) -> None:
+    from decode_server.__main__ import parse_config
+
+    cfg, _ = parse_config([])
+    assert (cfg.tls_ca, cfg.kv_checksum) == (None, "on")
+    cfg, _ = parse_config(["--tls-ca", "ca.pem", "--kv-checksum", "off"])
+    assert (cfg.tls_ca, cfg.kv_checksum) == ("ca.pem", "off")
+    with pytest.raises(SystemExit):
+        parse_config(["--kv-checksum", "yes"])
+    assert "--kv-checksum" in capsys.readouterr().err
+
+
+def test_nccl_environment_is_set_by_process_setup_not_by_import() -> None:
+    script = (
+        "import json, os\n"
+        "for name in ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'NCCL_NVLS_ENABLE'): os.environ.pop(name, None)\n"
+        "import engine.transport.nccl\n"
+        "after_import = {k: os.environ.get(k) for k in ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'NCCL_NVLS_ENABLE')}\n"
+        "os.environ['NCCL_NVLS_ENABLE'] = '1'\n"
+        "from prefill_server.__main__ import parse_config\n"
+        "from serving.grpc_common import setup_process\n"
+        "setup_process(parse_config([]))\n"
+        "after_setup = {k: os.environ.get(k) for k in ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'NCCL_NVLS_ENABLE')}\n"
+        "print(json.dumps([after_import, after_setup]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    after_import, after_setup = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert after_import == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": None, "NCCL_NVLS_ENABLE": None}
+    # set where unset; what the operator set wins
+    assert after_setup == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "1"}
