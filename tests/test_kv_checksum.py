@@ -65,3 +65,12 @@ def test_first_mismatch() -> None:
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
     assert first_mismatch([1, 2, 3], [1, 2]) == 2
+
+
+def test_checksum_benchmark_runs_on_the_cpu() -> None:
+    """bench.kv_checksum end to end with the tiny preset: both layouts timed beside a real prefill."""
+    from bench.kv_checksum import measure
+
+    row = measure("tiny", 256, torch.device("cpu"))
+    assert row["prefill_ms"] > 0 and row["one_run_ms"] > 0 and row["scattered_ms"] > 0
+    assert row["share_of_prefill_one_run"] == pytest.approx(2 * row["one_run_ms"] / row["prefill_ms"], abs=1e-4)
