@@ -43,8 +43,10 @@ def prefill_addresses(spec: str) -> list[str]:
 
 async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server import metrics
-    from decode_server.engine import DecodeEngine
+    from decode_server.admission import Admission
+    from decode_server.core import DecodeCore
     from decode_server.prefill_client import PrefillRouter
+    from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
 
     check_port_free(cfg)
@@ -53,8 +55,9 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
-    engine = DecodeEngine(runner, cfg.max_batch_size, cfg.layer_slice_tokens,
-                          die_after_steps=faults.engine_die_after_steps)
+    admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop)
+    scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
+                               die_after_steps=faults.engine_die_after_steps)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
@@ -62,28 +65,26 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         creds = channel_credentials(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
-    service = DecodeService(cfg, runner, engine, tokenizer, router)
+    eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+    core = DecodeCore(cfg, scheduler, router, eos_ids)
+    service = DecodeService(cfg, runner, core, tokenizer)
     allocator = runner.pool.allocator
-    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(engine.running),
-                             service.num_waiting)
-    engine.on_blocks_freed = lambda: loop.call_soon_threadsafe(service.notify_blocks_freed)
+    metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(scheduler.running),
+                             core.num_waiting)
     fatal = asyncio.Event()
-    engine.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
+    scheduler.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
     server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
     await health.listen_plaintext(cfg)
     start_metrics(cfg)
-    engine.start()
+    scheduler.start()
     await server.start()
     await health.set(True)
     log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)", cfg.host, port, runner.device,
              runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "")
 
-    def stop() -> None:
-        engine.stop()
-
-    code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=stop, fatal=fatal,
-                                       on_drain=service.start_draining, in_flight=lambda: len(service.in_flight))
+    code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
+                                       on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))
     if router is not None:
         await router.close()
     return code

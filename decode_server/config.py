@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pd.v1 import decode_pb2
 
 from serving.server_config import ServerConfig, env_number, opt
 
-# --mode's choices and the request's prefill_mode numbers, named as in the proto (PREFILL_MODE_<NAME>)
-MODE_NUMBERS = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
-                for v in decode_pb2.PrefillMode.DESCRIPTOR.values if v.number}
-MODES = tuple(MODE_NUMBERS)
+
+class PrefillMode(StrEnum):
+    """Where a prompt is prefilled: --mode's choices, and the request's prefill_mode as the proto
+    numbers it (PREFILL_MODE_<NAME>; 0 = the server's --mode)."""
+
+    COLOCATED = "colocated"          # here, the whole prompt in one step
+    CHUNKED = "chunked"              # here, a chunk of the prompt between two decode steps
+    LAYERED = "layered"              # here, a slice of the model's layers between two decode steps
+    DISAGGREGATED = "disaggregated"  # on a prefill server, whose KV then comes over
+
+    @property
+    def number(self) -> int:
+        return decode_pb2.PrefillMode.Value(f"PREFILL_MODE_{self.name}")
+
+    @classmethod
+    def from_number(cls, number: int) -> PrefillMode | None:
+        """The mode a request's prefill_mode names; None for 0 (unset) or a number the proto does not know."""
+        return next((mode for mode in cls if mode.number == number), None)
 
 
 @dataclass(frozen=True)
@@ -21,8 +36,9 @@ class DecodeConfig(ServerConfig):
     prefill_addr: str | None = field(default=None, metadata=opt(
         "prefill server(s): host:port[,host:port...] or dns:///name:port (every address the name resolves "
         "to, re-resolved as pods come and go)"))
-    mode: str | None = field(default=None, metadata=opt("where prompts are prefilled; default: disaggregated "
-                                                         "with --prefill-addr, else colocated", choices=MODES))
+    mode: str | None = field(default=None, metadata=opt(
+        "where prompts are prefilled; default: disaggregated with --prefill-addr, else colocated",
+        choices=tuple(PrefillMode)))
     chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
     layer_slice_tokens: int = field(default=32768, metadata=opt(
         "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
@@ -44,7 +60,7 @@ class DecodeConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode == "disaggregated" and not self.prefill_addr:
+        if self.mode == PrefillMode.DISAGGREGATED and not self.prefill_addr:
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
         if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
             raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
@@ -54,8 +70,10 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
 
     @property
-    def default_mode(self) -> str:
-        return self.mode or ("disaggregated" if self.prefill_addr else "colocated")
+    def default_mode(self) -> PrefillMode:
+        if self.mode:
+            return PrefillMode(self.mode)
+        return PrefillMode.DISAGGREGATED if self.prefill_addr else PrefillMode.COLOCATED
 
 
 # Fault injection, for tests only; read once at start-up. Declared here and nowhere else.

@@ -1,50 +1,70 @@
-"""The decode side of one remote prefill's KV handoff, for every transport: put the KV that the
-prefill server sends into this server's pool, and say when it is all there."""
+"""The decode side of each KV transport: what a handshake sets up with one prefill server
+(`Pairing`), and the handoff of one remote prefill's KV into this server's pool (`Handoff`).
+Each transport has one of each; `PAIRINGS` names them, so nothing else asks which transport it is.
+
+Blocks: the request's blocks were reserved at admission and are freed by the scheduler. A handoff
+only writes them, and `PrefillRouter` frees nothing until the handoff says that nothing can still
+write them (`settled`, else `abandon`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
+import torch
 from pd.v1 import prefill_pb2
 
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVLayout, KVPool
 from engine.kv_checksum import first_mismatch, layer_checksums
+from engine.transport.base import KVReceiver, KVTransport
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
 from serving.grpc_common import StatusError
 
+if TYPE_CHECKING:
+    from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
+    from engine.transport.nccl import NcclKVReceiver, NcclPair
+    from engine.transport.nccl_rendezvous import RelayStore
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# (the pairing's secret, timeout) -> a context holding a store relayed to the prefill server
+RelayOpener = Callable[[bytes, float], AbstractContextManager["RelayStore"]]
 
 
 class HandoffError(StatusError):
     """The KV did not arrive whole."""
 
 
-class Handoff:
-    """Feeds the control messages of one Prefill stream to the transport's receiver."""
+class Handoff(ABC):
+    """Feeds the control messages of one Prefill stream to its transport's receiver, on the event
+    loop; the receiver's calls run on the writer thread (one for the whole server)."""
 
-    def __init__(self, transport: str, pool: KVPool, block_table: list[int], num_tokens: int,
-                 writer: ThreadPoolExecutor, peer: Any) -> None:
-        self.transport, self.pool, self.block_table, self.num_tokens = transport, pool, block_table, num_tokens
-        self.writer, self.peer = writer, peer
-        self.receiver: Any = None
+    transport: ClassVar[KVTransport]
+    cancels_call: ClassVar[bool] = True            # leaving early cancels the Prefill call
+    releases_remote_blocks: ClassVar[bool] = False  # the prefill side holds its blocks until ReleaseIpc
+    receiver: KVReceiver | None
+
+    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> None:
+        self.pool, self.block_table, self.num_tokens, self.writer = pool, block_table, num_tokens, writer
+        self.receiver = None
         self.bytes = 0
         self.start_at = 0.0  # monotonic: the transfer's start message arrived (nccl, cuda-ipc)
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
-        self.reported = 0  # cuda-ipc: layers the prefill side says are readable
-        self._copying: asyncio.Future[None] | None = None  # cuda-ipc: the writer's call copying them
 
     def mark(self, what: str) -> None:
         self.marks.append((what, time.monotonic()))
 
-    def _timed(self, call: Any, *args: Any) -> Any:
+    def _timed(self, call: Callable[..., T], *args: object) -> T:
         """On the writer thread: `call(*args)`, its time added to post_busy_s."""
         started = time.monotonic()
         try:
@@ -52,19 +72,8 @@ class Handoff:
         finally:
             self.post_busy_s += time.monotonic() - started
 
-    def _write_chunk(self, chunk: KVView) -> None:
-        """On the writer thread (the receiver's slot upload is device work too)."""
-        if self.receiver is None:
-            self.receiver = GrpcKVReceiver(self.pool, self.block_table, self.num_tokens)
-        self.receiver.write(chunk.layer, chunk.token_start, chunk.token_end, chunk.data)
-
-    async def on_kv(self, chunk: KVView) -> None:
-        if self.transport != "grpc":
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"a KV chunk does not fit transport {self.transport}")
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.writer, self._write_chunk, chunk)
-        except ChunkError as e:
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
+    def _misfit(self, what: str) -> HandoffError:
+        return HandoffError(grpc.StatusCode.UNAVAILABLE, f"{what} does not fit transport {self.transport}")
 
     async def on_message(self, message: prefill_pb2.PrefillResponse, deadline: float) -> None:
         kind = message.WhichOneof("payload")
@@ -74,108 +83,42 @@ class Handoff:
             await self.on_kv(KVView(c.layer, c.token_start, c.token_end, memoryview(c.data)))
         elif kind == "start":
             self.start_at = time.monotonic()
-            await self._on_start(message.start, deadline)
+            await self.on_start(message.start, deadline)
             self.post_s = time.monotonic() - self.start_at
             self.mark("posted")
-        elif kind == "layer_sent" and self.transport == "cuda-ipc" and self.receiver is not None:
-            # At most one writer call a handoff, copying every layer reported by the time it runs: the
-            # calls of every handoff share one thread, and under load each waits long for its turn (with
-            # a call a layer, 60-140 ms each, bench/NOTES.md).
-            self.reported = max(self.reported, message.layer_sent + 1)
-            if self._copying is None or self._copying.done():
-                if self._copying is not None:
-                    self._copying.result()  # a failed copy fails the handoff now
-                self._queue_copy()
-        elif kind in ("kv", "layer_sent"):
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"{kind} message does not fit transport {self.transport}")
+        elif kind == "layer_sent":
+            await self.on_layer_sent(message.layer_sent)
 
-    def _queue_copy(self) -> None:
-        self._copying = asyncio.get_running_loop().run_in_executor(self.writer, self._copy_reported)
+    async def on_kv(self, chunk: KVView) -> None:
+        raise self._misfit("a KV chunk")
 
-    def _copy_reported(self) -> None:
-        """On the writer thread: queue the copy of every layer reported and not yet copied."""
-        while self.receiver.copied < self.reported:
-            self.receiver.copy_layer(self.receiver.copied)
-        self.mark(f"copied{self.receiver.copied - 1}")
+    async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
+        raise self._misfit("start message")
 
-    async def _copy_the_rest(self) -> None:
-        """cuda-ipc, once the stream has ended: copies of the layers reported last are queued."""
-        while True:
-            if self._copying is not None:
-                await self._copying
-            if self.receiver.copied >= self.reported:
-                return
-            self._queue_copy()
-
-    async def _on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
-        loop = asyncio.get_running_loop()
-        if self.transport == "nccl":
-            from engine.transport.nccl import NcclKVReceiver, TransferFailed
-
-            def receive() -> None:  # one writer call, not two: each waits for the GIL under load
-                self.receiver = NcclKVReceiver(self.peer.nccl, self.pool, self.block_table, self.num_tokens)
-                self.receiver.post(start.sequence, deadline)
-
-            try:
-                await loop.run_in_executor(self.writer, self._timed, receive)
-            except TransferFailed as e:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        elif self.transport == "cuda-ipc":
-            from engine.transport.cuda_ipc import IpcKVReceiver
-
-            receiver = IpcKVReceiver(self.peer.remote_pool, self.pool, self.block_table, self.num_tokens)
-            await loop.run_in_executor(self.writer, self._timed, receiver.start, list(start.src_block_table),
-                                       start.src_block_size)
-            self.receiver = receiver
-        else:
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"start message does not fit transport {self.transport}")
+    async def on_layer_sent(self, layer: int) -> None:
+        raise self._misfit("layer_sent message")
 
     async def wait_complete(self, deadline: float) -> None:
-        if self.receiver is None:
+        """Until every layer is in the pool; then `bytes` is what arrived."""
+        receiver = self.receiver
+        if receiver is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
-        if self.transport == "grpc":
-            if not self.receiver.complete():
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before all KV arrived")
-            await asyncio.get_running_loop().run_in_executor(self.writer, _sync_device, self.pool)
-            self.bytes = self.receiver.bytes_received
-            return
-        if self.transport == "cuda-ipc":
-            await self._copy_the_rest()
-        while not self.receiver.complete():
-            if self.receiver.error is not None:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {self.receiver.error}")
+        while not receiver.complete():
+            if receiver.error is not None:
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport}: {receiver.error}")
             if time.monotonic() > deadline:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over {self.transport} did not arrive in time")
             await asyncio.sleep(0.0002)
         self.bytes = self.num_tokens * self.pool.layout.bytes_per_token
 
+    def settled(self) -> bool:
+        """Nothing can write the blocks any more (asked once the writer thread has run every call queued so far)."""
+        return self.receiver is not None and self.receiver.complete()
+
     async def abandon(self, failed: bool) -> bool:
         """After a failure or cancel: True once nothing can still write into our blocks (they may be
         freed); False if a transfer may still land (the caller must not reuse them)."""
-        if self.receiver is None or self.transport == "grpc":
-            return True
-        if self.transport == "cuda-ipc":
-            await _drained(self.receiver.drain_marker())
-            return True
-        if not self.receiver.posted:
-            return True
-        if failed:
-            self.peer.nccl.abort()  # the watching thread stops at the next layer
-        limit = time.monotonic() + (5.0 if failed else 120.0)
-        while time.monotonic() < limit:
-            if self.receiver.complete():
-                return True
-            if self.receiver.stopped.is_set():  # stopped early
-                if self.receiver.into_pool:  # NCCL was writing our blocks: stop its kernels, wait them out
-                    self.peer.nccl.abort()
-                    if await _device_idle(self.pool, limit - time.monotonic()):
-                        return True
-                    break
-                await _drained(self.receiver.drain_marker())  # NCCL writes only into its staging buffer
-                return True
-            await asyncio.sleep(0.001)
-        log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
-        return False
+        return True
 
     def verify(self, expected: list[int]) -> None:
         layer = first_mismatch(layer_checksums(self.pool, self.block_table, self.num_tokens), expected)
@@ -184,7 +127,243 @@ class Handoff:
                                                           f"what the prefill server sent (layer {layer}'s checksum)")
 
 
-async def _drained(marker: Any) -> None:
+class GrpcHandoff(Handoff):
+    """KV chunks in the Prefill stream, written into the pool on the writer thread as they come."""
+
+    transport = KVTransport.GRPC
+    receiver: GrpcKVReceiver | None
+
+    def _write_chunk(self, chunk: KVView) -> None:
+        """On the writer thread (the receiver's slot upload is device work too)."""
+        if self.receiver is None:
+            self.receiver = GrpcKVReceiver(self.pool, self.block_table, self.num_tokens)
+        self.receiver.write(chunk.layer, chunk.token_start, chunk.token_end, chunk.data)
+
+    async def on_kv(self, chunk: KVView) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.writer, self._write_chunk, chunk)
+        except ChunkError as e:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"bad KV chunk: {e}") from e
+
+    async def wait_complete(self, deadline: float) -> None:
+        receiver = self.receiver
+        if receiver is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before any KV arrived")
+        if not receiver.complete():
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended before all KV arrived")
+        await asyncio.get_running_loop().run_in_executor(self.writer, _sync_device, self.pool)
+        self.bytes = receiver.bytes_received
+
+    def settled(self) -> bool:
+        return True  # every write is a writer-thread call, and those have all run
+
+
+class NcclHandoff(Handoff):
+    """NCCL: at the start message every layer's receive is posted (one writer call); a thread of
+    the receiver's watches them land. A receive into the pool's own blocks that stops early leaves
+    them unusable until the aborted pair's kernels are gone."""
+
+    transport = KVTransport.NCCL
+    cancels_call = False  # our receives are posted: the prefill side's sends must still match them
+    receiver: NcclKVReceiver | None
+
+    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                 pair: NcclPair) -> None:
+        super().__init__(pool, block_table, num_tokens, writer)
+        self.pair = pair
+
+    async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
+        from engine.transport.nccl import NcclKVReceiver, TransferFailed
+
+        def receive() -> None:  # one writer call, not two: each waits for the GIL under load
+            self.receiver = NcclKVReceiver(self.pair, self.pool, self.block_table, self.num_tokens)
+            self.receiver.post(start.sequence, deadline)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receive)
+        except TransferFailed as e:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+
+    async def abandon(self, failed: bool) -> bool:
+        receiver = self.receiver
+        if receiver is None or not receiver.posted:
+            return True
+        if failed:
+            self.pair.abort()  # the watching thread stops at the next layer
+        limit = time.monotonic() + (5.0 if failed else 120.0)
+        while time.monotonic() < limit:
+            if receiver.complete():
+                return True
+            if receiver.stopped.is_set():  # stopped early
+                if receiver.into_pool:  # NCCL was writing our blocks: stop its kernels, wait them out
+                    self.pair.abort()
+                    if await _device_idle(self.pool, limit - time.monotonic()):
+                        return True
+                    break
+                await _drained(receiver.drain_marker())  # NCCL writes only into its staging buffer
+                return True
+            await asyncio.sleep(0.001)
+        log.error("an NCCL transfer never stopped; %d KV blocks stay reserved", len(self.block_table))
+        return False
+
+
+class IpcHandoff(Handoff):
+    """cuda-ipc: this side copies each layer out of the prefill server's mapped pool as that side
+    reports it written; the prefill side holds its blocks until told the copies are done."""
+
+    transport = KVTransport.CUDA_IPC
+    releases_remote_blocks = True
+    receiver: IpcKVReceiver | None
+
+    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
+                 remote: RemotePool) -> None:
+        super().__init__(pool, block_table, num_tokens, writer)
+        self.remote = remote
+        self.reported = 0  # layers the prefill side says are readable
+        self._copying: asyncio.Future[None] | None = None  # the writer's call copying them
+
+    async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
+        from engine.transport.cuda_ipc import IpcKVReceiver
+
+        receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
+        await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receiver.start,
+                                                         list(start.src_block_table), start.src_block_size)
+        self.receiver = receiver
+
+    async def on_layer_sent(self, layer: int) -> None:
+        # At most one writer call a handoff, copying every layer reported by the time it runs: the
+        # calls of every handoff share one thread, and under load each waits long for its turn (with
+        # a call a layer, 60-140 ms each, bench/NOTES.md).
+        if self.receiver is None:
+            raise self._misfit("layer_sent message before the start message")
+        self.reported = max(self.reported, layer + 1)
+        if self._copying is None or self._copying.done():
+            if self._copying is not None:
+                self._copying.result()  # a failed copy fails the handoff now
+            self._queue_copy()
+
+    def _queue_copy(self) -> None:
+        self._copying = asyncio.get_running_loop().run_in_executor(self.writer, self._copy_reported)
+
+    def _copy_reported(self) -> None:
+        """On the writer thread: queue the copy of every layer reported and not yet copied."""
+        assert self.receiver is not None
+        while self.receiver.copied < self.reported:
+            self.receiver.copy_layer(self.receiver.copied)
+        self.mark(f"copied{self.receiver.copied - 1}")
+
+    async def wait_complete(self, deadline: float) -> None:
+        while self.receiver is not None:  # copies of the layers reported last are queued
+            if self._copying is not None:
+                await self._copying
+            if self.receiver.copied >= self.reported:
+                break
+            self._queue_copy()
+        await super().wait_complete(deadline)
+
+    async def abandon(self, failed: bool) -> bool:
+        if self.receiver is not None:
+            await _drained(self.receiver.drain_marker())
+        return True
+
+
+class Pairing(ABC):
+    """What the handshake set up with one prefill server for the transport it chose."""
+
+    transport: ClassVar[KVTransport]
+
+    @classmethod
+    @abstractmethod
+    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
+                timeout: float, relay: RelayOpener) -> Pairing:
+        """On the writer thread, after the prefill server's handshake reply. `relay` opens a store whose
+        operations go to the prefill server over the channel the handshake used (NCCL's rendezvous)."""
+
+    @property
+    def broken(self) -> bool:
+        """A failure ended the pairing: handshake again before the next prefill."""
+        return False
+
+    @abstractmethod
+    def forget(self) -> None:
+        """Let go of the pairing (its prefill server failed or restarted)."""
+
+    @abstractmethod
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
+        """The handoff of one request's KV over this pairing."""
+
+
+class GrpcPairing(Pairing):
+    transport = KVTransport.GRPC
+
+    @classmethod
+    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
+                timeout: float, relay: RelayOpener) -> GrpcPairing:
+        return cls()
+
+    def forget(self) -> None:
+        pass  # nothing was set up beyond the channel
+
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
+        return GrpcHandoff(pool, block_table, num_tokens, writer)
+
+
+class NcclPairing(Pairing):
+    """The pair's own two-rank NCCL group, its rendezvous relayed to the prefill server's store for it
+    over the handshake's channel (engine.transport.nccl_rendezvous)."""
+
+    transport = KVTransport.NCCL
+
+    def __init__(self, pair: NcclPair) -> None:
+        self.pair = pair
+
+    @classmethod
+    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
+                timeout: float, relay: RelayOpener) -> NcclPairing:
+        from engine.transport.nccl import DECODE_RANK, NcclPair
+
+        with relay(reply.nccl_secret, timeout) as store:  # closed once the pair has met
+            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
+            pair.warm_up()
+        return cls(pair)
+
+    @property
+    def broken(self) -> bool:
+        return self.pair.broken
+
+    def forget(self) -> None:
+        self.pair.abort()
+
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
+        return NcclHandoff(pool, block_table, num_tokens, writer, self.pair)
+
+
+class IpcPairing(Pairing):
+    """The prefill server's whole KV pool, mapped into this process once."""
+
+    transport = KVTransport.CUDA_IPC
+
+    def __init__(self, remote: RemotePool) -> None:
+        self.remote = remote
+
+    @classmethod
+    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
+                timeout: float, relay: RelayOpener) -> IpcPairing:
+        from engine.transport.cuda_ipc import RemotePool
+
+        return cls(RemotePool(layout, reply.ipc_pool_handle, reply.ipc_pool_offset, reply.ipc_pool_num_slots, device))
+
+    def forget(self) -> None:
+        pass  # the mapping stays open: copies queued from it may still run
+
+    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> Handoff:
+        return IpcHandoff(pool, block_table, num_tokens, writer, self.remote)
+
+
+PAIRINGS: dict[KVTransport, type[Pairing]] = {p.transport: p for p in (GrpcPairing, NcclPairing, IpcPairing)}
+
+
+async def _drained(marker: torch.cuda.Event | None) -> None:
     """Until every copy queued before a receiver's drain marker is done (None on the CPU: nothing is queued)."""
     while marker is not None and not marker.query():
         await asyncio.sleep(0.0005)
@@ -195,8 +374,6 @@ async def _device_idle(pool: KVPool, seconds: float) -> bool:
     pair's included), within `seconds`."""
     if pool.device.type != "cuda":
         return True
-    import torch
-
     idle = asyncio.get_running_loop().run_in_executor(None, torch.cuda.synchronize, pool.device)
     try:
         await asyncio.wait_for(asyncio.shield(idle), max(0.0, seconds))
@@ -207,6 +384,4 @@ async def _device_idle(pool: KVPool, seconds: float) -> bool:
 
 def _sync_device(pool: KVPool) -> None:
     if pool.device.type == "cuda":
-        import torch
-
         torch.cuda.current_stream(pool.device).synchronize()

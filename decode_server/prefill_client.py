@@ -1,5 +1,6 @@
 """The decode server's side of the pair: find prefill servers, handshake with them, run remote
-prefills, and get the KV that comes back into this server's pool (decode_server.kv_receive)."""
+prefills, and get the KV that comes back into this server's pool (each transport's side of it is
+in decode_server.kv_receive)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
-from decode_server.kv_receive import Handoff, HandoffError
+from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
+from decode_server.timing import Timing
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
@@ -29,6 +32,9 @@ from engine.transport.handshake import (
 )
 from serving.grpc_common import GRPC_OPTIONS, StatusError
 
+if TYPE_CHECKING:
+    from engine.transport.nccl_rendezvous import RelayStore
+
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
@@ -37,20 +43,6 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is 
 
 class PrefillFailed(StatusError):
     """A remote prefill failed; the request is answered with `code`."""
-
-
-@dataclass
-class RemotePrefill:
-    first_token: int
-    prefill_s: float
-    kv_transfer_s: float
-    kv_exposed_s: float
-    kv_bytes: int
-    transport: str
-    queue_s: float  # behind other prompts on the prefill server
-    start_at_s: float = 0.0  # the transfer's start message arrived, since the call began (nccl, cuda-ipc)
-    post_s: float = 0.0      # setting up the receive after it
-    post_busy_s: float = 0.0  # the part of post_s inside the receive set-up's own calls
 
 
 class PrefillPeer:
@@ -68,17 +60,15 @@ class PrefillPeer:
                         else grpc.aio.insecure_channel(address, options=self.options))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.prefill_call = prefill_stream(self.channel)  # KV chunks arrive as views, not copies
-        self.transport: str | None = None
-        self.nccl: Any = None          # NcclPair
-        self.remote_pool: Any = None   # RemotePool (cuda-ipc)
+        self.pairing: Pairing | None = None
         self.in_flight = 0
         self.peer_id = uuid.uuid4().hex[:12]
         self._handshake_lock = asyncio.Lock()
 
-    async def ensure_paired(self, timeout: float, writer: ThreadPoolExecutor) -> str:
+    async def ensure_paired(self, timeout: float, writer: ThreadPoolExecutor) -> Pairing:
         async with self._handshake_lock:
-            if self.transport is not None and not (self.nccl is not None and self.nccl.broken):
-                return self.transport
+            if self.pairing is not None and not self.pairing.broken:
+                return self.pairing
             self.forget_pairing()
             ours = supported_transports(self.runner.device)
             offer = ours if self.requested_transport == "auto" else [self.requested_transport]
@@ -98,41 +88,30 @@ class PrefillPeer:
                 raise PrefillFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"prefill server {self.address} chose KV transport {reply.transport!r}, "
                                     f"which this decode server does not run")
-            loop = asyncio.get_running_loop()
             try:
-                if chosen == "nccl":
-                    self.nccl = await loop.run_in_executor(writer, self._join_nccl, reply, timeout)
-                elif chosen == "cuda-ipc":
-                    from engine.transport.cuda_ipc import RemotePool
-
-                    self.remote_pool = await loop.run_in_executor(
-                        writer, RemotePool, self.runner.layout, reply.ipc_pool_handle, reply.ipc_pool_offset,
-                        reply.ipc_pool_num_slots, self.runner.device)
+                self.pairing = await asyncio.get_running_loop().run_in_executor(
+                    writer, PAIRINGS[chosen].connect, reply, self.runner.layout, self.runner.device, timeout,
+                    self.relay)
             except Exception as e:
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
-            self.transport = chosen
             log.info("paired with prefill server %s (%s) over %s", self.address, reply.server_id, chosen)
-            return chosen
+            return self.pairing
 
-    def _join_nccl(self, reply: prefill_pb2.HandshakeResponse, timeout: float) -> Any:
-        """This side's half of the pair; its rendezvous runs over a channel like the handshake's (a blocking
-        one: torch calls the store from this thread), closed once the pair has met."""
-        from engine.transport.nccl import DECODE_RANK, NcclPair
+    @contextmanager
+    def relay(self, secret: bytes, timeout: float) -> Iterator[RelayStore]:
+        """A store whose operations run on this prefill server's store for the pairing (NCCL's rendezvous),
+        over a blocking channel like the handshake's (torch calls the store from the writer thread)."""
         from engine.transport.nccl_rendezvous import RelayStore
 
         with (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
               else grpc.insecure_channel(self.address, options=self.options)) as channel:
-            store = RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, reply.nccl_secret,
-                               timeout)
-            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, self.runner.device, timeout)
-            pair.warm_up()
-        return pair
+            yield RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, secret, timeout)
 
     def forget_pairing(self) -> None:
-        if self.nccl is not None:
-            self.nccl.abort()
-        self.transport, self.nccl = None, None
+        if self.pairing is not None:
+            self.pairing.forget()
+        self.pairing = None
 
 
 def peer_error(address: str, e: grpc.aio.AioRpcError, what: str) -> PrefillFailed:
@@ -194,9 +173,11 @@ class PrefillRouter:
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
     async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
-                      block_table: list[int]) -> RemotePrefill:
-        """Prefill remotely into `block_table`. If the KV might still land after a failure, the
-        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them."""
+                      block_table: list[int], timing: Timing) -> int:
+        """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
+        server, and records where the time went in `timing`. If the KV might still land after a
+        failure, the blocks are moved out of `block_table` (left reserved) so the caller cannot
+        reuse them."""
         peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
@@ -204,17 +185,17 @@ class PrefillRouter:
         call = None
         failed = True
         try:
-            transport = await peer.ensure_paired(self.timeout_s, self.writer)
-            handoff = Handoff(transport, self.runner.pool, block_table, len(prompt), self.writer, peer)
+            pairing = await peer.ensure_paired(self.timeout_s, self.writer)
+            handoff = pairing.handoff(self.runner.pool, block_table, len(prompt), self.writer)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
-                                                 transport=transport, peer_id=peer.peer_id,
+                                                 transport=pairing.transport, peer_id=peer.peer_id,
                                                  kv_checksums=self.verify_kv)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in call:
                 if not handoff.marks:
                     handoff.mark("first message")
-                if isinstance(message, KVView):
+                if isinstance(message, KVView):  # our own encoding of a KV chunk (grpc_wire)
                     await handoff.on_kv(message)
                 elif message.WhichOneof("payload") == "done":
                     done = message.done
@@ -238,12 +219,14 @@ class PrefillRouter:
                 expected = list(done.layer_checksums)
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False
-            if transport == "cuda-ipc":
+            if handoff.releases_remote_blocks:
                 asyncio.ensure_future(self._release_ipc(peer, request_id))
-            return RemotePrefill(done.first_token_id, done.prefill_s, max(0.0, handoff_s), max(0.0, exposed),
-                                 handoff.bytes, transport, done.queue_s,
-                                 max(0.0, handoff.start_at - began) if handoff.start_at else 0.0, handoff.post_s,
-                                 handoff.post_busy_s)
+            timing.remote_prefill_done(queue_s=done.queue_s, prefill_s=done.prefill_s,
+                                       kv_transfer_s=max(0.0, handoff_s), kv_exposed_s=max(0.0, exposed),
+                                       kv_bytes=handoff.bytes, transport=pairing.transport,
+                                       start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
+                                       post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
+            return done.first_token_id
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()
@@ -256,7 +239,7 @@ class PrefillRouter:
             raise
         finally:
             peer.in_flight -= 1
-            if call is not None and not call.done() and (handoff is None or handoff.transport != "nccl"):
+            if call is not None and not call.done() and (handoff is None or handoff.cancels_call):
                 call.cancel()
             if handoff is not None:
                 await asyncio.shield(self._settle(peer, handoff, request_id, block_table, failed))
@@ -264,12 +247,12 @@ class PrefillRouter:
     async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
                       failed: bool) -> None:
         """Make sure nothing writes into the blocks once the caller frees them."""
-        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # grpc writes landed
-        if handoff.transport == "grpc" or (handoff.receiver is not None and handoff.receiver.complete()):
+        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # writer calls have run
+        if handoff.settled():
             return
         if not await handoff.abandon(failed):
             block_table.clear()  # a transfer may still land: keep those blocks out of circulation
-        if handoff.transport == "cuda-ipc":
+        if handoff.releases_remote_blocks:
             await self._release_ipc(peer, request_id)
 
     async def _release_ipc(self, peer: PrefillPeer, request_id: str) -> None:

@@ -1,49 +1,64 @@
-"""One request as the decode server tracks it, from admission to its last token."""
+"""One request as the decode server tracks it, from admission to its last token, and the output
+through which its tokens leave the scheduler."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
-
-from engine.kv_cache import BlockAllocator
+from decode_server.config import PrefillMode
+from decode_server.timing import Timing
 from engine.sampling import SamplingParams
+from serving.grpc_common import StatusError
 
 
-@dataclass
-class TokenEvent:
+class Rejected(StatusError):
+    """How a request ends when it does not end with its last token: the status it is answered with."""
+
+
+@dataclass(frozen=True)
+class TokenOutput:
     token_id: int
     index: int
     finish_reason: str  # "" until the last token
     step_s: float       # the step (prefill or decode) that produced it
 
 
-@dataclass
-class ErrorEvent:
-    code: grpc.StatusCode
-    message: str
+Output = TokenOutput | Rejected
 
 
-Event = TokenEvent | ErrorEvent
+class RequestOutput:
+    """A request's outputs in order: its tokens, or a failure that ends them. The scheduler adds
+    them on its thread and wakes the reader on the event loop once per step, not once per token."""
 
+    def __init__(self) -> None:
+        self._items: deque[Output] = deque()
+        self._added = asyncio.Event()
 
-@dataclass
-class Timing:
-    arrival: float = field(default_factory=time.perf_counter)
-    admitted: float = 0.0
-    prefill_queue_s: float = 0.0  # behind other prompts on the prefill server
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    kv_exposed_s: float = 0.0   # KV handoff time after the prefill's last layer finished
-    kv_start_at_s: float = 0.0  # remote prefill began -> the transfer's start message arrived
-    kv_post_s: float = 0.0      # setting up the receive after that message
-    kv_post_busy_s: float = 0.0  # the part of kv_post_s inside the set-up's calls (the rest: waiting to run them)
-    kv_bytes: int = 0
-    kv_transport: str = ""      # "" when prefilled here
-    first_token: float = 0.0
+    def add(self, item: Output) -> None:
+        """Any thread; the reader sees it once woken (`wake_all`, on the event loop)."""
+        self._items.append(item)
+
+    @staticmethod
+    def wake_all(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            output._added.set()
+
+    def taken(self) -> list[Output]:
+        """Every output added so far, for a caller that drives the scheduler itself (tests)."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    async def next(self) -> Output:
+        while not self._items:
+            self._added.clear()
+            if self._items:
+                break
+            await self._added.wait()
+        return self._items.popleft()
 
 
 @dataclass
@@ -54,41 +69,29 @@ class Sequence:
     params: SamplingParams
     stop_ids: frozenset[int]
     eos_ids: frozenset[int]
-    mode: str
+    mode: PrefillMode
     chunk_size: int
-    emit: Callable[[Event], object]  # thread-safe: hands the event to the request's stream
     block_table: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # generated so far
     prefilled: int = 0             # prompt tokens already in the pool (local prefill)
     finish_reason: str = ""
     timing: Timing = field(default_factory=Timing)
+    out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    in_engine: bool = False        # once True, only the engine thread frees the blocks
-    _released: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def total_tokens(self) -> int:
         return len(self.prompt) + self.max_new_tokens
 
-    def append(self, token: int, step_s: float) -> None:
-        """Record a sampled token, decide whether it ends the sequence, and emit it."""
-        self.output.append(token)
-        if len(self.output) == 1:
-            self.timing.first_token = time.perf_counter()
+    def append(self, token: int, step_s: float, now: float) -> TokenOutput:
+        """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
+        self.tokens.append(token)
+        if len(self.tokens) == 1:
+            self.timing.first_token = now
         if token in self.eos_ids:
             self.finish_reason = "eos"
         elif token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.output) >= self.max_new_tokens:
+        elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        self.emit(TokenEvent(token, len(self.output) - 1, self.finish_reason, step_s))
-
-    def release(self, allocator: BlockAllocator) -> bool:
-        """Free the KV blocks exactly once; True if this call freed them."""
-        with self._lock:
-            if self._released:
-                return False
-            self._released = True
-        allocator.free(self.block_table)
-        return True
+        return TokenOutput(token, len(self.tokens) - 1, self.finish_reason, step_s)

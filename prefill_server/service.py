@@ -17,7 +17,7 @@ from torch.distributed import DistStoreError
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.transport.base import KVSender, TransferCancelled
+from engine.transport.base import KVSender, KVTransport, TransferCancelled
 from engine.transport.grpc_stream import chunk_tokens_for
 from engine.transport.grpc_wire import kv_payload_bytes
 from engine.transport.handshake import (
@@ -57,7 +57,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.cfg, self.runner, self.worker = cfg, runner, worker
         self.faults = faults or PrefillFaults()
         self.server_id = uuid.uuid4().hex[:12]
-        self.transports = supported_transports(runner.device) if cfg.kv_transport == "auto" else [cfg.kv_transport]
+        self.transports = (supported_transports(runner.device) if cfg.kv_transport == "auto"
+                           else [KVTransport(cfg.kv_transport)])
         self.in_flight = 0
         self.draining = False
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
@@ -77,7 +78,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         # cuda-ipc maps this process's memory: only for a peer on the same host
-        offered = [t for t in request.transports if t != "cuda-ipc" or request.host == socket.gethostname()]
+        offered = [t for t in request.transports if t != KVTransport.CUDA_IPC or request.host == socket.gethostname()]
         transport = choose_transport("auto", self.transports, offered)
         if transport is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

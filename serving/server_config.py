@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.presets import PRESETS
+from engine.transport.base import KVTransport
 
-KV_TRANSPORTS = ("auto", "grpc", "nccl", "cuda-ipc")
+KV_TRANSPORTS = ("auto", *KVTransport)
 
 
 N = TypeVar("N", int, float)

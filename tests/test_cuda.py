@@ -339,8 +339,12 @@ def test_token_reader_reads_what_tolist_reads() -> None:
 def test_layered_prefill_between_graph_steps_keeps_every_token() -> None:
     """A decodes (CUDA graphs) between the layer slices of B's prefill: each gets the tokens it
     gets alone."""
-    from decode_server.engine import DecodeEngine
-    from decode_server.sequence import Sequence, TokenEvent
+    import asyncio
+
+    from decode_server.admission import Admission
+    from decode_server.config import PrefillMode
+    from decode_server.scheduler import BatchScheduler
+    from decode_server.sequence import Sequence, TokenOutput
     from engine.offline import generate, make_runner
     from engine.sampling import SamplingParams
 
@@ -349,19 +353,22 @@ def test_layered_prefill_between_graph_steps_keeps_every_token() -> None:
     a_prompt = [(i * 7) % 256 for i in range(200)]
     b_prompt = [(i * 11 + 3) % 256 for i in range(8000)]
     a_alone, b_alone = generate(runner, [a_prompt], 40)[0], generate(runner, [b_prompt], 10)[0]
-    events: dict[str, list[int]] = {"a": [], "b": []}
+    loop = asyncio.new_event_loop()  # the outputs' readers' loop; the test reads them itself
+    scheduler = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4,
+                               layer_slice_tokens=8000)  # one layer a slice
+    seqs: dict[str, Sequence] = {}
 
-    def seq(name: str, tokens: list[int], new: int, mode: str) -> Sequence:
-        s = Sequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512,
-                     lambda e: events[name].append(e.token_id) if isinstance(e, TokenEvent) else None)
-        s.block_table = runner.pool.allocator.allocate(runner.pool.blocks_needed(s.total_tokens))
-        return s
+    def submit(name: str, tokens: list[int], new: int, mode: PrefillMode) -> None:
+        seq = seqs[name] = Sequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512)
+        loop.run_until_complete(scheduler.admission.reserve(seq))
+        scheduler.submit(seq)
 
-    engine = DecodeEngine(runner, max_batch_size=4, layer_slice_tokens=8000)  # one layer a slice
-    engine.submit(seq("a", a_prompt, 40, "colocated"))
-    engine.step()
-    engine.submit(seq("b", b_prompt, 10, "layered"))
-    while engine.running or engine.ready or engine.prefilling:
-        engine.step()
+    submit("a", a_prompt, 40, PrefillMode.COLOCATED)
+    scheduler.step()
+    submit("b", b_prompt, 10, PrefillMode.LAYERED)
+    while scheduler.running or scheduler.ready or scheduler.prefilling or scheduler.num_waiting:
+        scheduler.step()
+    loop.close()
+    events = {name: [o.token_id for o in seq.out.taken() if isinstance(o, TokenOutput)] for name, seq in seqs.items()}
     assert events["a"] == a_alone
     assert events["b"] == b_alone

@@ -16,13 +16,15 @@ import pytest
 import torch
 from pd.v1 import prefill_pb2
 
-from decode_server.kv_receive import Handoff
+from decode_server.kv_receive import IpcHandoff
 from engine.kv_cache import KVLayout, KVPool
+from engine.transport.base import KVReceiver
+from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
 
 LAYERS = 10
 
 
-class RecordingReceiver:
+class RecordingReceiver(KVReceiver):
     def __init__(self) -> None:
         self.copied = 0
         self.calls: list[str] = []  # the thread each copy ran on
@@ -37,11 +39,11 @@ class RecordingReceiver:
         return self.copied == LAYERS
 
 
-def handoff(writer: ThreadPoolExecutor) -> tuple[Handoff, RecordingReceiver]:
+def handoff(writer: ThreadPoolExecutor) -> tuple[IpcHandoff, RecordingReceiver]:
     pool = KVPool(KVLayout("m", "float32", LAYERS, 1, 4, 4), 8, torch.device("cpu"))
-    h = Handoff("cuda-ipc", pool, [0, 1], 5, writer, peer=None)
+    h = IpcHandoff(pool, [0, 1], 5, writer, remote=cast(RemotePool, None))  # the copies are the stand-in's
     receiver = RecordingReceiver()
-    h.receiver = receiver
+    h.receiver = cast(IpcKVReceiver, receiver)
     return h, receiver
 
 

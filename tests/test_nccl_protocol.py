@@ -1,5 +1,5 @@
 """The NCCL transport's pairing protocol, run over Gloo on CPU pools: a pair made through the prefill
-side's TransportHub, its rendezvous relayed (no store port) for the holder of the pairing's secret only;
+side's PairingHost, its rendezvous relayed (no store port) for the holder of the pairing's secret only;
 layer-by-layer sends matched by receives in transfer order, the out-of-step and aborted cases. (The same
 classes run NCCL between GPUs; tests/test_cuda_transport.py covers that.)"""
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
-from typing import Any, cast
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ from pd.v1 import prefill_pb2
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import TransferCancelled
 from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclKVSender, NcclPair, TransferFailed
-from engine.transport.nccl_rendezvous import RelayStore, apply
-from prefill_server.transports import TransportHub
+from engine.transport.nccl_rendezvous import PairingHost, RelayStore, apply
 
 LAYOUT = KVLayout("m", "float32", 3, 2, 8, 4)
 CPU = torch.device("cpu")
@@ -46,23 +43,22 @@ def in_threads(*calls: Callable[[], object]) -> list[object]:
     return results
 
 
-def paired_through_the_hub(timeout_s: float = 5.0) -> tuple[NcclPair, NcclPair]:
-    """A prefill server's TransportHub pairs with a decode side whose store is a RelayStore: every store
-    operation of the decode half is a Rendezvous request handled by the hub (here called directly)."""
-    hub = TransportHub(cast(Any, SimpleNamespace(device=CPU)), transfer_timeout_s=timeout_s)
-    reply = hub.pair("decode-1", "nccl")
-    assert set(reply) == {"nccl_group", "nccl_secret"}, "no store address: nothing listens for the rendezvous"
-    relay = RelayStore(lambda request, timeout: hub.rendezvous(request), "decode-1", reply["nccl_secret"], timeout_s)
-    decode = NcclPair(relay, reply["nccl_group"], DECODE_RANK, CPU, timeout_s)
+def paired_through_the_host(timeout_s: float = 5.0) -> tuple[NcclPair, NcclPair]:
+    """The prefill side's PairingHost opens a pairing; the decode side's store is a RelayStore, every
+    operation of it a Rendezvous request the host runs (here called directly, not over gRPC)."""
+    host = PairingHost(CPU, timeout_s)
+    opened = host.open("decode-1")
+    relay = RelayStore(lambda request, timeout: host.rendezvous(request), "decode-1", opened.secret, timeout_s)
+    decode = NcclPair(relay, opened.name, DECODE_RANK, CPU, timeout_s)
     decode.warm_up()
-    prefill = hub.nccl_pair("decode-1")
+    prefill = host.pair("decode-1")
     assert isinstance(prefill, NcclPair) and prefill.group == decode.group
     return prefill, decode
 
 
 @pytest.fixture()
 def pairs() -> Iterator[tuple[NcclPair, NcclPair]]:
-    prefill, decode = paired_through_the_hub()
+    prefill, decode = paired_through_the_host()
     yield prefill, decode
     prefill.abort()
     decode.abort()
@@ -70,15 +66,15 @@ def pairs() -> Iterator[tuple[NcclPair, NcclPair]]:
 
 def test_rendezvous_needs_the_pairings_secret() -> None:
     """Another caller (wrong secret, unknown peer, or a secret from an earlier handshake) reaches no store."""
-    hub = TransportHub(cast(Any, SimpleNamespace(device=CPU)))
-    first = hub.pair("decode-1", "nccl")["nccl_secret"]
-    second = hub.pair("decode-1", "nccl")["nccl_secret"]  # a new handshake replaces the pairing
+    host = PairingHost(CPU, 1.0)
+    first = host.open("decode-1").secret
+    second = host.open("decode-1").secret  # a new handshake replaces the pairing
     assert first != second and len(second) >= 32
-    get = prefill_pb2.RendezvousRequest.OP_NUM_KEYS
+    count = prefill_pb2.RendezvousRequest.OP_NUM_KEYS
     for peer, secret in (("decode-1", b"guess"), ("decode-1", first), ("decode-2", second)):
         with pytest.raises(PermissionError, match="handshake first"):
-            hub.rendezvous(prefill_pb2.RendezvousRequest(peer_id=peer, secret=secret, op=get))
-    assert hub.rendezvous(prefill_pb2.RendezvousRequest(peer_id="decode-1", secret=second, op=get)).number >= 0
+            host.rendezvous(prefill_pb2.RendezvousRequest(peer_id=peer, secret=secret, op=count))
+    assert host.rendezvous(prefill_pb2.RendezvousRequest(peer_id="decode-1", secret=second, op=count)).number >= 0
 
 
 def test_relayed_store_operations_behave_like_the_store() -> None:
@@ -205,9 +201,8 @@ def test_failed_receive_frees_its_blocks_once_nothing_can_write_them(pairs: tupl
     through a staging buffer it needs not."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
 
-    from decode_server.kv_receive import Handoff
+    from decode_server.kv_receive import NcclHandoff
 
     prefill, decode = pairs
     src, src_table = filled_pool(21, 5)
@@ -222,7 +217,7 @@ def test_failed_receive_frees_its_blocks_once_nothing_can_write_them(pairs: tupl
 
     async def abandon() -> bool:
         with ThreadPoolExecutor(1) as writer:
-            handoff = Handoff("nccl", dst, dst_table, 21, writer, SimpleNamespace(nccl=decode))
+            handoff = NcclHandoff(dst, dst_table, 21, writer, decode)
             handoff.receiver = receiver
             return await handoff.abandon(failed=False)
 

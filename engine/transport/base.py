@@ -1,15 +1,27 @@
-"""The KV data plane between a prefill server and a decode server.
+"""The KV data plane between a prefill server and a decode server: the transports' names and the
+two ends of one request's transfer.
 
 Prefill side: a `KVSender` is told after each layer's prefill kernels are enqueued
 (`layer_done`) and ships that layer's KV for the whole prompt while later layers compute;
 `finish` returns once everything is on its way. Decode side: a `KVReceiver` puts what arrives
 into the decode server's pool at the request's slots. Both sides index the pool through
 `KVPool.read`/`write`, so the wire order is the layout's `SHAPE_ORDER`.
+
+Neither end allocates or frees KV blocks; the server that owns the pool does, as each class says.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from enum import StrEnum
+
+
+class KVTransport(StrEnum):
+    """How KV crosses from the prefill server to the decode server (the names on the wire and in flags)."""
+
+    GRPC = "grpc"          # in the Prefill stream itself: portable, the fallback
+    NCCL = "nccl"          # GPU to GPU over the pair's own NCCL group
+    CUDA_IPC = "cuda-ipc"  # the decode GPU copies out of the prefill server's mapped pool (same host)
 
 
 class TransferCancelled(Exception):
@@ -17,6 +29,13 @@ class TransferCancelled(Exception):
 
 
 class KVSender(ABC):
+    """The prefill side of one request's transfer.
+
+    Blocks: the prefill worker allocates the prompt's blocks before the job starts and frees them
+    when the job ends, whether `finish` returned or raised. The one exception is cuda-ipc, whose
+    decode side reads the blocks after the job: they are held until the decode side acknowledges
+    its copy (ReleaseIpc) or the transfer timeout passes. A sender never frees a block."""
+
     # Whether a cancelled request may stop mid-transfer. NCCL may not: the peer has posted its
     # receives, and the pair's sends and receives must stay matched.
     cancellable: bool = True
@@ -28,3 +47,19 @@ class KVSender(ABC):
     @abstractmethod
     def finish(self) -> None:
         """Block until every layer has been handed to the transport."""
+
+
+class KVReceiver(ABC):
+    """The decode side of one request's transfer, into blocks the decode server reserved for the
+    request before asking for its prefill.
+
+    Blocks: the decode server frees them, never the receiver, and only once nothing can write them
+    any more: after `complete()`, or after a failure or cancel once every write the receiver queued
+    has finished (`error` says why a transfer stopped early). When that can't be proven (a peer
+    that never stops writing), the blocks stay reserved for good rather than risk reuse."""
+
+    error: BaseException | None = None
+
+    @abstractmethod
+    def complete(self) -> bool:
+        """Every layer's KV for the request's tokens has been written, or queued to be written, into the pool."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVLayout, KVPool, run_start, slot_ids
-from engine.transport.base import KVSender
+from engine.transport.base import KVReceiver, KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -138,9 +138,10 @@ class IpcKVSender(KVSender):
             raise self._error
 
 
-class IpcKVReceiver:
+class IpcKVReceiver(KVReceiver):
     """Decode side: copies layer l from the mapped prefill pool into this pool's slots, on its own
-    stream, when told the layer is done."""
+    stream, when told the layer is done. Its copies are finished once `drain_marker()` completes;
+    the prefill side's blocks stay held until the decode side says so (ReleaseIpc)."""
 
     def __init__(self, remote: RemotePool, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.remote, self.pool, self.num_tokens, self.block_table = remote, pool, num_tokens, block_table

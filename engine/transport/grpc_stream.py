@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_cache import KVLayout, KVPool, raw_view
-from engine.transport.base import KVSender
+from engine.transport.base import KVReceiver, KVSender
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -123,8 +123,10 @@ class GrpcKVSender(KVSender):
             raise self._error
 
 
-class GrpcKVReceiver:
-    """Writes arriving chunks into the decode pool at the request's slots."""
+class GrpcKVReceiver(KVReceiver):
+    """Writes arriving chunks into the decode pool at the request's slots, on the caller's thread
+    (copies to a GPU pool are queued on its current stream). A chunk that does not fit the layout
+    or the request raises `ChunkError`, before anything is written."""
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.pool, self.num_tokens = pool, num_tokens

@@ -6,6 +6,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout
+from engine.transport.base import KVTransport
 
 
 def layout_to_proto(layout: KVLayout) -> prefill_pb2.KVLayout:
@@ -28,18 +29,18 @@ def layout_mismatch_message(decode: KVLayout, prefill: KVLayout) -> str | None:
     return f"KV layout mismatch ({sides}); start both servers with the same model and --dtype"
 
 
-def supported_transports(device: torch.device) -> list[str]:
+def supported_transports(device: torch.device) -> list[KVTransport]:
     """What this end can do, best first."""
     if device.type != "cuda":
-        return ["grpc"]
-    return ["nccl", "cuda-ipc", "grpc"]
+        return [KVTransport.GRPC]
+    return [KVTransport.NCCL, KVTransport.CUDA_IPC, KVTransport.GRPC]
 
 
-def choose_transport(requested: str, ours: list[str], theirs: list[str]) -> str | None:
-    """`requested` ('auto' or a name) picked from what both ends support."""
+def choose_transport(requested: str, ours: list[KVTransport], theirs: list[str]) -> KVTransport | None:
+    """`requested` ('auto' or a transport's name) picked from what both ends support."""
     if requested != "auto":
-        return requested if requested in ours and requested in theirs else None
+        return KVTransport(requested) if requested in ours and requested in theirs else None
     for name in theirs:
         if name in ours:
-            return name
+            return KVTransport(name)
     return None

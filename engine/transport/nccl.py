@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVPool
-from engine.transport.base import KVSender, TransferCancelled
+from engine.transport.base import KVReceiver, KVSender, TransferCancelled
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class NcclKVSender(KVSender):
             self._inflight.clear()
 
 
-class NcclKVReceiver:
+class NcclKVReceiver(KVReceiver):
     """Decode side: posts every layer's receive at once, then a thread watches them land. When the
     prompt's blocks are one run, NCCL writes each layer's K and V straight into the pool's slices;
     otherwise into one staging buffer, which the thread scatters into the pool's slots (on the

@@ -5,16 +5,27 @@ keys, among them NCCL's unique id, and with it a seat in the pair's communicator
 over it). So no store port is opened. The prefill side keeps one in-process store per pairing; the
 decode side's half of the pairing uses a `RelayStore`, whose every operation is a `Rendezvous` call
 on the channel the handshake used (mutual TLS where configured), carrying the pairing's secret from
-the handshake's reply. `apply` runs such a call on the prefill side.
+the handshake's reply. On the prefill side, `PairingHost` keeps each peer's pairing and runs those
+calls (`apply`) for the holder of its secret only.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+import secrets
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from pd.v1 import prefill_pb2
+
+from engine.transport.nccl import PREFILL_RANK, NcclPair
+
+log = logging.getLogger(__name__)
 
 Op = prefill_pb2.RendezvousRequest
 # A key a get or wait asks for appears once the other rank reaches that step; longer than this is a
@@ -106,3 +117,60 @@ def apply(store: dist.Store, request: prefill_pb2.RendezvousRequest) -> prefill_
         case _:
             raise ValueError(f"unknown rendezvous operation {request.op}")
     return prefill_pb2.RendezvousResponse()
+
+
+@dataclass
+class HostedPairing:
+    """Prefill side: one decode peer's pairing, the secret its Rendezvous calls carry, the store they
+    reach, and this side's half of the pair once made."""
+
+    name: str
+    secret: bytes
+    store: dist.Store
+    pair: NcclPair | None = None
+
+
+class PairingHost:
+    """Prefill side: each decode peer's current NCCL pairing (a new handshake replaces it)."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self._pairings: dict[str, HostedPairing] = {}  # peer_id -> its current pairing
+        self._count = 0
+
+    def open(self, peer_id: str) -> HostedPairing:
+        """A new pairing for the peer (the old one's pair aborted); this side's half of the pair is made in
+        the background, as a Gloo group (on CPU) waits for the other rank while it is made."""
+        old = self._pairings.pop(peer_id, None)
+        if old is not None and old.pair is not None:
+            old.pair.abort()
+        self._count += 1
+        pairing = HostedPairing(f"{peer_id}/{self._count}", secrets.token_bytes(32), dist.HashStore())
+        self._pairings[peer_id] = pairing
+        threading.Thread(target=self._make_pair, args=(peer_id, pairing), daemon=True, name="nccl-pair").start()
+        return pairing
+
+    def _make_pair(self, peer_id: str, pairing: HostedPairing) -> None:
+        try:
+            pairing.pair = NcclPair(pairing.store, pairing.name, PREFILL_RANK, self.device, self.timeout_s)
+            if self._pairings.get(peer_id) is not pairing:  # the peer handshook again meanwhile
+                raise RuntimeError("replaced by a newer pairing")
+            pairing.pair.warm_up()
+            log.info("NCCL pair %s ready", pairing.name)
+        except Exception as e:
+            log.warning("NCCL pair %s failed to connect: %s", pairing.name, e)
+            if pairing.pair is not None:
+                pairing.pair.abort()
+
+    def pair(self, peer_id: str) -> NcclPair | None:
+        """The peer's NcclPair, None before this side's half of it is made."""
+        pairing = self._pairings.get(peer_id)
+        return pairing.pair if pairing is not None else None
+
+    def rendezvous(self, request: prefill_pb2.RendezvousRequest) -> prefill_pb2.RendezvousResponse:
+        """One store operation of a peer's half of its current pairing; PermissionError unless the
+        request carries that pairing's secret."""
+        pairing = self._pairings.get(request.peer_id)
+        if pairing is None or not hmac.compare_digest(pairing.secret, request.secret):
+            raise PermissionError(f"no NCCL pairing of peer {request.peer_id!r} with this secret; handshake first")
+        return apply(pairing.store, request)

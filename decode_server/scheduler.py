@@ -1,12 +1,17 @@
-"""The decode server's engine thread: continuous batching over the KV pool.
+"""The decode server's batch loop: continuous batching over the KV pool, on its own thread.
 
 Each iteration of `step()` reads as schedule, run, postprocess:
-- schedule: take new work from the inbox, drop cancelled sequences (freeing their KV), admit
-  ready sequences into the running batch up to --max-batch-size;
+- schedule: take arrivals from the inbox (a prompt to prefill here, a prompt prefilled elsewhere
+  with its first token, a cancelled request to let go), drop cancelled sequences, admit ready
+  sequences into the running batch up to --max-batch-size;
 - run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked, a
   slice of the model's layers over the whole prompt when layered), then one decode step for every
   running sequence;
-- postprocess: sampled tokens go to each request's stream; finished sequences leave and free KV.
+- postprocess: each sampled token goes into its request's `RequestOutput`, and the readers on
+  the event loop are woken once for the step; finished sequences leave and give their KV blocks
+  back (`Admission.release`, called from here only).
+
+From `submit` on, the sequence and its blocks belong to this loop.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import grpc
 import torch
 
 from decode_server import metrics
-from decode_server.sequence import ErrorEvent, Sequence
+from decode_server.admission import Admission
+from decode_server.config import PrefillMode
+from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
@@ -40,25 +47,33 @@ class LayeredPrefill:
     started: float
 
 
-class DecodeEngine:
-    def __init__(self, runner: ModelRunner, max_batch_size: int, layer_slice_tokens: int = 32768,
-                 die_after_steps: int | None = None) -> None:
+@dataclass
+class _Arrival:
+    seq: Sequence
+    first_token: int | None  # sampled by a prefill server; None: prefill here
+
+
+class BatchScheduler:
+    def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
+                 layer_slice_tokens: int = 32768, die_after_steps: int | None = None) -> None:
         self.runner = runner
+        self.admission = admission
+        self.loop = admission.loop  # where the outputs' readers run
         self.max_batch_size = max_batch_size
         self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.die_after_steps = die_after_steps  # fault injection (PD_FAULT_ENGINE_DIE_AFTER_STEPS)
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
-        self._inbox: queue.Queue[Sequence] = queue.Queue()
+        self._inbox: queue.Queue[_Arrival | None] = queue.Queue()
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
         self.layered: LayeredPrefill | None = None
+        self._woken: list[RequestOutput] = []       # outputs added since the last wake-up
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="decode-engine")
         self.failed: BaseException | None = None
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
-        self.on_blocks_freed: Callable[[], object] = lambda: None  # thread-safe notifier
         self.steps = 0
         self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
 
@@ -70,20 +85,27 @@ class DecodeEngine:
 
     def stop(self) -> None:
         self._stop.set()
-        self._inbox.put_nowait(None)  # type: ignore[arg-type]
+        self._inbox.put_nowait(None)
         self._thread.join(timeout=10)
 
-    def submit(self, seq: Sequence) -> None:
-        """Hand a sequence over: it needs a local prefill (no output yet) or is ready to decode.
+    def submit(self, seq: Sequence, first_token: int | None = None) -> None:
+        """Hand an admitted sequence over: to prefill here, or (`first_token` given) prefilled by a
+        prefill server, its KV in the pool; its first token is appended on the engine thread like
+        any other. A cancelled sequence is only let go (its blocks freed).
 
-        From here on only the engine thread frees its blocks; if the engine has died, the sequence
-        gets its error at once (and its blocks back) instead of waiting for a loop that is gone."""
+        If the engine has died, the sequence gets its error at once (and its blocks go back)
+        instead of waiting for a loop that is gone."""
         with self._submit_lock:
-            seq.in_engine = True
             if self.failed is None:
-                self._inbox.put_nowait(seq)
+                self._inbox.put_nowait(_Arrival(seq, first_token))
                 return
         self._fail(seq, self.failed)
+
+    def let_go(self, seq: Sequence) -> None:
+        """An admitted sequence that ends before it was submitted (its remote prefill failed, or it
+        was cancelled): the loop frees its blocks."""
+        seq.cancelled.set()
+        self.submit(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -100,6 +122,7 @@ class DecodeEngine:
                 self.step()
         except BaseException as e:  # the engine is gone: health must say so and the process exit
             log.exception("decode engine loop died")
+            self._wake_readers()  # tokens already out, a last one among them
             with self._submit_lock:
                 self.failed = e
             stranded = [*self.prefilling, *self.ready, *self.running]
@@ -112,27 +135,56 @@ class DecodeEngine:
                 except queue.Empty:
                     break
                 if item is not None:
-                    stranded.append(item)
+                    stranded.append(item.seq)
             for seq in stranded:
                 self._fail(seq, e)
             for callback in self.on_failure:
                 callback()
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
-        seq.emit(ErrorEvent(grpc.StatusCode.UNAVAILABLE,
-                            f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
-                            "retry on another replica"))
-        self._finish(seq)
+        """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""
+        self.admission.release(seq)
+        seq.out.add(Rejected(grpc.StatusCode.UNAVAILABLE,
+                             f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
+                             "retry on another replica"))
+        self.loop.call_soon_threadsafe(RequestOutput.wake_all, [seq.out])
+
+    def _wake_readers(self) -> None:
+        """One hop to the event loop for every output added since the last one."""
+        if self._woken:
+            woken, self._woken = self._woken, []
+            self.loop.call_soon_threadsafe(RequestOutput.wake_all, woken)
 
     def _take_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if item is not None:
-                    (self.ready if item.output else self.prefilling).append(item)
+                    self._arrive(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        self._wake_readers()
+
+    def _arrive(self, arrival: _Arrival) -> None:
+        seq = arrival.seq
+        if seq.cancelled.is_set():
+            self.admission.release(seq)
+        elif arrival.first_token is None:
+            self.prefilling.append(seq)
+        else:
+            now = time.perf_counter()
+            if not self._append(seq, arrival.first_token, now - seq.timing.admitted, now):
+                self.ready.append(seq)
+
+    def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
+        """Record a token and send it; True (and the sequence's blocks freed) if it was the last."""
+        seq.out.add(seq.append(token, step_s, now))
+        self._woken.append(seq.out)
+        if seq.finish_reason:
+            self.admission.release(seq)
+            return True
+        return False
 
     def _drop_cancelled(self) -> None:
         for group in (self.prefilling, self.ready):
@@ -140,14 +192,10 @@ class DecodeEngine:
                 group.remove(seq)
                 if self.layered is not None and self.layered.seq is seq:
                     self.layered = None  # its slices so far are queued before any later use of its blocks
-                self._finish(seq)
+                self.admission.release(seq)
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self.running.remove(seq)
-            self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        if seq.release(self.runner.pool.allocator):
-            self.on_blocks_freed()
+            self.admission.release(seq)
 
     def step(self) -> None:
         # schedule
@@ -159,18 +207,20 @@ class DecodeEngine:
         # run + postprocess
         if self.prefilling:
             head = self.prefilling[0]
-            if head.mode == "layered":
+            if head.mode == PrefillMode.LAYERED:
                 self._prefill_slice(head)
             else:
                 self._prefill_piece(head)
+            self._wake_readers()  # the first token leaves before the decode step runs
         if self.running:
             self._decode_step()
+            self._wake_readers()
         if self.die_after_steps is not None and self.steps >= self.die_after_steps:
             raise RuntimeError(f"fault injection: PD_FAULT_ENGINE_DIE_AFTER_STEPS={self.die_after_steps} reached")
 
     def _prefill_piece(self, seq: Sequence) -> None:
         """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
-        size = seq.chunk_size if seq.mode == "chunked" else len(seq.prompt)
+        size = seq.chunk_size if seq.mode == PrefillMode.CHUNKED else len(seq.prompt)
         start = seq.prefilled
         piece = seq.prompt[start:start + size]
         t0 = time.perf_counter()
@@ -210,40 +260,35 @@ class DecodeEngine:
         """One prompt's prefill failed: that request fails, the batch goes on."""
         self.prefilling.popleft()
         if isinstance(error, torch.cuda.OutOfMemoryError):
-            seq.emit(ErrorEvent(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
+            seq.out.add(Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
         else:
             log.error("local prefill of %s failed", seq.request_id, exc_info=error)
-            seq.emit(ErrorEvent(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
-        self._finish(seq)
+            seq.out.add(Rejected(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
+        self._woken.append(seq.out)
+        self.admission.release(seq)
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
-        is the head of `prefilling`: sample and send its first token once the device has it."""
+        is the head of `prefilling`: sample its first token once the device has it."""
         token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
-        elapsed = time.perf_counter() - started
+        now = time.perf_counter()
+        elapsed = now - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        seq.append(token, elapsed)
-        if seq.finish_reason:
-            self._finish(seq)
-        else:
+        if not self._append(seq, token, elapsed, now):
             self.ready.append(seq)
 
     def _decode_step(self) -> None:
         seqs = self.running
         t0 = time.perf_counter()
-        batch = [DecodeSeq(s.output[-1], len(s.prompt) + len(s.output) - 1, s.block_table) for s in seqs]
+        batch = [DecodeSeq(s.tokens[-1], len(s.prompt) + len(s.tokens) - 1, s.block_table) for s in seqs]
         logits, greedy = self.runner.decode(batch)
-        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs], greedy))
-        elapsed = time.perf_counter() - t0
+        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        now = time.perf_counter()
+        elapsed = now - t0
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)
-        finished = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.append(token, elapsed)
-            if seq.finish_reason:
-                finished.append(seq)
+        finished = [seq for seq, token in zip(seqs, tokens, strict=True) if self._append(seq, token, elapsed, now)]
         for seq in finished:
             self.running.remove(seq)
-            self._finish(seq)

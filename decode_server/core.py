@@ -1,0 +1,181 @@
+"""The decode server's request core: one request from acceptance to its end, whichever front end
+took it (gRPC's `pd.v1.Decode` in service.py). A front end parses its wire format into a
+`Request`, `accept`s it, iterates the `Generation`'s tokens, and `finish`es it with the status it
+answered; nothing here knows the front end's call object.
+
+A request's way: `accept` -> `Admission.reserve` (its KV blocks) -> for a remote prefill,
+`PrefillRouter.prefill` (the prefill server's first token and KV) -> `BatchScheduler.submit`
+(local prefill, decode steps; tokens out through the sequence's `RequestOutput`) ->
+`Generation.tokens` -> `finish` (the request log). Its blocks go back in the scheduler, also when
+the request ends before it got there (`BatchScheduler.let_go`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from pd.v1 import decode_pb2
+
+from decode_server import metrics
+from decode_server.config import DecodeConfig, PrefillMode
+from decode_server.prefill_client import PrefillFailed, PrefillRouter
+from decode_server.scheduler import BatchScheduler
+from decode_server.sequence import Rejected, Sequence, TokenOutput
+from decode_server.timing import Timing
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger("decode_server.requests")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request as a front end parsed and checked it."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    ignore_eos: bool
+    mode: PrefillMode
+    chunk_size: int
+    arrival: float  # perf_counter when it came in
+
+
+class Generation:
+    """One accepted request. `tokens()` runs it, yielding its tokens and raising Rejected with the
+    status that ends it otherwise; `cancel()` may come from any thread (e.g. a call's done callback)."""
+
+    def __init__(self, core: DecodeCore, seq: Sequence) -> None:
+        self.core, self.seq = core, seq
+        self.submitted = False  # the scheduler owns the sequence (and its blocks)
+
+    def cancel(self) -> None:
+        self.seq.cancelled.set()
+
+    async def tokens(self) -> AsyncIterator[TokenOutput]:
+        core, seq, timing = self.core, self.seq, self.seq.timing
+        await core.admission.reserve(seq)
+        timing.admitted = time.perf_counter()
+        metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
+        first_token = await core.remote_prefill(seq) if seq.mode == PrefillMode.DISAGGREGATED else None
+        core.scheduler.submit(seq, first_token)
+        self.submitted = True
+        last = timing.arrival
+        while True:
+            out = await seq.out.next()
+            if isinstance(out, Rejected):
+                raise out
+            now = time.perf_counter()
+            if out.index == 0:
+                metrics.TTFT.observe(now - timing.arrival)
+            else:
+                metrics.ITL.observe(now - last)
+            last = now
+            yield out
+            if out.finish_reason:
+                metrics.E2E.observe(now - timing.arrival)
+                metrics.REQUEST_SUCCESS.labels(out.finish_reason).inc()
+                return
+
+
+class DecodeCore:
+    def __init__(self, cfg: DecodeConfig, scheduler: BatchScheduler, router: PrefillRouter | None,
+                 eos_ids: frozenset[int]) -> None:
+        self.cfg, self.scheduler, self.router, self.eos_ids = cfg, scheduler, router, eos_ids
+        self.admission = scheduler.admission
+        self.in_flight: set[str] = set()
+        self.remote_prefills = 0  # requests in a remote prefill now
+        self.draining = False
+
+    def num_waiting(self) -> int:
+        """Accepted, not yet decoding: waiting for KV, in remote prefill, or queued in the scheduler."""
+        return self.admission.waiting + self.remote_prefills + self.scheduler.num_waiting
+
+    def start_draining(self) -> None:
+        """SIGTERM: new requests get UNAVAILABLE; those in flight carry on."""
+        self.draining = True
+
+    def check_open(self) -> None:
+        """Raises Rejected (UNAVAILABLE) when this server takes no new requests."""
+        if self.draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "the decode server is shutting down; retry on another replica")
+        if self.scheduler.failed is not None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "the decode engine has failed; the server is exiting")
+
+    def accept(self, request: Request) -> Generation:
+        """Raises Rejected: INVALID_ARGUMENT for a remote prefill without a prefill server,
+        ALREADY_EXISTS for a request_id in flight."""
+        if request.mode == PrefillMode.DISAGGREGATED and self.router is None:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "disaggregated prefill needs a prefill server; this "
+                                                             "decode server was started without --prefill-addr")
+        if request.request_id in self.in_flight:
+            raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        self.in_flight.add(request.request_id)
+        seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
+                       request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
+                       request.chunk_size, timing=Timing(arrival=request.arrival))
+        return Generation(self, seq)
+
+    def finish(self, generation: Generation, status: str) -> None:
+        """However the request ended (`status`: OK or the status code's name): the scheduler lets go
+        of it, and it is counted and logged."""
+        seq = generation.seq
+        generation.cancel()
+        if not generation.submitted and seq.block_table:
+            self.scheduler.let_go(seq)
+        self.in_flight.discard(seq.request_id)
+        if status != "OK":
+            metrics.REQUEST_FAILURE.labels(status).inc()
+        request_log.info(json.dumps({
+            "event": "request_finished", "request_id": seq.request_id, "status": status,
+            "finish_reason": seq.finish_reason, "mode": seq.mode, "prompt_tokens": len(seq.prompt),
+            "output_tokens": len(seq.tokens), **seq.timing.to_log(time.perf_counter())}))
+
+    @staticmethod
+    def log_rejected(request_id: str, code: grpc.StatusCode, arrival: float) -> None:
+        """A request refused before it was accepted: counted and logged like any other ending."""
+        metrics.REQUEST_FAILURE.labels(code.name).inc()
+        request_log.info(json.dumps({
+            "event": "request_finished", "request_id": request_id, "status": code.name, "finish_reason": "",
+            "mode": None, "prompt_tokens": None, "output_tokens": 0,
+            **Timing(arrival=arrival).to_log(time.perf_counter())}))
+
+    async def remote_prefill(self, seq: Sequence) -> int:
+        """Prefill on a prefill server; its KV lands in this request's blocks. Returns the first token.
+
+        A failure that a second try may cure is retried once, with the same blocks: after
+        UNAVAILABLE or FAILED_PRECONDITION the router has dropped the pairing, so the retry
+        handshakes afresh (and may pick another prefill server). That covers a prefill server that
+        restarted while this one was idle: it answers the stale pairing with "handshake first". A
+        server that is down, or a real layout mismatch, fails the retry the same way at once."""
+        assert self.router is not None  # accept() refuses the mode without one
+        p = seq.params
+        sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        blocks = list(seq.block_table)
+        self.remote_prefills += 1
+        try:
+            for attempt in range(2):
+                try:
+                    first_token = await self.router.prefill(seq.request_id, seq.prompt, sampling, seq.block_table,
+                                                            seq.timing)
+                    break
+                except PrefillFailed as e:
+                    retry = (attempt == 0 and seq.block_table == blocks  # blocks not held back by the router
+                             and e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION))
+                    if not retry:
+                        raise Rejected(e.code, str(e)) from e
+                    log.info("request %s: %s; retrying once with a fresh handshake", seq.request_id, e)
+        finally:
+            self.remote_prefills -= 1
+        t = seq.timing
+        metrics.PREFILL_SECONDS.observe(t.prefill_s)
+        metrics.KV_TRANSFER_SECONDS.observe(t.kv_transfer_s)
+        metrics.KV_TRANSFER_BYTES.labels(t.kv_transport).inc(t.kv_bytes)
+        return first_token
