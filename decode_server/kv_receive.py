@@ -49,7 +49,6 @@ class Handoff(ABC):
 
     transport: ClassVar[KVTransport]
     cancels_call: ClassVar[bool] = True            # leaving early cancels the Prefill call
-    releases_remote_blocks: ClassVar[bool] = False  # the prefill side holds its blocks until ReleaseIpc
     receiver: KVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> None:
@@ -212,7 +211,6 @@ class IpcHandoff(Handoff):
     reports it written; the prefill side holds its blocks until told the copies are done."""
 
     transport = KVTransport.CUDA_IPC
-    releases_remote_blocks = True
     receiver: IpcKVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,

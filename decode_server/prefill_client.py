@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -20,6 +20,7 @@ import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
+from decode_server.peer_watch import PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
 HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is as good as down
+RELEASE_TIMEOUT_S = 1.0    # a Release's wait for an answer, and the pause before it is sent again
+RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lease (prefill_server.worker.LEASE_S)
 
 
 class PrefillFailed(StatusError):
@@ -61,6 +64,7 @@ class PrefillPeer:
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.prefill_call = prefill_stream(self.channel)  # KV chunks arrive as views, not copies
         self.pairing: Pairing | None = None
+        self.health = PeerHealth(address, self.channel)
         self.in_flight = 0
         self.peer_id = uuid.uuid4().hex[:12]
         self._handshake_lock = asyncio.Lock()
@@ -142,6 +146,7 @@ class PrefillRouter:
         # proves every write of a request has landed before its blocks can be freed.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer",
                                          initializer=runner.bind_thread)
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._resolved_at < DNS_REFRESH_S and self.peers:
@@ -162,23 +167,42 @@ class PrefillRouter:
             if address not in self.peers:
                 self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials, name)
         for address in [a for a, p in self.peers.items() if a not in addresses and not p.in_flight]:
-            await self.peers.pop(address).channel.close()
+            gone = self.peers.pop(address)
+            gone.health.close()
+            await gone.channel.close()
 
-    async def pick(self) -> PrefillPeer:
+    async def pick(self, avoid: Sequence[PrefillPeer] = ()) -> PrefillPeer:
+        """The prefill server with the fewest prefills in flight, of those up (of all, when none is)."""
         await self._refresh()
-        peers = list(self.peers.values())
+        peers = [p for p in self.peers.values() if p not in avoid]
         if not peers:
             raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server found at {', '.join(self.targets)}")
+        peers = [p for p in peers if p.health.up] or peers
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
     async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
                       block_table: list[int], timing: Timing) -> int:
         """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
-        server, and records where the time went in `timing`. If the KV might still land after a
-        failure, the blocks are moved out of `block_table` (left reserved) so the caller cannot
-        reuse them."""
-        peer = await self.pick()
+        server, and records where the time went in `timing`. A prefill server that fails or falls
+        silent (UNAVAILABLE) is left for another, once, where there is one and the blocks are whole.
+        If the KV might still land after a failure, the blocks are moved out of `block_table` (left
+        reserved) so the caller cannot reuse them."""
+        tried: list[PrefillPeer] = []
+        while True:
+            peer = await self.pick(avoid=tried)
+            tried.append(peer)
+            blocks = len(block_table)
+            try:
+                return await self._prefill_on(peer, request_id, prompt, sampling, block_table, timing)
+            except PrefillFailed as e:
+                others = [p for p in self.peers.values() if p not in tried and p.health.up]
+                if e.code != grpc.StatusCode.UNAVAILABLE or len(tried) > 1 or not others or len(block_table) < blocks:
+                    raise
+                log.warning("request %s: %s; trying prefill server %s", request_id, e, others[0].address)
+
+    async def _prefill_on(self, peer: PrefillPeer, request_id: str, prompt: list[int],
+                          sampling: decode_pb2.SamplingParams, block_table: list[int], timing: Timing) -> int:
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
         handoff: Handoff | None = None
@@ -192,16 +216,16 @@ class PrefillRouter:
                                                  kv_checksums=self.verify_kv)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
-            async for message in call:
+            async for message in until_silent(call):
                 if not handoff.marks:
                     handoff.mark("first message")
                 if isinstance(message, KVView):  # our own encoding of a KV chunk (grpc_wire)
                     await handoff.on_kv(message)
-                elif message.WhichOneof("payload") == "done":
+                elif (kind := message.WhichOneof("payload")) == "done":
                     done = message.done
                     done_at = time.monotonic()
                     handoff.mark("done")
-                else:
+                elif kind != "heartbeat":
                     await handoff.on_message(message, deadline)
             if done is None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
@@ -215,24 +239,28 @@ class PrefillRouter:
                                    for what, t in [*handoff.marks, ("complete", now)]))
             exposed = done.kv_send_s + (now - done_at)
             handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
-            if self.verify_kv:
+            if self.verify_kv:  # before the first token goes anywhere
                 expected = list(done.layer_checksums)
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False
-            if handoff.releases_remote_blocks:
-                asyncio.ensure_future(self._release_ipc(peer, request_id))
             timing.remote_prefill_done(queue_s=done.queue_s, prefill_s=done.prefill_s,
                                        kv_transfer_s=max(0.0, handoff_s), kv_exposed_s=max(0.0, exposed),
                                        kv_bytes=handoff.bytes, transport=pairing.transport,
                                        start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
                                        post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
             return done.first_token_id
+        except Silent as e:
+            peer.forget_pairing()
+            peer.health.down(str(e))
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address}: {e}") from e
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                peer.health.down(f"{e.code().name}: {e.details()}")
             raise peer_error(peer.address, e, "prefill") from e
         except HandoffError as e:
-            peer.forget_pairing()
+            peer.forget_pairing()  # DATA_LOSS included: the next prefill pairs anew
             raise PrefillFailed(e.code, f"prefill server {peer.address}: {e}") from e
         except asyncio.CancelledError:
             failed = False  # the client left; the transfer itself is healthy
@@ -246,24 +274,37 @@ class PrefillRouter:
 
     async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
                       failed: bool) -> None:
-        """Make sure nothing writes into the blocks once the caller frees them."""
+        """Make sure nothing writes into the blocks once the caller frees them; then let the prefill
+        server free its own."""
         await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # writer calls have run
-        if handoff.settled():
-            return
-        if not await handoff.abandon(failed):
+        if not handoff.settled() and not await handoff.abandon(failed):
             block_table.clear()  # a transfer may still land: keep those blocks out of circulation
-        if handoff.releases_remote_blocks:
-            await self._release_ipc(peer, request_id)
+        task = asyncio.get_running_loop().create_task(self._release(peer, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-    async def _release_ipc(self, peer: PrefillPeer, request_id: str) -> None:
-        try:
-            await peer.stub.ReleaseIpc(prefill_pb2.ReleaseIpcRequest(request_id=request_id, peer_id=peer.peer_id),
-                                       timeout=10)
-        except grpc.aio.AioRpcError as e:  # the prefill side frees on its own after its timeout
-            log.warning("ReleaseIpc to %s failed: %s", peer.address, e.code().name)
+    async def _release(self, peer: PrefillPeer, request_id: str) -> None:
+        """Tell the prefill server it may free the request's blocks; a server that can't hear it now (frozen,
+        restarting) is told again until it does, or until its lease would have freed them anyway."""
+        request = prefill_pb2.ReleaseRequest(request_id=request_id, peer_id=peer.peer_id)
+        give_up = time.monotonic() + RELEASE_FOR_S
+        while True:
+            try:
+                await peer.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as e:
+                retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry or time.monotonic() > give_up:
+                    log.warning("Release of %s to %s failed (%s); its lease frees the blocks", request_id,
+                                peer.address, e.code().name)
+                    return
+            await asyncio.sleep(RELEASE_TIMEOUT_S)
 
     async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
         for peer in self.peers.values():
             peer.forget_pairing()
+            peer.health.close()
             await peer.channel.close()
         self.writer.shutdown(wait=True)

@@ -102,10 +102,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                              server_id=self.server_id, gpu_index=gpu if gpu is not None else 0,
                                              **extra)
 
-    async def ReleaseIpc(self, request: prefill_pb2.ReleaseIpcRequest,
-                         context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseIpcResponse:
-        self.hub.release(request.peer_id, request.request_id)
-        return prefill_pb2.ReleaseIpcResponse()
+    async def Release(self, request: prefill_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseResponse:
+        """The decode side is done with a request's KV: its blocks may go (prefill_server.kv_lease)."""
+        self.worker.leases.release(request.peer_id, request.request_id)
+        return prefill_pb2.ReleaseResponse()
 
     async def Rendezvous(self, request: prefill_pb2.RendezvousRequest,
                          context: grpc.aio.ServicerContext) -> prefill_pb2.RendezvousResponse:
@@ -160,8 +161,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         out: asyncio.Queue[object] = asyncio.Queue()
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
         job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
-                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
-                         make_sender=self._slow_sender if self.faults.layer_delay_s else None,
+                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item), peer_id=request.peer_id,
+                         make_sender=self._faulty_sender if self.faults.active else None,
                          kv_checksums=request.kv_checksums)
         try:
             self.hub.configure(job, request.peer_id, agreed)
@@ -188,19 +189,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.in_flight -= 1
             metrics.REQUESTS_TOTAL.labels(status).inc()
 
-    def _slow_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        """The usual gRPC sender, with the PD_FAULT_PREFILL_LAYER_DELAY_S pause before each layer's KV."""
+    def _faulty_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """The usual gRPC sender, with the faults asked for (PrefillFaults): a pause before each layer's KV,
+        a bit flipped in the pool once the KV is sent."""
         sender = self.worker.grpc_sender(job, slots)
-        delay = self.faults.layer_delay_s
+        faults, pool = self.faults, self.runner.pool
 
-        class Slow(KVSender):
+        class Faulty(KVSender):
             def layer_done(self, layer: int) -> None:
-                time.sleep(delay)
+                time.sleep(faults.layer_delay_s)
                 if job.cancelled.is_set():
                     raise TransferCancelled
                 sender.layer_done(layer)
 
             def finish(self) -> None:
                 sender.finish()
+                if faults.corrupt_kv:
+                    pool.layers[0][0, slots[0]].view(torch.int16).view(-1)[0] ^= 1
 
-        return Slow()
+        return Faulty()

@@ -1,11 +1,10 @@
 """The prefill server's side of each pairing: the agreed KV transport per decode peer, NCCL
-groups, the exported pool for cuda-ipc, and blocks held until a decode side has copied them."""
+groups, the exported pool for cuda-ipc, and each job's sender. (A finished job's blocks are held
+for its decode side by prefill_server.kv_lease, whatever the transport.)"""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +30,6 @@ class TransportHub:
         self.timeout_s = transfer_timeout_s
         self._nccl: PairingHost | None = None
         self._ipc_export: tuple[bytes, int] | None = None
-        self._held: dict[tuple[str, str], tuple[list[int], float]] = {}  # (peer, request) -> blocks, deadline
-        self._released_early: set[tuple[str, str]] = set()  # acknowledged before the job let go
-        self._lock = threading.Lock()
 
     # --- handshake ----------------------------------------------------------------------------
     def pair(self, peer_id: str, transport: KVTransport) -> dict[str, Any]:
@@ -76,7 +72,6 @@ class TransportHub:
             job.make_sender = self._nccl_sender(pair)
         elif transport == KVTransport.CUDA_IPC:
             job.make_sender = self._ipc_sender
-            job.hold_blocks = lambda j: self._hold(peer_id, j)
 
     def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
         from engine.transport.nccl import NcclKVSender
@@ -95,36 +90,3 @@ class TransportHub:
         job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
             src_block_table=job.block_table, src_block_size=self.runner.layout.block_size)))
         return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)))
-
-    # --- cuda-ipc block ownership --------------------------------------------------------------
-    def _hold(self, peer_id: str, job: PrefillJob) -> None:
-        key = (peer_id, job.request_id)
-        with self._lock:
-            early = key in self._released_early
-            self._released_early.discard(key)
-            if not early:
-                self._held[key] = (job.block_table, time.monotonic() + self.timeout_s)
-        if early:
-            self.runner.pool.allocator.free(job.block_table)
-        self.sweep()
-
-    def release(self, peer_id: str, request_id: str) -> None:
-        key = (peer_id, request_id)
-        with self._lock:
-            held = self._held.pop(key, None)
-            if held is None:
-                self._released_early.add(key)
-        if held is not None:
-            self.runner.pool.allocator.free(held[0])
-
-    def sweep(self) -> None:
-        """Free blocks whose decode side never acknowledged (it died); it can't read them any more
-        once it is gone, and a live one has had the whole transfer timeout."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [k for k, (_, deadline) in self._held.items() if deadline < now]
-            blocks = [self._held.pop(k)[0] for k in expired]
-        for b in blocks:
-            self.runner.pool.allocator.free(b)
-        if expired:
-            log.warning("freed the KV of %d cuda-ipc transfers never acknowledged", len(expired))

@@ -21,11 +21,14 @@ from engine.transport.base import KVSender, TransferCancelled
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
 from prefill_server import metrics
+from prefill_server.kv_lease import KVLeases
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
 Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
+# How long a finished job's blocks wait for the decode side's Release: it has the KV by then or is gone.
+LEASE_S = 60.0
 
 
 @dataclass
@@ -37,17 +40,19 @@ class PrefillJob:
     transport: str
     chunk_tokens: int
     emit: Emit
+    peer_id: str = ""  # the decode server whose Release lets go of the blocks
     make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
-    # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
-    hold_blocks: Callable[[PrefillJob], None] | None = None
     kv_checksums: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner) -> None:
+    """Runs jobs; a finished job's blocks (whatever its outcome) go to `leases`, held for its decode side."""
+
+    def __init__(self, runner: ModelRunner, lease_s: float = LEASE_S) -> None:
         self.runner = runner
+        self.leases = KVLeases(runner.pool.allocator.free, lease_s)
         self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
@@ -63,6 +68,7 @@ class PrefillWorker:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        self.leases.close()
 
     @property
     def waiting(self) -> int:
@@ -92,10 +98,7 @@ class PrefillWorker:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
-                if job.hold_blocks is not None:
-                    job.hold_blocks(job)
-                else:
-                    self.runner.pool.allocator.free(job.block_table)
+                self.leases.hold(job.peer_id, job.request_id, job.block_table)
                 metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)

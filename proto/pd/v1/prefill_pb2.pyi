@@ -190,7 +190,7 @@ class PrefillResponse(_message.Message):
     heartbeat: Heartbeat
     def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
-class ReleaseIpcRequest(_message.Message):
+class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "peer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,6 @@ class ReleaseIpcRequest(_message.Message):
     peer_id: str
     def __init__(self, request_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
-class ReleaseIpcResponse(_message.Message):
+class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
