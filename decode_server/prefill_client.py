@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -20,7 +20,7 @@ import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
-from decode_server.peer_watch import PeerHealth, Silent, until_silent
+from decode_server.peer_watch import PROBE_EVERY_S, PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
-HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is as good as down
+HANDSHAKE_TIMEOUT_S = 3.0  # a tiny RPC: a peer that can't answer it in time is as good as down
+REJOIN_WAIT_S = 2 * PROBE_EVERY_S  # with no prefill server in the rotation, how long a request waits for one
 RELEASE_TIMEOUT_S = 1.0    # a Release's wait for an answer, and the pause before it is sent again
 RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lease (prefill_server.worker.LEASE_S)
 
@@ -83,6 +84,8 @@ class PrefillPeer:
             try:
                 reply = await self.stub.Handshake(request, timeout=min(timeout, HANDSHAKE_TIMEOUT_S))
             except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.health.down(f"handshake: {e.code().name}")
                 raise peer_error(self.address, e, "handshake") from e
             problem = layout_mismatch_message(self.runner.layout, layout_from_proto(reply.layout))
             if problem:
@@ -171,13 +174,18 @@ class PrefillRouter:
             gone.health.close()
             await gone.channel.close()
 
-    async def pick(self, avoid: Sequence[PrefillPeer] = ()) -> PrefillPeer:
-        """The prefill server with the fewest prefills in flight, of those up (of all, when none is)."""
+    async def pick(self) -> PrefillPeer:
+        """Of the prefill servers in the rotation, the one with the fewest prefills in flight. When none is
+        in it, a moment's wait for one to pass its next health check."""
         await self._refresh()
-        peers = [p for p in self.peers.values() if p not in avoid]
-        if not peers:
+        if not self.peers:
             raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server found at {', '.join(self.targets)}")
-        peers = [p for p in peers if p.health.up] or peers
+        back_by = time.monotonic() + REJOIN_WAIT_S
+        while not (peers := [p for p in self.peers.values() if p.health.up]) and time.monotonic() < back_by:
+            await asyncio.sleep(0.05)
+        if not peers:
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, "no prefill server is answering (each failed or fell "
+                                                             "silent; they rejoin once their health checks pass)")
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
@@ -185,24 +193,10 @@ class PrefillRouter:
                       block_table: list[int], timing: Timing) -> int:
         """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
         server, and records where the time went in `timing`. A prefill server that fails or falls
-        silent (UNAVAILABLE) is left for another, once, where there is one and the blocks are whole.
-        If the KV might still land after a failure, the blocks are moved out of `block_table` (left
-        reserved) so the caller cannot reuse them."""
-        tried: list[PrefillPeer] = []
-        while True:
-            peer = await self.pick(avoid=tried)
-            tried.append(peer)
-            blocks = len(block_table)
-            try:
-                return await self._prefill_on(peer, request_id, prompt, sampling, block_table, timing)
-            except PrefillFailed as e:
-                others = [p for p in self.peers.values() if p not in tried and p.health.up]
-                if e.code != grpc.StatusCode.UNAVAILABLE or len(tried) > 1 or not others or len(block_table) < blocks:
-                    raise
-                log.warning("request %s: %s; trying prefill server %s", request_id, e, others[0].address)
-
-    async def _prefill_on(self, peer: PrefillPeer, request_id: str, prompt: list[int],
-                          sampling: decode_pb2.SamplingParams, block_table: list[int], timing: Timing) -> int:
+        silent (UNAVAILABLE) leaves the rotation until it answers health checks again, so a retry
+        goes to another. If the KV might still land after a failure, the blocks are moved out of
+        `block_table` (left reserved) so the caller cannot reuse them."""
+        peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
         handoff: Handoff | None = None
