@@ -16,7 +16,7 @@ import torch
 from bench.common import measure_hbm_gbps, metadata, time_cuda, write_json
 from engine.attention import attention_rows
 from engine.kernels.fused import rope_and_store
-from engine.model.qwen2 import RotaryTable
+from engine.model.decoder import RotaryTable
 
 HEADS, KV_HEADS, DIM = 28, 4, 128
 

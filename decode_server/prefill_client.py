@@ -123,7 +123,8 @@ class PrefillPeer:
 
 def peer_error(address: str, e: grpc.aio.AioRpcError, what: str) -> PrefillFailed:
     code = e.code()
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION):  # a KV layout mismatch stays one
         return PrefillFailed(code, f"prefill server {address}: {e.details()}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {address} did not finish the {what} in time")

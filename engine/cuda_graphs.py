@@ -17,7 +17,7 @@ import torch
 from engine.attention import DecodeMeta
 from engine.decode_batch import DecodeSeq, table_width, write_rows
 from engine.kv_cache import KVPool
-from engine.model import Qwen2Model
+from engine.model import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def bucket_sizes(max_batch: int, min_bucket: int) -> list[int]:
 class DecodeGraphs:
     """Decode steps of `model` over `pool` for up to `max_batch` sequences of up to `max_model_len` tokens."""
 
-    def __init__(self, model: Qwen2Model, pool: KVPool, max_batch: int, max_model_len: int,
+    def __init__(self, model: DecoderModel, pool: KVPool, max_batch: int, max_model_len: int,
                  min_bucket: int = 1) -> None:
         self.model, self.pool, self.max_batch, self.max_model_len = model, pool, max_batch, max_model_len
         self.block_size = pool.layout.block_size

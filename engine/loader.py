@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.model import Qwen2Model
-from engine.model_config import ModelConfig
+from engine.byte_tokenizer import byte_tokenizer
+from engine.model import DecoderModel
+from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig
 from engine.ops import ALL_KERNELS, KernelOptions
 from engine.presets import PRESET_SEED, PRESETS
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
 class ModelLoadError(Exception):
@@ -26,17 +26,18 @@ class ModelLoadError(Exception):
 
 @dataclass
 class LoadedModel:
-    model: Qwen2Model
+    model: DecoderModel
     config: ModelConfig
     tokenizer: Tokenizer | None
     source: str
 
 
 def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                 kernels: KernelOptions) -> Qwen2Model:
+                 kernels: KernelOptions) -> DecoderModel:
     with torch.device("meta"):
-        model = Qwen2Model(cfg, kernels, max_positions).to(dtype)
+        model = DecoderModel(cfg, kernels, max_positions).to(dtype)
     model = model.to_empty(device=device)
+    model.tie_weights()
     model.rope.reset()
     return model.eval()
 
@@ -61,25 +62,21 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
                 p.normal_(0.0, 1.0 / p.shape[1] ** 0.5, generator=gen)
             else:
                 p.normal_(0.0, 0.1, generator=gen)
-    tokenizer: Tokenizer | None = ByteTokenizer() if name == "tiny" else None
+    tokenizer: Tokenizer | None = byte_tokenizer() if name == "tiny" else None
     return LoadedModel(model, cfg, tokenizer, f"preset:{name}")
 
 
-def _hf_to_ours(cfg: ModelConfig, name: str) -> tuple[str, slice | None] | None:
-    """Our parameter name (and row slice of a fused weight) for a transformers weight name."""
+def weight_map(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
+    """Every transformers weight name of this config -> our parameter name and, for a fused weight,
+    its rows (q, k, v stacked in `qkv`; gate and up in `gate_up`)."""
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     i = cfg.intermediate_size
-    fixed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name], None
-    parts = name.split(".")
-    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
-        return None
-    prefix = f"layers.{parts[2]}."
-    rest = ".".join(parts[3:])
-    table: dict[str, tuple[str, slice | None]] = {
+    names: dict[str, tuple[str, slice | None]] = {"model.embed_tokens.weight": ("embed.weight", None),
+                                                  "model.norm.weight": ("norm.weight", None)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = ("lm_head.weight", None)
+    per_layer: dict[str, tuple[str, slice | None]] = {
         "input_layernorm.weight": ("input_norm.weight", None),
         "post_attention_layernorm.weight": ("post_norm.weight", None),
         "self_attn.o_proj.weight": ("o_proj.weight", None),
@@ -88,40 +85,73 @@ def _hf_to_ours(cfg: ModelConfig, name: str) -> tuple[str, slice | None] | None:
         "mlp.up_proj.weight": ("gate_up.weight", slice(i, 2 * i)),
     }
     for kind, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
-        table[f"self_attn.{kind}_proj.weight"] = ("qkv.weight", rows)
-        table[f"self_attn.{kind}_proj.bias"] = ("qkv.bias", rows)
-    if rest not in table:
-        return None
-    ours, row_slice = table[rest]
-    return prefix + ours, row_slice
+        per_layer[f"self_attn.{kind}_proj.weight"] = ("qkv.weight", rows)
+        if cfg.qkv_bias:
+            per_layer[f"self_attn.{kind}_proj.bias"] = ("qkv.bias", rows)
+    if cfg.qk_norm:
+        per_layer["self_attn.q_norm.weight"] = ("q_norm.weight", None)
+        per_layer["self_attn.k_norm.weight"] = ("k_norm.weight", None)
+    for layer in range(cfg.num_layers):
+        for theirs, (ours, part) in per_layer.items():
+            names[f"model.layers.{layer}.{theirs}"] = (f"layers.{layer}.{ours}", part)
+    return names
 
 
-def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
-                    max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
-    folder = Path(path)
+def read_config(folder: Path) -> ModelConfig:
+    """The folder's config.json as our config, refusing what the engine does not implement."""
+    from transformers import AutoConfig
+
     hint = "pass a local Hugging Face checkpoint folder (config.json + *.safetensors) or --preset"
     if not folder.is_dir():
         raise ModelLoadError(f"--model {folder}: no such folder; {hint}")
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"--model {folder}: no config.json in it; {hint}")
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"--model {folder}: config.json is not a JSON object ({e}); {hint}") from e
+    if model_type not in FAMILIES:
+        raise ModelLoadError(f"--model {folder}: model_type {model_type!r} is not supported; use a checkpoint of "
+                             f"one of: {', '.join(FAMILIES)}")
+    try:
+        hf = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"--model {folder}: transformers can't read its config.json ({e}); fix the file "
+                             "or use another checkpoint") from e
+    try:
+        return ModelConfig.from_hf(hf, name=folder.name)
+    except UnsupportedConfig as e:
+        raise ModelLoadError(f"--model {folder}: {e}") from e
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    """End-of-turn ids that generation_config.json adds (Llama 3 instruct lists three)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
+                    max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
+    folder = Path(path)
+    cfg = read_config(folder)
+    extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
+    cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"--model {folder}: no *.safetensors files in it; {hint}")
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(folder)
-    if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"--model {folder}: model_type {hf.model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    cfg = ModelConfig.from_hf(hf, name=folder.name)
+        raise ModelLoadError(f"--model {folder}: no *.safetensors files in it; pass a folder with the weights "
+                             "(sharded with model.safetensors.index.json or not)")
     model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     params = dict(model.named_parameters())
+    names = weight_map(cfg)
     filled: dict[str, int] = {}
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    target = _hf_to_ours(cfg, name)
+                    target = names.get(name)
                     if target is None:
                         log.warning("ignoring unexpected weight %s in %s", name, file.name)
                         continue
@@ -133,12 +163,16 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                                              f"config.json implies {tuple(dest.shape)}")
                     dest.copy_(tensor.to(dtype))
                     filled[ours] = filled.get(ours, 0) + tensor.shape[0]
-    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = [n for n, p in params.items() if n not in tied and filled.get(n, 0) < p.shape[0]]
+    missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]  # a tied lm_head is not listed
     if missing:
         raise ModelLoadError(f"--model {folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
-    return LoadedModel(model, cfg, HFTokenizer.maybe_load(folder), str(folder))
+    try:
+        tokenizer = Tokenizer.maybe_from_folder(folder)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"--model {folder}: its tokenizer files can't be loaded ({e}); fix or remove "
+                             "them (without them the server takes token ids only)") from e
+    return LoadedModel(model, cfg, tokenizer, str(folder))
 
 
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,

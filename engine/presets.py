@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 
-# A model small enough for any laptop and CI; vocabulary = the byte tokenizer's 256 bytes + specials.
+# A model small enough for any laptop and CI; vocabulary = the byte tokenizer's 256 bytes + specials
+# (engine.byte_tokenizer, which also gives it a chat template).
 TINY = ModelConfig(
     vocab_size=320,
     hidden_size=64,
@@ -39,5 +40,27 @@ QWEN25_7B = ModelConfig(
     name="qwen2.5-7b",
 )
 
-PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "qwen2.5-7b": QWEN25_7B}
+# Llama-3.1-8B-Instruct's shape: no biases, Llama 3's RoPE scaling, a 128k context, and the
+# instruct checkpoint's three end-of-turn ids.
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    eos_token_ids=(128001, 128008, 128009),
+    name="llama3-8b",
+    family="llama",
+    qkv_bias=False,
+    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192),
+)
+
+PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "qwen2.5-7b": QWEN25_7B, "llama3-8b": LLAMA3_8B}
 PRESET_SEED = 1234

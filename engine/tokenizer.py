@@ -1,68 +1,122 @@
-"""Tokenizers: the tiny preset's own byte tokenizer, or a checkpoint's through transformers."""
+"""Text in and out of the engine: a checkpoint's tokenizer and chat template (through transformers,
+local files only), a streaming detokenizer that never splits a character, and stop strings.
+
+What a front door needs per request:
+  ids = tokenizer.apply_chat_template(messages)   # or tokenizer.encode(prompt)
+  detok, stops = StreamDetokenizer(tokenizer), StopMatcher(["\\n\\n"])
+  for each token: text, stopped = stops.feed(detok.step(token_id)); send text; end if stopped
+  at the end (no stop): send stops.flush()
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-class Tokenizer(Protocol):
-    eos_token_ids: tuple[int, ...]
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
+class ChatTemplateError(ValueError):
+    """The messages can't be rendered: no chat template, or the template refused them."""
 
 
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0-255; 256 is BOS, 257 is EOS. Fits the tiny preset's vocabulary."""
+class Tokenizer:
+    """A transformers fast tokenizer: encode, decode, chat template, end-of-turn ids."""
 
-    BOS, EOS = 256, 257
-    eos_token_ids: tuple[int, ...] = (EOS,)
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A checkpoint folder's own tokenizer, through transformers."""
-
-    def __init__(self, folder: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(folder)
-        eos = self._tok.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+    def __init__(self, hf: Any) -> None:
+        if getattr(hf, "backend_tokenizer", None) is None:
+            raise ValueError(f"{type(hf).__name__} is not a fast tokenizer; the folder needs a tokenizer.json")
+        self._hf = hf
+        ids = [hf.convert_tokens_to_ids(t) for t in (hf.eos_token,) if t is not None]
+        self.eos_token_ids: tuple[int, ...] = tuple(int(i) for i in ids if i is not None)
 
     @classmethod
-    def maybe_load(cls, folder: Path) -> HFTokenizer | None:
-        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    def from_folder(cls, folder: Path) -> Tokenizer:
+        """The folder's own tokenizer files; never the hub."""
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+
+    @classmethod
+    def maybe_from_folder(cls, folder: Path) -> Tokenizer | None:
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             return None
-        return cls(folder)
+        return cls.from_folder(folder)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    @property
+    def backend(self) -> BackendTokenizer:
+        return self._hf.backend_tokenizer  # type: ignore[no-any-return]
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids, with the tokenizer's own BOS where it adds one (Llama, Mistral)."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._hf.decode(list(ids), skip_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat template's text for `messages`, ending with the assistant's turn opened."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model's tokenizer has no chat template; send a plain prompt instead")
+        try:
+            text = self._hf.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                add_generation_prompt=True)
+        except Exception as e:  # jinja's errors, including the template's own raise_exception
+            raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+        return str(text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt ids for a chat: the template's text encoded as is (it writes its own BOS)."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
 
 class StreamDetokenizer:
-    """Turns a token stream into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns a token stream into text pieces; a character split across tokens (byte-level BPE)
+    comes out whole with the token that completes it, never as U+FFFD halves."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def step(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece = text[self._emitted:]
-        self._emitted = len(text)
-        return piece
+        return self._stream.step(self._backend, token_id) or ""
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, also when one is split across pieces. Text is held
+    back only while it could be the start of a stop string; the stop string itself is never
+    emitted, nor anything after it."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if any(not s for s in stops):
+            raise ValueError("a stop string is empty; every stop string needs at least one character")
+        self._stops = tuple(stops)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text that is safe to emit now, whether a stop string was found)."""
+        if self.stopped:
+            return "", True
+        text = self._held + piece
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if found:
+            self._held, self.stopped = "", True
+            return text[:min(found)], True
+        keep = max((n for s in self._stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if s.startswith(text[len(text) - n:])), default=0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """At the end of a stream without a stop: the text still held back."""
+        held, self._held = self._held, ""
+        return held

@@ -90,7 +90,7 @@ def _as_float(pool):  # type: ignore[no-untyped-def]
 def test_fused_ops_match_pytorch() -> None:
     from engine import ops
     from engine.kernels import fused
-    from engine.model.qwen2 import RotaryTable
+    from engine.model.decoder import RotaryTable
 
     torch.manual_seed(1)
     dev = torch.device("cuda")
@@ -184,7 +184,7 @@ def test_padded_rope_matches_unpadded() -> None:
     """The whole-prompt rope kernel's padded q, k, v hold the unpadded values, zeros after them, and
     write the same pool entries."""
     from engine.kernels import fused
-    from engine.model.qwen2 import RotaryTable
+    from engine.model.decoder import RotaryTable
 
     torch.manual_seed(4)
     dev = torch.device("cuda")
@@ -208,7 +208,7 @@ def test_tiled_rope_matches_per_token_rope() -> None:
     """Prefill-sized calls run the rope kernel on tiles of tokens (the last one partial), decode-sized
     calls a program per token: bit for bit the same q, k and pool entries."""
     from engine.kernels import fused
-    from engine.model.qwen2 import RotaryTable
+    from engine.model.decoder import RotaryTable
 
     torch.manual_seed(6)
     dev = torch.device("cuda")

@@ -68,9 +68,9 @@ def test_text_prompt_streams_text(pair) -> None:  # type: ignore[no-untyped-def]
     replies = run_stream(decode.address, decode_pb2.GenerateRequest(prompt="héllo wörld", max_new_tokens=8))
     assert replies and all(r.timing.since_arrival_s > 0 for r in replies)
     tokens = [r.token_id for r in replies]
-    from engine.tokenizer import ByteTokenizer
+    from engine.byte_tokenizer import byte_tokenizer
 
-    assert "".join(r.text for r in replies) == ByteTokenizer().decode(tokens).rstrip("\ufffd")
+    assert "".join(r.text for r in replies) == byte_tokenizer().decode(tokens).rstrip("\ufffd")
 
 
 def test_stop_and_eos(pair) -> None:  # type: ignore[no-untyped-def]

@@ -1,3 +1,3 @@
-from engine.model.qwen2 import Qwen2Model
+from engine.model.decoder import DecoderModel
 
-__all__ = ["Qwen2Model"]
+__all__ = ["DecoderModel"]

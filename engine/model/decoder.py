@@ -1,4 +1,7 @@
-"""Qwen2-family decoder forward in plain PyTorch, over the paged KV pool.
+"""The decoder forward of every supported family (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) in plain
+PyTorch, over the paged KV pool. What differs between families is a `ModelConfig` field: a bias on
+q, k and v (Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3), Llama 3's RoPE scaling, and
+tied embeddings.
 
 One forward serves a prefill chunk of one sequence (`PrefillMeta`) and a decode step of many
 sequences (`DecodeMeta`); `on_layer_done(layer)` fires after each layer's KV is in the pool so
@@ -8,6 +11,7 @@ the next norm (`delta`), which fuses on CUDA.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -16,7 +20,7 @@ from torch import nn
 from engine import ops
 from engine.attention import DecodeMeta, PrefillMeta, decode_attention, last_row_attention, prefill_attention
 from engine.kv_cache import KVPool
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +33,25 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3's scaling: long wavelengths slowed by `factor`, short ones kept, the band between
+    blended smoothly (the formula of Meta's reference code and transformers')."""
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    medium = (wavelen >= old_len / scaling.high_freq_factor) & (wavelen <= old_len / scaling.low_freq_factor)
+    return torch.where(medium, blended, scaled)
+
+
 class RotaryTable(nn.Module):
     """cos/sin (float32) for every position up to `max_positions`, computed as transformers does."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.head_dim, self.theta, self.max_positions, self.scaling = head_dim, theta, max_positions, scaling
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
@@ -45,6 +62,8 @@ class RotaryTable(nn.Module):
         device = self.cos.device
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         inv_freq = 1.0 / (self.theta ** exponent)
+        if self.scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # stay float32 whatever the model dtype
@@ -57,7 +76,10 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=True)  # q, k, v fused
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # q, k, v fused
+        # Qwen3: an RMSNorm over each head of q and of k, before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
@@ -72,9 +94,11 @@ class DecoderLayer(nn.Module):
         h, x = self.input_norm(x, delta)
         rows = meta.rows if isinstance(meta, PrefillMeta) and meta.whole_prompt else None
         kernels = self.kernels
-        q, k, v = ops.rope_and_store(ops.linear(h, self.qkv, kernels), positions, rope.cos, rope.sin,
-                                     pool.layers[layer], meta.new_slots, self.num_heads, self.num_kv_heads,
-                                     self.head_dim, rows)
+        qkv = ops.linear(h, self.qkv, kernels)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        q, k, v = ops.rope_and_store(qkv, positions, rope.cos, rope.sin, pool.layers[layer],
+                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
         if isinstance(meta, PrefillMeta) and last_row_only:
             t = meta.new_slots.numel()
             attn, x = last_row_attention(q[t - 1:t], k[:t], v[:t], pool, layer, meta), x[t - 1:t]
@@ -85,8 +109,17 @@ class DecoderLayer(nn.Module):
         h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
         return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q_norm and k_norm over each head of the fused projection, in place."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, d = qkv.shape[0], self.head_dim
+        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        for norm, start, end in ((self.q_norm, 0, q_end), (self.k_norm, q_end, k_end)):
+            qkv[:, start:end] = norm(qkv[:, start:end].reshape(-1, d))[0].view(t, end - start)
+        return qkv
 
-class Qwen2Model(nn.Module):
+
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: ops.KernelOptions, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -95,9 +128,15 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
+                                cfg.rope_scaling)
+
+    def tie_weights(self) -> None:
+        """Llama 3.2 1B/3B: the output projection is the embedding. Called again after `to_empty`,
+        which gives each of the two names its own storage."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,

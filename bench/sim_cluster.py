@@ -1,0 +1,347 @@
+"""Discrete-event simulation of N prefill x M decode servers, each the loop the real servers run.
+
+A decode server's iteration is the engine thread's `step()`: admit ready sequences into the running
+batch (continuous batching, up to --max-batch-size), run at most one local prefill piece (a whole
+prompt, one chunk, or one slice of layers), then one decode step for every running sequence. In
+`partitioned` mode the local prefill runs beside the decode steps on a share of the SMs instead,
+slowing both. A prefill server runs one prompt at a time and hands the KV over; the request joins
+its decode server's batch once the handoff is done. Each engine keeps a prefix cache of the
+conversations it prefilled, so a later turn prefills only the tokens it has not seen.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.sim_costs import KV_BYTES_PER_TOKEN, Costs, layered_slices
+from bench.sim_traffic import SimRequest, Traffic
+
+LOCAL_MODES = ("colocated", "chunked", "layered", "partitioned")
+MODES = ("disaggregated", *LOCAL_MODES, "auto")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What runs where: `prefill` prefill servers and `decode` decode servers, and how prompts are placed."""
+
+    prefill: int
+    decode: int
+    mode: str
+    chunk_size: int = 512
+    layer_slice_tokens: int = 32_768
+    partition_sms: int = 84              # SMs of 132 given to a local prefill in partitioned mode
+    auto_threshold: int = 4096           # auto: prefill locally below this many uncached tokens
+    auto_local: str = "layered"          # auto: the local mode
+    max_batch: int = 64
+    kv_cache_gb: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.auto_local not in LOCAL_MODES:
+            raise ValueError(f"--auto-local must be one of {', '.join(LOCAL_MODES)}")
+        if self.decode < 1 or self.prefill < 0:
+            raise ValueError("a deployment needs at least one decode server and no negative count of prefill servers")
+        if self.mode in ("disaggregated", "auto") and self.prefill < 1:
+            raise ValueError(f"mode {self.mode} needs at least one prefill server")
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill + self.decode
+
+    def label(self) -> str:
+        if self.mode in ("disaggregated", "auto"):
+            return f"{self.mode} {self.prefill}P+{self.decode}D"
+        suffix = f":{self.chunk_size}" if self.mode == "chunked" else ""
+        return f"{self.mode}{suffix} {self.decode}D"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Costs of the serving loop around the engine's kernels, calibrated on a load run (bench.sim_validate).
+
+    Host time a decode step spends per running sequence (each token's trip to its stream); time a
+    local prefill call (a whole prompt, a chunk or a slice) and a prefill server's prefill take under
+    load beyond the engine's own; and what admitting a sequence adds to its first decode step, for a
+    locally prefilled one and for one whose KV came from a prefill server (the receive's set-up and
+    completion), which is paid on `remote_join_steps` consecutive steps.
+    """
+
+    step_host_ms_per_seq: float = 0.0
+    local_call_ms: float = 0.0
+    remote_prefill_ms: float = 0.0
+    join_local_ms: float = 0.0
+    join_remote_ms: float = 0.0
+    remote_join_steps: int = 1
+
+
+class Clock:
+    """The event queue: callbacks run in time order, ties in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action))
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+
+
+class PrefillServer:
+    """One prompt at a time, first come first served; the KV streams out layer by layer as it computes, and the
+    next prompt starts once the last layer is sent."""
+
+    def __init__(self, clock: Clock, costs: Costs, serving: Serving) -> None:
+        self.clock, self.costs, self.serving = clock, costs, serving
+        self.queue: deque[tuple[SimRequest, Callable[[], None]]] = deque()
+        self.busy_until = 0.0
+        self.cache: dict[str, int] = {}
+
+    @property
+    def backlog(self) -> int:
+        return len(self.queue) + (self.busy_until > self.clock.now)
+
+    def submit(self, request: SimRequest, on_kv: Callable[[], None]) -> None:
+        self.queue.append((request, on_kv))
+        if self.busy_until <= self.clock.now and len(self.queue) == 1:
+            self._start()
+
+    def _start(self) -> None:
+        request, on_kv = self.queue.popleft()
+        request.cached = min(request.history, self.cache.get(request.conversation or "", 0))
+        request.prefill_s = (self.costs.prefill_ms(request.prompt - request.cached, request.cached)
+                             + self.serving.remote_prefill_ms) / 1e3
+        end = self.clock.now + request.prefill_s
+        if request.conversation is not None:
+            self.cache[request.conversation] = request.prompt
+        # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish())
+        self.busy_until = end + self.costs.kv_handoff_ms(request.prompt) / 1e3
+        self.clock.at(self.busy_until, on_kv)
+        self.clock.at(self.busy_until, self._next)
+
+    def _next(self) -> None:
+        if self.queue:
+            self._start()
+
+
+@dataclass
+class _LocalPrefill:
+    request: SimRequest
+    mode: str
+    done_tokens: int = 0
+    slices_left: int = 0
+
+
+@dataclass
+class DecodeServer:
+    """The decode server's engine loop, with the local prefill modes."""
+
+    index: int
+    clock: Clock
+    costs: Costs
+    deployment: Deployment
+    serving: Serving
+    prefill_servers: list[PrefillServer]
+    on_done: Callable[[SimRequest], None]
+    prefilling: deque[_LocalPrefill] = field(default_factory=deque)
+    ready: deque[SimRequest] = field(default_factory=deque)
+    running: int = 0
+    context: int = 0
+    reserved: int = 0
+    step: int = 0
+    step_ends: list[float] = field(default_factory=list)
+    finishing: dict[int, list[SimRequest]] = field(default_factory=lambda: defaultdict(list))
+    cache: dict[str, int] = field(default_factory=dict)
+    busy: bool = False
+    partition_until: float = 0.0
+    join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
+
+    def __post_init__(self) -> None:
+        self.capacity = int(self.deployment.kv_cache_gb * 1e9 // KV_BYTES_PER_TOKEN)
+        self.slowdown, self.partition_rate = self.costs.partition_factors(self.deployment.partition_sms)
+
+    # --- placement ---------------------------------------------------------------------------------
+    def submit(self, request: SimRequest) -> None:
+        request.server = self.index
+        mode = self._placement(request)
+        if mode == "disaggregated":
+            request.where = "remote"
+            target = min(self.prefill_servers, key=lambda p: p.backlog)
+            target.submit(request, lambda: self._kv_arrived(request))
+            return
+        request.where = "local"
+        self.prefilling.append(_LocalPrefill(request, mode))
+        self._wake()
+
+    def _placement(self, request: SimRequest) -> str:
+        d = self.deployment
+        if d.mode != "auto":
+            return d.mode
+        uncached = request.prompt - min(request.history, self.cache.get(request.conversation or "", 0))
+        if uncached < d.auto_threshold or all(p.backlog > 1 for p in self.prefill_servers):
+            return d.auto_local
+        return "disaggregated"
+
+    def _kv_arrived(self, request: SimRequest) -> None:
+        request.first_token = self.clock.now
+        self._ready(request)
+
+    def _ready(self, request: SimRequest) -> None:
+        if request.output <= 1:
+            request.done = request.first_token
+            self.on_done(request)
+            return
+        self.ready.append(request)
+        self._wake()
+
+    # --- the engine loop ---------------------------------------------------------------------------
+    def _wake(self) -> None:
+        if not self.busy:
+            self.busy = True
+            self.clock.at(self.clock.now, self._iteration)
+
+    def _admit(self) -> float:
+        """Ready sequences into the running batch; returns the milliseconds their admission adds to this step."""
+        carry = self.join_carry
+        while self.ready and self.running < self.deployment.max_batch:
+            request = self.ready[0]
+            need = request.prompt + request.output
+            if self.running and self.reserved + need > self.capacity:
+                break  # the KV pool is full: it waits for a running sequence to finish
+            self.ready.popleft()
+            self.reserved += need
+            request.join_step = self.step
+            self.running += 1
+            self.context += request.prompt + 1
+            self.finishing[self.step + request.output - 2].append(request)
+            remote = request.where == "remote"
+            steps = self.serving.remote_join_steps if remote else 1
+            while len(carry) < steps:
+                carry.append(0.0)
+            for k in range(steps):
+                carry[k] += self.serving.join_remote_ms if remote else self.serving.join_local_ms
+        return carry.popleft() if carry else 0.0
+
+    def _iteration(self) -> None:
+        now = self.clock.now
+        admitted = self._admit()
+        t = now + self._prefill_piece(now)
+        if self.running:
+            step_ms = self.costs.decode_ms(self.running, self.context)
+            if self.partition_until > now:
+                step_ms *= self.slowdown
+            host_ms = self.serving.step_host_ms_per_seq * self.running + admitted
+            t += (step_ms + host_ms) / 1e3
+            self._end_step(t)
+        if t == now:
+            self.busy = False  # idle until a request arrives or a prefill/handoff ends
+            return
+        self.clock.at(t, self._iteration)
+
+    def _end_step(self, t: float) -> None:
+        self.step_ends.append(t)
+        self.context += self.running
+        for request in self.finishing.pop(self.step, ()):
+            request.done = t
+            self.running -= 1
+            self.reserved -= request.prompt + request.output
+            self.context -= request.prompt + request.output
+            if request.where == "local" and request.conversation is not None:
+                self.cache[request.conversation] = request.prompt + request.output
+            self.on_done(request)
+        self.step += 1
+
+    def _prefill_piece(self, now: float) -> float:
+        """Seconds the head of the local prefill queue takes this iteration (0 in partitioned mode: it runs beside)."""
+        if not self.prefilling:
+            return 0.0
+        head = self.prefilling[0]
+        request = head.request
+        if head.done_tokens == 0 and head.slices_left == 0:
+            request.cached = min(request.history, self.cache.get(request.conversation or "", 0))
+            head.done_tokens = request.cached
+        new = request.prompt - request.cached
+        if head.mode == "partitioned":
+            if self.partition_until <= now:
+                seconds = self._local_ms(new, request.cached) / self.partition_rate / 1e3
+                request.prefill_s = seconds
+                self.partition_until = now + seconds
+                self.prefilling.popleft()
+                self.clock.at(now + seconds, lambda: self._first_token(request))
+            return 0.0
+        if head.mode == "chunked":
+            size = min(self.deployment.chunk_size, request.prompt - head.done_tokens)
+            ms = self.costs.chunk_ms(size, head.done_tokens) + self.serving.local_call_ms
+            head.done_tokens += size
+            finished = head.done_tokens >= request.prompt
+        elif head.mode == "layered":
+            slices = layered_slices(new, self.deployment.layer_slice_tokens)
+            if head.slices_left == 0:
+                head.slices_left = slices
+            head.slices_left -= 1
+            finished = head.slices_left == 0
+            ms = self.costs.layer_slice_ms(new, request.cached, slices) + self.serving.local_call_ms
+        else:
+            ms = self._local_ms(new, request.cached)
+            finished = True
+        request.prefill_s += ms / 1e3
+        if finished:
+            self.prefilling.popleft()
+            self.clock.at(now + ms / 1e3, lambda: self._first_token(request))
+        return ms / 1e3
+
+    def _local_ms(self, new: int, cached: int) -> float:
+        return self.costs.local_prefill_ms(new, cached) + self.serving.local_call_ms
+
+    def _first_token(self, request: SimRequest) -> None:
+        request.first_token = self.clock.now
+        self._ready(request)
+
+
+class Cluster:
+    """Clients round-robin over the decode servers in the order they send, as `client.load` does."""
+
+    def __init__(self, deployment: Deployment, costs: Costs, traffic: Traffic, serving: Serving | None = None) -> None:
+        self.deployment, self.traffic = deployment, traffic
+        self.clock = Clock()
+        serving = serving or Serving()
+        self.prefill = [PrefillServer(self.clock, costs, serving) for _ in range(deployment.prefill)]
+        self.decode = [DecodeServer(i, self.clock, costs, deployment, serving, self.prefill, self._done)
+                       for i in range(deployment.decode)]
+        self.requests: list[SimRequest] = []
+        self._next_target = itertools.cycle(range(deployment.decode))
+        self._affinity: dict[str, int] = {}
+
+    def run(self) -> list[SimRequest]:
+        for request in self.traffic.initial():
+            self.clock.at(request.sent, lambda r=request: self._send(r))  # type: ignore[misc]
+        for user in range(len(self.traffic.users)):
+            self.clock.at(0.0, lambda u=user: self._send(self.traffic.background(u, 0.0)))  # type: ignore[misc]
+        self.clock.run()
+        return self.requests
+
+    def _send(self, request: SimRequest) -> None:
+        self.requests.append(request)
+        if request.conversation is not None and request.conversation in self._affinity:
+            server = self._affinity[request.conversation]  # a conversation's turns go where its history is
+        else:
+            server = next(self._next_target)
+            if request.conversation is not None:
+                self._affinity[request.conversation] = server
+        self.decode[server].submit(request)
+
+    def _done(self, request: SimRequest) -> None:
+        now, duration = self.clock.now, self.traffic.spec.duration
+        if request.user is not None and now < duration:
+            self._send(self.traffic.background(request.user, now))
+        elif (turn := self.traffic.next_turn(request)) is not None and turn.sent < duration:
+            self.clock.at(turn.sent, lambda: self._send(turn))

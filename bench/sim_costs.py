@@ -1,0 +1,251 @@
+"""Per-operation costs for the cluster simulator, each fitted to the recorded measurements in bench/results.
+
+Every fit keeps its quality (R^2 and the largest relative error over the points it was fitted to),
+so `python -m bench.simulate` can print how far each cost can be trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+LAYERS = 28                      # Qwen2.5-7B, the preset every recorded run used
+KV_BYTES_PER_TOKEN = 57_344      # 28 layers x K and V x 4 KV heads x 128 x 2 bytes
+ENGINE_CONTEXT = 1024            # bench.engine's decode steps run at this context per sequence
+# Lab figures on one H200 (prefill matmuls confined to a share of the SMs beside decode steps):
+# SMs given to the prefill -> (decode step beside it, ms; prefill matmul rate as a share of the whole GPU's).
+PARTITION_ALONE_STEP_MS = 3.71
+PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A least-squares fit y ~ X @ params, with its quality over the points it was fitted to (R^2 is nan for
+    a constant, which explains none of the spread by definition; its max relative error still says how good it is)."""
+
+    name: str
+    params: tuple[float, ...]
+    r2: float
+    max_rel_error: float
+    points: int
+
+    def line(self) -> str:
+        values = ", ".join(f"{p:.4g}" for p in self.params)
+        quality = f"R^2 {self.r2:7.4f}  max rel err {self.max_rel_error:6.1%}"
+        return f"{self.name:<34} {self.points:>3} pts  {quality}  [{values}]"
+
+
+def least_squares(name: str, x: np.ndarray, y: np.ndarray) -> Fit:
+    """Fit y ~ x @ p; R^2 is computed against y's mean (1 - SS_res / SS_tot)."""
+    params, *_ = np.linalg.lstsq(x, y, rcond=None)
+    predicted = x @ params
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    constant = x.shape[1] == 1 and bool(np.all(x == x[0]))
+    r2 = math.nan if constant or ss_tot == 0 else 1.0 - float(((y - predicted) ** 2).sum()) / ss_tot
+    rel = float(np.max(np.abs(predicted - y) / np.abs(y)))
+    return Fit(name, tuple(float(p) for p in params), r2, rel, len(y))
+
+
+def _load(name: str, results: Path) -> dict[str, Any]:
+    path = results / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the simulator's costs are fitted to it; restore bench/results")
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def _engine_runs(results: Path) -> Iterator[dict[str, Any]]:
+    """Every recorded bench.engine run on one H200: the newest, its history, and each card of the two-GPU machine."""
+    run: dict[str, Any] | None = _load("engine-h200.json", results)
+    while run is not None:
+        yield run
+        run = run.get("previous")
+    yield from _load("engine-2xh200.json", results)["runs"]
+
+
+def _scenario_rows(results: Path) -> Iterator[dict[str, Any]]:
+    for name in ("scenario-h200.json", "scenario-2xh200.json", "scenario-layered-2xh200.json"):
+        yield from _load(name, results)["rows"]
+
+
+def kv_read_ms(context_tokens: float, hbm_gbps: float) -> float:
+    """A decode step's attention reads every running sequence's whole KV once."""
+    return context_tokens * KV_BYTES_PER_TOKEN / (hbm_gbps * 1e9) * 1e3
+
+
+def layered_slices(tokens: int, slice_tokens: int = 32_768) -> int:
+    """How many engine steps a layered prefill takes: as many layers a slice as keep tokens x layers <= slice_tokens."""
+    per_slice = max(1, slice_tokens // max(1, tokens))
+    return math.ceil(LAYERS / per_slice)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Every duration the simulator charges, in milliseconds."""
+
+    decode: Fit        # step - KV read = d0 + d1 * batch
+    prefill: Fit       # whole prompt: p0 + p1 * T + p2 * T^2
+    chunk: Fit         # one chunk of c tokens after P cached/prefilled ones: k0 + k1 * c + k2 * c * (P + c / 2)
+    layered: Fit       # a layered prefill: the whole prefill + l0 per slice
+    local_extra: Fit   # a local whole-prompt prefill in the server beyond the engine's: constant
+    partition: Fit     # decode slowdown and prefill rate against the SMs given to the prefill (linear)
+    kv: Fit            # the handoff's bytes / bandwidth, from the endpoint rows: constant GB/s
+    kv_tail_ms: float  # the handoff beyond the prefill in the servers (control messages, last layer), at 32k
+    hbm_gbps: float
+
+    def fits(self) -> list[Fit]:
+        return [self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition, self.kv]
+
+    def decode_ms(self, batch: int, context_tokens: float) -> float:
+        d0, d1 = self.decode.params
+        return d0 + d1 * batch + kv_read_ms(context_tokens, self.hbm_gbps)
+
+    def prefill_ms(self, tokens: int, cached: int = 0) -> float:
+        """The engine's prefill of `tokens` new tokens; after a cached prefix it is priced as one chunk."""
+        if tokens <= 0:
+            return 0.0
+        if cached > 0:
+            return self.chunk_ms(tokens, cached)
+        p0, p1, p2 = self.prefill.params
+        return p0 + p1 * tokens + p2 * tokens * tokens
+
+    def local_prefill_ms(self, tokens: int, cached: int = 0) -> float:
+        return self.prefill_ms(tokens, cached) + self.local_extra.params[0]
+
+    def chunk_ms(self, tokens: int, prefix: int) -> float:
+        k0, k1, k2 = self.chunk.params
+        return k0 + k1 * tokens + k2 * tokens * (prefix + tokens / 2)
+
+    def layer_slice_ms(self, tokens: int, cached: int, slices: int) -> float:
+        return self.prefill_ms(tokens, cached) / slices + self.layered.params[0]
+
+    def partition_factors(self, sms: int) -> tuple[float, float]:
+        """(decode step slowdown, prefill rate share) with `sms` SMs confined to the prefill."""
+        s0, s1, r0, r1 = self.partition.params
+        return s0 + s1 * sms, r0 + r1 * sms
+
+    def kv_handoff_ms(self, tokens: int) -> float:
+        """The handoff beyond the prefill: the servers' measured tail at 32k, less the bytes a shorter prompt
+        does not move (layers stream out while later ones compute, so one layer's share of the bytes is exposed)."""
+        gbps = self.kv.params[0]
+        per_layer_ms = tokens * KV_BYTES_PER_TOKEN / LAYERS / (gbps * 1e9) * 1e3
+        full_layer_ms = 32_768 * KV_BYTES_PER_TOKEN / LAYERS / (gbps * 1e9) * 1e3
+        return max(0.0, self.kv_tail_ms - full_layer_ms) + per_layer_ms
+
+
+def fit_decode(results: Path, hbm_gbps: float) -> Fit:
+    rows = [(int(b), ms) for run in _engine_runs(results) for b, ms in run["decode_ms"].items()]
+    x = np.array([[1.0, b] for b, _ in rows])
+    y = np.array([ms - kv_read_ms(b * ENGINE_CONTEXT, hbm_gbps) for b, ms in rows])
+    fit = least_squares("decode step (d0 + d1*batch + KV read)", x, y)
+    return _requality(fit, x, y, offset=np.array([kv_read_ms(b * ENGINE_CONTEXT, hbm_gbps) for b, _ in rows]))
+
+
+def _requality(fit: Fit, x: np.ndarray, y: np.ndarray, offset: np.ndarray) -> Fit:
+    """Quality of a fit whose target had a known term taken out, measured on the whole quantity."""
+    whole, predicted = y + offset, x @ np.array(fit.params) + offset
+    ss_tot = float(((whole - whole.mean()) ** 2).sum())
+    r2 = 1.0 - float(((whole - predicted) ** 2).sum()) / ss_tot if ss_tot > 0 else math.nan
+    return Fit(fit.name, fit.params, r2, float(np.max(np.abs(predicted - whole) / whole)), fit.points)
+
+
+def fit_prefill(results: Path) -> Fit:
+    rows = [(int(t), ms) for run in _engine_runs(results) for t, ms in run.get("prefill_ms", {}).items()]
+    x = np.array([[1.0, t, t * t] for t, _ in rows])
+    return least_squares("prefill (p0 + p1*T + p2*T^2)", x, np.array([ms for _, ms in rows]))
+
+
+def fit_chunk(results: Path, decode: Fit) -> Fit:
+    """From the scenario: B's TTFT with chunks of c = its chunks plus A's one-sequence decode step after each."""
+    step_ms = decode.params[0] + decode.params[1]
+    xs, ys = [], []
+    for row in _scenario_rows(results):
+        if row["mode"] != "chunked" or row["b_ttft_ms"] is None:
+            continue
+        length, size = int(row["b_len"]), int(row["chunk_size"])
+        starts = range(0, length, size)
+        pieces = [min(size, length - s) for s in starts]
+        steps = len(pieces) * step_ms
+        xs.append([len(pieces), length, sum(c * (s + c / 2) for s, c in zip(starts, pieces, strict=True))])
+        ys.append(row["b_ttft_ms"] - steps)
+    return least_squares("chunk (k0 + k1*c + k2*c*(P+c/2))", np.array(xs), np.array(ys))
+
+
+def fit_layered(results: Path, prefill: Fit) -> Fit:
+    """From the scenario: layered B's TTFT = its whole prefill + (decode step + l0) a slice."""
+    p0, p1, p2 = prefill.params
+    xs, known, whole = [], [], []
+    for row in _scenario_rows(results):
+        if row["mode"] != "layered" or row["b_ttft_ms"] is None:
+            continue
+        t = int(row["b_len"])
+        slices = layered_slices(t)
+        xs.append([slices])
+        known.append(p0 + p1 * t + p2 * t * t + slices * float(row["a_median_gap_ms"]))
+        whole.append(row["b_ttft_ms"])
+    x, offset = np.array(xs, dtype=float), np.array(known)
+    y = np.array(whole) - offset
+    return _requality(least_squares("layered slice overhead (l0)", x, y), x, y, offset)
+
+
+def fit_local_extra(results: Path, prefill: Fit) -> Fit:
+    """From the scenario: colocated B's TTFT beyond the engine's prefill of its prompt (request set-up, first read)."""
+    p0, p1, p2 = prefill.params
+    whole, engine = [], []
+    for row in _scenario_rows(results):
+        if row["mode"] == "colocated" and row["b_ttft_ms"] is not None:
+            t = int(row["b_len"])
+            whole.append(row["b_ttft_ms"])
+            engine.append(p0 + p1 * t + p2 * t * t)
+    x, y = np.ones((len(whole), 1)), np.array(whole) - np.array(engine)
+    return _requality(least_squares("local prefill extra (constant)", x, y), x, y, np.array(engine))
+
+
+def fit_partition() -> Fit:
+    """Linear in the prefill's SMs, fitted jointly to the decode slowdowns and the prefill rate shares."""
+    sms = sorted(PARTITION_LAB)
+    slow = np.array([PARTITION_LAB[s][0] / PARTITION_ALONE_STEP_MS for s in sms])
+    rate = np.array([PARTITION_LAB[s][1] for s in sms])
+    zeros = np.zeros((len(sms), 2))
+    block = np.array([[1.0, s] for s in sms])
+    x = np.vstack([np.hstack([block, zeros]), np.hstack([zeros, block])])
+    return least_squares("partition (slowdown, rate) ~ SMs", x, np.concatenate([slow, rate]))
+
+
+def fit_kv(results: Path, transport: str) -> tuple[Fit, float]:
+    rows = _load("kv_transfer-2xh200.json", results)["rows"]
+    ends = [r for r in rows if r["transport"] == transport and r["mode"] == "endpoints"
+            and r.get("blocks", "contiguous") == "contiguous"]
+    if not ends:
+        raise ValueError(f"no endpoint rows for transport {transport!r} in kv_transfer-2xh200.json")
+    x = np.array([[r["seconds"] / (r["bytes"] / 1e9)] for r in ends])  # fit 1 / GB/s as a constant
+    seconds_per_gb = least_squares("kv", np.ones((len(ends), 1)), x[:, 0])
+    gbps = 1.0 / seconds_per_gb.params[0]
+    times = np.array([r["seconds"] for r in ends])
+    predicted = np.array([r["bytes"] / 1e9 / gbps for r in ends])
+    fit = Fit(f"KV handoff {transport} (GB/s)", (gbps,), seconds_per_gb.r2,
+              float(np.max(np.abs(predicted - times) / times)), len(ends))
+    servers = [r["seconds"] for r in rows if r["transport"] == transport and r["mode"] == "servers"]
+    tail_ms = float(np.median(servers)) * 1e3 if servers else float(np.median(times)) * 1e3
+    return fit, tail_ms
+
+
+def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
+    engine = _load("engine-h200.json", results)
+    hbm = float(engine["hbm_gbps_measured"])
+    prefill, decode = fit_prefill(results), fit_decode(results, hbm)
+    kv, tail = fit_kv(results, transport)
+    return Costs(decode=decode, prefill=prefill, chunk=fit_chunk(results, decode),
+                 layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
+                 partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm)
+
+
+def describe(costs: Costs) -> Sequence[str]:
+    return [f.line() for f in costs.fits()]

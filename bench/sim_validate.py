@@ -1,0 +1,180 @@
+"""`--validate`: replay every recorded load run (bench/results/load-*.json) and compare with what was measured.
+
+The serving loop's two costs (`Serving`) are calibrated on one recorded run, the training run, from
+figures the validation does not score (its ITL median and the servers' mean prefill time); every
+other run is predicted from the engine, scenario and handoff fits alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.sim_cluster import Deployment, Serving
+from bench.sim_costs import RESULTS, Costs, fit_costs, layered_slices
+from bench.sim_metrics import SimResult, simulate, summarize
+from client.load_plan import LoadSpec
+from client.load_stats import Slo
+
+TRAINING = ("load-2xh200.json", "f96f1c6")   # (file, commit) of the run the serving costs are calibrated on
+MODELLED_FROM = "6a78760"                    # pinned token reads: the serving loop the simulator models starts here
+METRICS = (("goodput_rps", ("goodput_rps",)), ("ttft_ms.p50", ("ttft_ms", "p50")), ("itl_ms.p99", ("itl_ms", "p99")))
+TARGET = 0.15
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """One deployment's run in a recorded load file."""
+
+    file: str
+    commit: str
+    name: str
+    spec: LoadSpec
+    slo: Slo
+    deployment: Deployment
+    transport: str
+    measured: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        via = f" ({self.transport})" if self.deployment.mode == "disaggregated" else ""
+        return f"{self.file}@{self.commit}:{self.name}{via}"
+
+
+def _spec(params: dict[str, Any]) -> LoadSpec:
+    fields = LoadSpec.__dataclass_fields__
+    return LoadSpec(**{k: v for k, v in params.items() if k in fields})
+
+
+def _deployment(summary: dict[str, Any]) -> Deployment:
+    mode, targets = summary["mode"], len(summary["targets"])
+    if mode == "disaggregated":
+        return Deployment(prefill=targets, decode=targets, mode=mode)
+    return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512)
+
+
+def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
+    """A load record (`runs` by name, `params`, `commit`), its `previous`, and the records a list of runs holds."""
+    if isinstance(record.get("runs"), list):
+        for inner in record["runs"]:
+            yield from _records(inner, file)
+        return
+    if "params" in record:
+        spec, commit = _spec(record["params"]), str(record["commit"])
+        slo = Slo(record["params"].get("slo_ttft_ms"), record["params"].get("slo_itl_ms"))
+        transport = record.get("kv_transport") or _transport(record.get("command", ""))
+        for name, summary in record["runs"].items():
+            yield RecordedRun(file, commit, name, spec, slo, _deployment(summary), transport, summary)
+    if isinstance(record.get("previous"), dict):
+        yield from _records(record["previous"], file)
+
+
+def _transport(command: str) -> str:
+    words = command.split()
+    return words[words.index("--kv-transport") + 1] if "--kv-transport" in words else "nccl"
+
+
+def recorded_runs(results: Path = RESULTS) -> list[RecordedRun]:
+    runs: list[RecordedRun] = []
+    for path in sorted(results.glob("load-*.json")):
+        runs.extend(_records(json.loads(path.read_text()), path.name))
+    return runs
+
+
+def modelled(commit: str, repo: Path = RESULTS) -> bool | None:
+    """Whether a run's commit descends from MODELLED_FROM (None when git cannot tell)."""
+    try:
+        out = subprocess.run(["git", "merge-base", "--is-ancestor", MODELLED_FROM, commit], cwd=repo,
+                             capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: True, 1: False}.get(out.returncode)
+
+
+def _get(summary: dict[str, Any], path: tuple[str, ...]) -> float:
+    value: Any = summary
+    for part in path:
+        value = value[part]
+    return float(value)
+
+
+def _mean_batch(result: SimResult) -> float:
+    steps = sum(len(s) for s in result.step_ends)
+    tokens = sum(r.output - 1 for r in result.requests if r.finished)
+    return tokens / max(1, steps)
+
+
+def calibrate(runs: list[RecordedRun], costs: dict[str, Costs], rounds: int = 10) -> Serving:
+    """Fixed-point fit of the serving costs to the training run's deployments, from figures no validation row
+    scores: each one's ITL median and 90th percentile, mean TPOT, and its servers' mean prefill time."""
+    training = [r for r in runs if (r.file, r.commit) == TRAINING]
+    if not training:
+        raise ValueError(f"the training run {TRAINING} is not among the recorded load runs")
+    serving = Serving()
+    for _ in range(rounds):
+        moves: dict[str, list[float]] = {name: [] for name in vars(serving)}
+        for run in training:
+            result = simulate(run.deployment, costs[run.transport], run.spec, serving)
+            done = [r for r in result.requests if r.finished]
+            gaps = result.itl_s() * 1e3
+            moves["step_host_ms_per_seq"].append(
+                (run.measured["itl_ms"]["p50"] - float(np.percentile(gaps, 50))) / _mean_batch(result))
+            remote = run.deployment.mode == "disaggregated"
+            if run.deployment.mode in ("disaggregated", "colocated"):  # where a join is the p90 gap's cause
+                moves["join_remote_ms" if remote else "join_local_ms"].append(
+                    run.measured["itl_ms"]["p90"] - float(np.percentile(gaps, 90)))
+            if remote:
+                tpot = float(np.mean([t for r in done if (t := r.tpot) is not None])) * 1e3
+                joins_per_token = len(done) / max(1, sum(r.output - 1 for r in done)) * _mean_batch(result)
+                owed = (run.measured["tpot_ms"]["mean"] - tpot) / joins_per_token / max(1.0, serving.join_remote_ms)
+                moves["remote_join_steps"].append(owed)
+            prefill = float(np.mean([r.prefill_s for r in done])) * 1e3
+            pieces = float(np.mean([_pieces(run.deployment, r.prompt) for r in done]))
+            measured_prefill = run.measured.get("server_mean_ms", {}).get("prefill_s", prefill)
+            moves["remote_prefill_ms" if remote else "local_call_ms"].append((measured_prefill - prefill) / pieces)
+        values = {name: max(0.0, value + 0.7 * float(np.mean(moves[name])) if moves[name] else value)
+                  for name, value in vars(serving).items()}
+        step = int(np.clip(round(float(np.mean(moves["remote_join_steps"] or [0.0]))), -1, 1))  # one at a time: stable
+        values["remote_join_steps"] = max(1, serving.remote_join_steps + step)
+        serving = Serving(**values)  # type: ignore[arg-type]
+    return serving
+
+
+def _pieces(deployment: Deployment, prompt: int) -> int:
+    """Engine calls a local prefill takes (1 for a prefill server's)."""
+    if deployment.mode == "chunked":
+        return -(-prompt // deployment.chunk_size)
+    if deployment.mode == "layered":
+        return layered_slices(prompt, deployment.layer_slice_tokens)
+    return 1
+
+
+def validate(results: Path = RESULTS, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    runs = recorded_runs(results)
+    costs = {t: fit_costs(results, t) for t in sorted({r.transport for r in runs})}
+    serving = calibrate(runs, costs)
+    rows, runs_out = [], []
+    for run in tqdm(runs, desc="replaying load runs", disable=not progress):
+        simulated = summarize(simulate(run.deployment, costs[run.transport], run.spec, serving), run.slo)
+        in_model = modelled(run.commit, results)
+        runs_out.append({"run": run.label, "deployment": run.deployment.label(), "transport": run.transport,
+                         "training": (run.file, run.commit) == TRAINING, "modelled_serving_loop": in_model,
+                         "simulated": simulated})
+        for metric, path in METRICS:
+            measured, sim = _get(run.measured, path), _get(simulated, path)
+            rows.append({"run": run.label, "metric": metric, "measured": measured, "simulated": sim,
+                         "rel_error": round((sim - measured) / measured, 4) if measured else None,
+                         "training": (run.file, run.commit) == TRAINING, "modelled_serving_loop": in_model})
+    scored = [r for r in rows if r["modelled_serving_loop"] is not False and r["rel_error"] is not None]
+    return {"target_abs_rel_error": TARGET, "training_run": "@".join(TRAINING),
+            "serving": {k: round(v, 4) for k, v in vars(serving).items()},
+            "within_target": sum(abs(r["rel_error"]) <= TARGET for r in scored), "scored_rows": len(scored),
+            "validation": rows, "runs": runs_out}

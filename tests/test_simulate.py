@@ -1,0 +1,125 @@
+"""The cluster simulator on the CPU: its fits, its bookkeeping, and that it answers like a serving system would."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.sim_cluster import LOCAL_MODES, Deployment, Serving
+from bench.sim_costs import RESULTS, fit_costs
+from bench.sim_metrics import met, simulate, summarize
+from bench.sim_traffic import Conversations, Traffic
+from bench.sim_validate import recorded_runs, validate
+from client.load_plan import LoadSpec, build_plan
+from client.load_stats import Slo
+
+COSTS = fit_costs()
+SERVING = Serving(step_host_ms_per_seq=0.08, local_call_ms=2.0, remote_prefill_ms=4.0, join_local_ms=4.0,
+                  join_remote_ms=6.0, remote_join_steps=2)
+LOAD = LoadSpec(rate=4.0, duration=10.0, prompt_len="uniform:512:4096", output_len="uniform:16:128",
+                long_prompt_frac=0.1, long_prompt_len=16384, background_users=4, seed=3)
+CHAT = Conversations(turns="uniform:2:4", new_tokens="64", think_s=0.5)
+EVERY_MODE = [Deployment(1, 1, "disaggregated"), Deployment(2, 3, "auto"),
+              *(Deployment(0, 2, m, chunk_size=1024) for m in LOCAL_MODES)]
+
+
+def test_fits_load_from_the_recorded_results() -> None:
+    for fit in COSTS.fits():
+        assert all(np.isfinite(fit.params)) and fit.points >= 3, fit.name
+        assert fit.max_rel_error < 0.5, fit.line()
+    assert COSTS.decode.r2 > 0.95 and COSTS.prefill.r2 > 0.99
+    # the fitted costs grow as the work does
+    assert COSTS.prefill_ms(32768) > COSTS.prefill_ms(4096) > COSTS.prefill_ms(512) > 0
+    assert COSTS.decode_ms(64, 64 * 2048) > COSTS.decode_ms(1, 1024)
+    slow, rate = COSTS.partition_factors(100)
+    assert slow > COSTS.partition_factors(68)[0] > 1 and 0 < COSTS.partition_factors(68)[1] < rate < 1
+
+
+def test_missing_results_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="restore bench/results"):
+        fit_costs(tmp_path)
+
+
+def test_traffic_is_client_loads_plan() -> None:
+    plan, traffic = build_plan(LOAD), Traffic(LOAD)
+    assert [(a.at, len(a.token_ids), a.output_len) for a in plan.arrivals] == \
+        [(r.sent, r.prompt, r.output) for r in traffic.arrivals]
+    for user in range(LOAD.background_users):  # each background user's requests, in order, are client.load's
+        for _ in range(3):
+            mine, theirs = traffic.background(user, 0.0), plan.users[user].next()
+            assert (mine.prompt, mine.output) == (len(theirs.token_ids), theirs.output_len)
+
+
+@pytest.mark.parametrize("deployment", EVERY_MODE, ids=lambda d: d.label())
+def test_every_request_finishes_with_all_its_tokens(deployment: Deployment) -> None:
+    result = simulate(deployment, COSTS, LOAD, SERVING, CHAT)
+    requests = result.requests
+    assert requests and all(r.finished for r in requests)
+    assert all(r.sent <= r.first_token <= r.done for r in requests)
+    assert len({r.key for r in requests}) == len(requests)
+    gaps = result.itl_s()
+    assert len(gaps) == sum(r.output - 1 for r in requests) and (gaps > 0).all()
+    for server, ends in enumerate(result.step_ends):  # a server's decode steps end in order
+        assert (np.diff(ends) > 0).all(), server
+
+
+@pytest.mark.parametrize("deployment", EVERY_MODE[:3], ids=lambda d: d.label())
+def test_same_seed_same_run(deployment: Deployment) -> None:
+    runs = [simulate(deployment, COSTS, LOAD, SERVING, CHAT) for _ in range(2)]
+    a, b = ([(r.key, r.server, r.first_token, r.done) for r in run.requests] for run in runs)
+    assert a == b
+    other = simulate(deployment, COSTS, dataclasses.replace(LOAD, seed=4), SERVING, CHAT)
+    assert [r.prompt for r in other.requests] != [r.prompt for r in runs[0].requests]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "layered", "disaggregated"])
+def test_more_decode_gpus_never_lower_goodput(mode: str) -> None:
+    """At one open-loop load, the requests within the SLO (goodput's count; the run's end time moves by a
+    last request's few ms) never fall as decode servers are added, and the load is heavy enough to gain."""
+    load = dataclasses.replace(LOAD, rate=24.0, background_users=0, output_len="uniform:64:256")
+    slo = Slo(ttft_ms=1000, itl_ms=20)
+    prefill = 4 if mode == "disaggregated" else 0
+    within = [sum(met(r, slo) for r in simulate(Deployment(prefill, d, mode), COSTS, load, SERVING).requests)
+              for d in (1, 2, 3, 4)]
+    assert within == sorted(within) and within[-1] > within[0], within
+
+
+def test_later_turns_hit_the_prefix_cache() -> None:
+    result = simulate(Deployment(0, 2, "colocated"), COSTS, dataclasses.replace(LOAD, background_users=0), SERVING,
+                      Conversations(turns="3", new_tokens="32"))
+    later = [r for r in result.requests if r.turn > 0]
+    assert later and all(r.cached == r.history for r in later)  # sticky routing: the history is where it went
+    first = {r.conversation: r for r in result.requests if r.turn == 0}
+    assert all(r.prefill_s < first[r.conversation].prefill_s + 0.05 for r in later)
+    assert all(r.prompt - r.cached == 32 for r in later)
+
+
+def test_auto_places_short_prompts_locally_and_long_ones_remotely() -> None:
+    deployment = Deployment(2, 2, "auto", auto_threshold=4096)
+    result = simulate(deployment, COSTS, dataclasses.replace(LOAD, rate=1.0, background_users=0), SERVING)
+    for r in result.requests:
+        if r.prompt < 4096:
+            assert r.where == "local"
+    assert any(r.where == "remote" for r in result.requests if r.prompt >= 4096)
+
+
+def test_slo_counts_like_client_load() -> None:
+    result = simulate(Deployment(0, 1, "colocated"), COSTS, LOAD, SERVING)
+    slo = Slo(ttft_ms=200, itl_ms=20)
+    summary = summarize(result, slo)
+    assert summary["goodput_rps"] == round(sum(met(r, slo) for r in result.requests) / result.duration_s, 3)
+    assert summarize(result, Slo())["goodput_rps"] == summary["request_throughput"]
+
+
+def test_validation_rows_cover_every_recorded_load_run() -> None:
+    runs = recorded_runs(RESULTS)
+    assert {r.file for r in runs} >= {"load-h200.json", "load-2xh200.json"}
+    record = validate(RESULTS, progress=False)
+    rows = record["validation"]
+    assert len(rows) == 3 * len(runs)
+    assert {r["metric"] for r in rows} == {"goodput_rps", "ttft_ms.p50", "itl_ms.p99"}
+    for row in rows:
+        assert row["rel_error"] == pytest.approx((row["simulated"] - row["measured"]) / row["measured"], abs=1e-4)

@@ -1,0 +1,135 @@
+"""Text in and out: a checkpoint folder's tokenizer and chat template (offline), characters split
+across byte-level tokens, stop strings split across pieces, and the tiny preset's chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.byte_tokenizer import byte_tokenizer
+from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
+from tests.conftest import write_tokenizer
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "漢字 😀?"}]
+MULTIBYTE = "naïve 漢字かな 😀🎉 café"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(folder)
+
+
+def test_chat_template_ids_are_transformers_own(tokenizer: Tokenizer, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ids = tokenizer.apply_chat_template(MESSAGES)
+    assert ids == hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tokenizer.render_chat(MESSAGES).endswith("<|im_start|>assistant\n")
+    im_start, im_end = (hf.get_vocab()[t] for t in ("<|im_start|>", "<|im_end|>"))
+    assert ids.count(im_start) == 3 and ids.count(im_end) == 2  # special tokens, not their spelled-out text
+    assert tokenizer.eos_token_ids == (im_end,)
+
+
+def test_no_chat_template_is_one_clear_error(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    plain = tmp_path / "plain"
+    write_tokenizer(plain)
+    hf = AutoTokenizer.from_pretrained(plain, local_files_only=True)
+    hf.chat_template = None
+    with pytest.raises(ChatTemplateError, match="has no chat template; send a plain prompt"):
+        Tokenizer(hf).apply_chat_template(MESSAGES)
+
+
+def test_no_tokenizer_files_means_no_tokenizer(tmp_path: Path) -> None:
+    assert Tokenizer.maybe_from_folder(tmp_path) is None
+
+
+def splits_a_character(tokenizer: Tokenizer, ids: list[int]) -> bool:
+    """Whether some token of `ids` holds only part of a character's UTF-8 bytes."""
+    return any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("which", ["trained BPE", "tiny preset bytes"])
+def test_stream_never_emits_a_broken_character(which: str, tokenizer: Tokenizer) -> None:
+    tok = tokenizer if which == "trained BPE" else byte_tokenizer()
+    ids = tok.encode(MULTIBYTE)
+    assert splits_a_character(tok, ids)  # the case under test really occurs
+    detok = StreamDetokenizer(tok)
+    pieces = [detok.step(i) for i in ids]
+    assert "".join(pieces) == MULTIBYTE == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "" in pieces  # held back while a character was incomplete
+
+
+def test_stream_skips_special_tokens_and_shows_invalid_bytes_once_known() -> None:
+    tok = byte_tokenizer()
+    detok = StreamDetokenizer(tok)
+    im_end = tok.eos_token_ids[0]
+    pieces = [detok.step(i) for i in [*tok.encode("ok"), im_end, 0xFF, *tok.encode("!")]]
+    assert "".join(pieces) == "ok\ufffd!" == tok.decode([*tok.encode("ok"), im_end, 0xFF, *tok.encode("!")])
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), True
+    return "".join(out) + matcher.flush(), False
+
+
+@pytest.mark.parametrize(("pieces", "stops", "want"), [
+    (["Hello", " wor", "ld", "!"], ["world"], ("Hello ", True)),       # split over pieces
+    (["ab", "c<", "|e", "nd|>", "zz"], ["<|end|>"], ("abc", True)),
+    (["one. ", "two", ". three"], ["two", "one"], ("", True)),          # the earliest stop wins
+    (["wor", "m"], ["world"], ("worm", False)),                         # a prefix that did not complete
+    (["ww", "world"], ["world"], ("ww", True)),
+    (["no stop here"], ["xyz"], ("no stop here", False)),
+    (["a", "b"], [], ("ab", False)),
+])
+def test_stop_strings(pieces: list[str], stops: list[str], want: tuple[str, bool]) -> None:
+    assert feed_all(StopMatcher(stops), pieces) == want
+
+
+def test_stop_matcher_holds_back_only_a_possible_stop() -> None:
+    matcher = StopMatcher(["</s>"])
+    assert matcher.feed("text <") == ("text ", False)
+    assert matcher.feed("/") == ("", False)
+    assert matcher.feed("x") == ("</x", False)
+    assert matcher.feed("</s> more") == ("", True)
+    assert matcher.feed("after") == ("", True)
+    with pytest.raises(ValueError, match="a stop string is empty"):
+        StopMatcher(["ok", ""])
+
+
+def test_stop_string_split_inside_a_character(tokenizer: Tokenizer) -> None:
+    """Detokenizer and matcher together: a stop string made of multi-byte characters whose bytes
+    are spread over several tokens."""
+    ids = tokenizer.encode(MULTIBYTE)
+    detok, matcher = StreamDetokenizer(tokenizer), StopMatcher(["かな"])
+    assert feed_all(matcher, [detok.step(i) for i in ids]) == ("naïve 漢字", True)
+
+
+def test_tiny_preset_chats() -> None:
+    """The demo's model takes a chat: ChatML special tokens inside its 320-token vocabulary, its
+    turn ends with <|im_end|>, and its byte ids are the bytes they always were."""
+    import torch
+
+    from engine.loader import build_preset
+
+    tok = build_preset("tiny", torch.device("cpu"), torch.float32).tokenizer
+    assert tok is not None and tok.has_chat_template
+    ids = tok.apply_chat_template(MESSAGES)
+    assert max(ids) < 320 and ids[0] == 258 and ids.count(259) == 2
+    assert tok.decode(ids) == "system\nBe brief.\nuser\n漢字 😀?\nassistant\n"
+    assert tok.encode("hé") == list("hé".encode())
+    assert tok.eos_token_ids == (259,)
