@@ -185,8 +185,9 @@ class PrefillRouter:
         while not (peers := [p for p in self.peers.values() if p.health.up]) and time.monotonic() < back_by:
             await asyncio.sleep(0.05)
         if not peers:
-            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, "no prefill server is answering (each failed or fell "
-                                                             "silent; they rejoin once their health checks pass)")
+            down = ", ".join(p.address for p in self.peers.values())
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server is answering ({down} failed or fell "
+                                                             "silent; each rejoins once its health checks pass)")
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
