@@ -75,9 +75,11 @@ class StartupError(Exception):
 
 
 # Read by NCCL when a pair's group is made. Our own deadlines abort a stuck pair, so NCCL's watchdog
-# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods.
+# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods; the
+# watchdog's dump-on-timeout would poll the pair's store, which on the decode side is a relay over a
+# channel closed once the pair has met (engine.transport.nccl_rendezvous).
 # Values already in the environment win.
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0"}
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
 def set_nccl_env() -> None:

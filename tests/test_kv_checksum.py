@@ -74,3 +74,15 @@ def test_checksum_benchmark_runs_on_the_cpu() -> None:
     row = measure("tiny", 256, torch.device("cpu"))
     assert row["prefill_ms"] > 0 and row["one_run_ms"] > 0 and row["scattered_ms"] > 0
     assert row["share_of_prefill_one_run"] == pytest.approx(2 * row["one_run_ms"] / row["prefill_ms"], abs=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scattered", [False, True])
+def test_the_gpu_gives_the_cpus_checksums(scattered: bool) -> None:
+    """Each side computes on its own device: a GPU's wrapping integer sums must equal the CPU's."""
+    data = kv()
+    cpu_pool, cpu_table = pool_with(data, 4, scattered)
+    gpu_pool = KVPool(cpu_pool.layout, 64, torch.device("cuda"), reserved_blocks=1)
+    gpu_pool.storage.copy_(cpu_pool.storage)
+    assert layer_checksums(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
