@@ -36,8 +36,9 @@ whose TPOT (time per output token after the first) <= --slo-itl-ms; an SLO left 
 
 --compare NAME=TARGETS[@MODE[:CHUNK]] ...: one run per item, the same seeded load each time.
   TARGETS is host:port[,host:port...] (round-robin), or empty for --target's list; MODE
-  (disaggregated, colocated, chunked) is sent as each request's prefill_mode, default --mode;
-  CHUNK overrides --chunk-size for chunked.
+  (disaggregated, colocated, chunked, layered, partitioned) is sent as each request's prefill_mode,
+  default --mode; CHUNK overrides --chunk-size for chunked, and the server's --prefill-sms for
+  partitioned.
 
 examples:
   python -m client.load --target 127.0.0.1:50051 --rate 4 --duration 60 \\
@@ -100,7 +101,11 @@ def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None,
         raise ValueError(f"--compare {item!r} names no targets and no --target was given")
     if match["mode"] is not None and match["mode"] not in MODES:
         raise ValueError(f"--compare {item!r}: mode must be one of {', '.join(MODES)}")
-    return Deployment(match["name"], targets, match["mode"] or mode, int(match["chunk"] or chunk))
+    mode = match["mode"] or mode
+    size = int(match["chunk"] or 0)
+    if mode == "partitioned":
+        return Deployment(match["name"], targets, mode, chunk, prefill_sms=size)
+    return Deployment(match["name"], targets, mode, size or chunk)
 
 
 def deployments(args: argparse.Namespace) -> list[Deployment]:

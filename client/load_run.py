@@ -31,11 +31,14 @@ class Deployment:
     targets: tuple[str, ...]
     mode: str | None = None     # None: each server's own --mode
     chunk_size: int = 0         # 0: the server's --chunk-size
+    prefill_sms: int = 0        # partitioned: 0 = the server's --prefill-sms
 
     def describe(self) -> str:
         mode = self.mode or "server default"
         if self.mode == "chunked" and self.chunk_size:
             mode += f":{self.chunk_size}"
+        if self.mode == "partitioned" and self.prefill_sms:
+            mode += f":{self.prefill_sms}"
         return f"{','.join(self.targets)} @ {mode}"
 
 
@@ -110,7 +113,8 @@ class LoadRunner:
         return decode_pb2.GenerateRequest(
             request_id=f"{self.run_id}-{spec.key}", token_ids=spec.token_ids.tolist(),
             max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
-            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size)
+            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size,
+            prefill_sms=self.deployment.prefill_sms)
 
     async def _send(self, spec: RequestSpec) -> Record:
         index = next(self._next_target)
@@ -154,7 +158,7 @@ class LoadRunner:
             request = decode_pb2.GenerateRequest(
                 request_id=f"{self.run_id}-warmup{index}", token_ids=list(range(16)), max_new_tokens=2,
                 ignore_eos=True, prefill_mode=MODE_ENUM[self.deployment.mode],
-                chunk_size=self.deployment.chunk_size)
+                chunk_size=self.deployment.chunk_size, prefill_sms=self.deployment.prefill_sms)
             result = await collect(self._stubs[index], request, self.timeout_s)
             if result.error is not None:
                 print(f"warning: warm-up request to {target} failed: {result.error.name}: {result.error_message}",

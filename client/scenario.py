@@ -40,10 +40,13 @@ def make_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
-def request(tokens: list[int], new_tokens: int, mode: str, chunk_size: int | None,
+def request(tokens: list[int], new_tokens: int, mode: str, size: int | None,
             request_id: str) -> decode_pb2.GenerateRequest:
+    """`size`: the chunk size of chunked, the prefill SM count of partitioned (None: the server's)."""
     return decode_pb2.GenerateRequest(request_id=request_id, token_ids=tokens, max_new_tokens=new_tokens,
-                                      ignore_eos=True, prefill_mode=MODE_ENUM[mode], chunk_size=chunk_size or 0)
+                                      ignore_eos=True, prefill_mode=MODE_ENUM[mode],
+                                      chunk_size=(size or 0) if mode == "chunked" else 0,
+                                      prefill_sms=(size or 0) if mode == "partitioned" else 0)
 
 
 async def run_pair(stub: decode_pb2_grpc.DecodeStub, spec: ScenarioSpec, a_prompt: list[int],
@@ -78,10 +81,12 @@ def make_row(mode: str, chunk: int | None, b_len: int, a: StreamResult, b: Strea
              solo: list[int], solo_median: float, b_ref: list[int], trigger: int) -> Row:
     gaps = a.gaps
     diff = first_diff(a.tokens, solo)
-    row = Row(mode=mode, chunk_size=chunk, b_len=b_len, a_median_gap_ms=statistics.median(gaps) * 1e3,
+    row = Row(mode=mode, chunk_size=chunk if mode == "chunked" else None, b_len=b_len,
+              a_median_gap_ms=statistics.median(gaps) * 1e3,
               a_worst_gap_ms=max(gaps) * 1e3, a_slow_gaps=sum(g > 2 * solo_median for g in gaps),
               b_ttft_ms=None, a_tokens_match_solo=diff is None, b_first_token_matches=None,
-              a_first_diff_index=diff, a_gaps_ms=[g * 1e3 for g in gaps])
+              a_first_diff_index=diff, a_gaps_ms=[g * 1e3 for g in gaps],
+              prefill_sms=chunk if mode == "partitioned" else None)
     if b is not None:
         row.b_ttft_ms = b.ttft * 1e3
         row.b_first_token_matches = b.tokens[:1] == b_ref[:1]
@@ -127,6 +132,8 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
                 if mode == "alone":
                     a, b = solo, None
                 else:
+                    if mode == "partitioned":  # its green context is made on first use: not in B's TTFT
+                        await collect(stub, request(b_prompt[:64], 2, mode, chunk, f"warmup-{tag}"))
                     a, b = await run_pair(stub, spec, a_prompt, b_prompt, mode, chunk, tag)
                 row = make_row(mode, chunk, b_len, a, b, solo.tokens, solo_median, ref.tokens,
                                spec.b_trigger_index)

@@ -1,5 +1,5 @@
 """`python -m decode_server`: the front door. Continuous batching on one device; prompts are
-prefilled by a prefill server (disaggregated) or here (colocated, chunked, layered)."""
+prefilled by a prefill server (disaggregated) or here (colocated, chunked, layered, partitioned)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.prefill_client import PrefillRouter
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
+    from decode_server.sm_split import open_partitions
 
     check_port_free(cfg)
     health = Health([SERVICE])
@@ -56,8 +57,10 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
     admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop)
+    partitions, prefill_sms = open_partitions(cfg, runner.device)
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
-                               die_after_steps=faults.engine_die_after_steps)
+                               die_after_steps=faults.engine_die_after_steps, partitions=partitions,
+                               prefill_sms=prefill_sms)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None

@@ -17,6 +17,7 @@ class PrefillMode(StrEnum):
     COLOCATED = "colocated"          # here, the whole prompt in one step
     CHUNKED = "chunked"              # here, a chunk of the prompt between two decode steps
     LAYERED = "layered"              # here, a slice of the model's layers between two decode steps
+    PARTITIONED = "partitioned"      # here, the whole prompt beside the decode steps, on a share of the SMs
     DISAGGREGATED = "disaggregated"  # on a prefill server, whose KV then comes over
 
     @property
@@ -43,6 +44,15 @@ class DecodeConfig(ServerConfig):
     layer_slice_tokens: int = field(default=32768, metadata=opt(
         "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
         "x layers within this (one layer at least)"))
+    prefill_sms: int | None = field(default=None, metadata=opt(
+        "partitioned mode: SMs of the green context a prompt's prefill runs on while decode keeps the rest; a "
+        "multiple of the GPU's split step (8 on Hopper); default: the split --itl-slo-ms picks"))
+    itl_slo_ms: float | None = field(default=None, metadata=opt(
+        "partitioned mode: the longest gap between a decoding request's tokens while a prefill runs; picks the "
+        "largest --prefill-sms whose measured gap is within it from --sm-split-table (default: twice the "
+        "table's decode step alone)"))
+    sm_split_table: str | None = field(default=None, metadata=opt(
+        "partitioned mode: JSON table of A's gap per prefill SM count (default: the one in decode_server/)"))
     max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
@@ -68,6 +78,11 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--tls-client-cert and --tls-client-key go together")
         if self.tls_client_cert and not self.tls_ca:
             raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
+        if self.prefill_sms is not None and self.itl_slo_ms is not None:
+            raise ValueError("pass either --prefill-sms or --itl-slo-ms (which picks --prefill-sms), not both")
+        if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None
+                                                                       and not self.itl_slo_ms > 0):
+            raise ValueError("--prefill-sms and --itl-slo-ms must be positive")
 
     @property
     def default_mode(self) -> PrefillMode:

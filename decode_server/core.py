@@ -46,6 +46,7 @@ class Request:
     mode: PrefillMode
     chunk_size: int
     arrival: float  # perf_counter when it came in
+    prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
 
 
 class Generation:
@@ -120,7 +121,7 @@ class DecodeCore:
         self.in_flight.add(request.request_id)
         seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
-                       request.chunk_size, timing=Timing(arrival=request.arrival))
+                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:

@@ -6,7 +6,8 @@ Each iteration of `step()` reads as schedule, run, postprocess:
   sequences into the running batch up to --max-batch-size;
 - run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked, a
   slice of the model's layers over the whole prompt when layered), then one decode step for every
-  running sequence;
+  running sequence; a partitioned prompt is prefilled meanwhile on the partitioned-prefill thread
+  (decode_server.partitioned), whose `PrefillDone` comes back through the inbox;
 - postprocess: each sampled token goes into its request's `RequestOutput`, and the readers on
   the event loop are woken once for the step; finished sequences leave and give their KV blocks
   back (`Admission.release`, called from here only).
@@ -30,7 +31,9 @@ import torch
 from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
+from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
+from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
@@ -55,7 +58,10 @@ class _Arrival:
 
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
-                 layer_slice_tokens: int = 32768, die_after_steps: int | None = None) -> None:
+                 layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
+                 partitions: SmPartitions | None = None, prefill_sms: int = 0) -> None:
+        """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
+        steps; without them a partitioned prompt is prefilled as a layered one."""
         self.runner = runner
         self.admission = admission
         self.loop = admission.loop  # where the outputs' readers run
@@ -63,11 +69,14 @@ class BatchScheduler:
         self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.die_after_steps = die_after_steps  # fault injection (PD_FAULT_ENGINE_DIE_AFTER_STEPS)
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
-        self._inbox: queue.Queue[_Arrival | None] = queue.Queue()
+        self._inbox: queue.Queue[_Arrival | PrefillDone | None] = queue.Queue()
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
         self.layered: LayeredPrefill | None = None
+        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, self._inbox.put_nowait)
+                            if partitions is not None else None)
+        self.in_partition: list[Sequence] = []     # on the partitioned-prefill thread; blocks freed on its PrefillDone
         self._woken: list[RequestOutput] = []       # outputs added since the last wake-up
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -80,6 +89,8 @@ class BatchScheduler:
     # --- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; returns once it is ready to run requests."""
+        if self.partitioned is not None:
+            self.partitioned.start()
         self._thread.start()
         self._ready.wait()
 
@@ -87,6 +98,8 @@ class BatchScheduler:
         self._stop.set()
         self._inbox.put_nowait(None)
         self._thread.join(timeout=10)
+        if self.partitioned is not None:
+            self.partitioned.stop()
 
     def submit(self, seq: Sequence, first_token: int | None = None) -> None:
         """Hand an admitted sequence over: to prefill here, or (`first_token` given) prefilled by a
@@ -107,9 +120,14 @@ class BatchScheduler:
         seq.cancelled.set()
         self.submit(seq)
 
+    def check_prefill_sms(self, num_sms: int) -> str | None:
+        """Why a request can't have its partitioned prefill on `num_sms` SMs; None if it can, or if
+        this server prefills partitioned prompts as layered ones (no green contexts)."""
+        return None if self.partitioned is None else self.partitioned.partitions.check(num_sms)
+
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self.prefilling) + len(self.ready)
+        return self._inbox.qsize() + len(self.prefilling) + len(self.ready) + len(self.in_partition)
 
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -138,12 +156,15 @@ class BatchScheduler:
                     stranded.append(item.seq)
             for seq in stranded:
                 self._fail(seq, e)
+            for seq in self.in_partition:  # its prefill may still write its blocks: they stay out of circulation
+                self._fail(seq, e, release=False)
             for callback in self.on_failure:
                 callback()
 
-    def _fail(self, seq: Sequence, error: BaseException) -> None:
+    def _fail(self, seq: Sequence, error: BaseException, release: bool = True) -> None:
         """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""
-        self.admission.release(seq)
+        if release:
+            self.admission.release(seq)
         seq.out.add(Rejected(grpc.StatusCode.UNAVAILABLE,
                              f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
                              "retry on another replica"))
@@ -159,7 +180,9 @@ class BatchScheduler:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, PrefillDone):
+                    self._partition_done(item)
+                elif item is not None:
                     self._arrive(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -170,6 +193,9 @@ class BatchScheduler:
         seq = arrival.seq
         if seq.cancelled.is_set():
             self.admission.release(seq)
+        elif arrival.first_token is None and seq.mode == PrefillMode.PARTITIONED and self.partitioned is not None:
+            self.in_partition.append(seq)
+            self.partitioned.submit(seq)
         elif arrival.first_token is None:
             self.prefilling.append(seq)
         else:
@@ -207,7 +233,7 @@ class BatchScheduler:
         # run + postprocess
         if self.prefilling:
             head = self.prefilling[0]
-            if head.mode == PrefillMode.LAYERED:
+            if head.mode in (PrefillMode.LAYERED, PrefillMode.PARTITIONED):  # partitioned: no green contexts here
                 self._prefill_slice(head)
             else:
                 self._prefill_piece(head)
@@ -231,8 +257,8 @@ class BatchScheduler:
             return
         seq.prefilled += len(piece)
         if seq.prefilled < len(seq.prompt):
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
+            if self.runner.device.type == "cuda":  # a chunk is one scheduled unit of work; this stream only,
+                torch.cuda.current_stream(self.runner.device).synchronize()  # not a partitioned prefill's
             seq.timing.prefill_s += time.perf_counter() - t0
             return
         self._first_token(seq, logits, t0)
@@ -256,9 +282,29 @@ class BatchScheduler:
         seq.prefilled = len(seq.prompt)
         self._first_token(seq, logits, started)
 
+    def _partition_done(self, done: PrefillDone) -> None:
+        """A partitioned prefill's kernels are done: its first token goes out, or its blocks go back."""
+        seq = done.seq
+        self.in_partition.remove(seq)
+        if seq.cancelled.is_set() or (done.token is None and done.error is None):
+            self.admission.release(seq)
+        elif done.error is not None:
+            self._reject_prefill(seq, done.error)
+        else:
+            assert done.token is not None
+            seq.prefilled = len(seq.prompt)
+            seq.timing.prefill_s += done.finished - done.started
+            metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
+            now = time.perf_counter()
+            if not self._append(seq, done.token, done.finished - done.started, now):
+                self.ready.append(seq)
+
     def _prefill_failed(self, seq: Sequence, error: Exception) -> None:
         """One prompt's prefill failed: that request fails, the batch goes on."""
         self.prefilling.popleft()
+        self._reject_prefill(seq, error)
+
+    def _reject_prefill(self, seq: Sequence, error: Exception) -> None:
         if isinstance(error, torch.cuda.OutOfMemoryError):
             seq.out.add(Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
         else:

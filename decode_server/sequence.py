@@ -78,6 +78,7 @@ class Sequence:
     timing: Timing = field(default_factory=Timing)
     out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
 
     @property
     def total_tokens(self) -> int:

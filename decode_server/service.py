@@ -91,8 +91,16 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                  f"0-{max(m.number for m in PrefillMode)}")
         if request.chunk_size < 0:
             raise InvalidRequest(f"chunk_size must be >= 0 (0 = the server's --chunk-size), got {request.chunk_size}")
+        if request.prefill_sms < 0:
+            raise InvalidRequest(f"prefill_sms must be >= 0 (0 = the server's --prefill-sms), got "
+                                 f"{request.prefill_sms}")
+        if mode == PrefillMode.PARTITIONED and request.prefill_sms:
+            problem = self.core.scheduler.check_prefill_sms(request.prefill_sms)
+            if problem:
+                raise InvalidRequest(f"prefill_sms {problem}")
         return Request(request_id, tokens, request.max_new_tokens, params, frozenset(request.stop_token_ids),
-                       request.ignore_eos, mode, request.chunk_size or self.cfg.chunk_size, arrival)
+                       request.ignore_eos, mode, request.chunk_size or self.cfg.chunk_size, arrival,
+                       request.prefill_sms)
 
     # --- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request: decode_pb2.GenerateRequest | bytes,  # type: ignore[override]
