@@ -15,10 +15,14 @@ PREFILL_MODES = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
                  for v in decode_pb2.PrefillMode.DESCRIPTOR.values if v.number}
 
 
-def open_channel(target: str, tls_ca: str | None = None) -> grpc.aio.Channel:
+def open_channel(target: str, tls_ca: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None) -> grpc.aio.Channel:
+    """`client_cert`/`client_key`: this client's certificate, for a server that requires one (mutual TLS)."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+    if tls_ca or client_cert:
+        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None,
+                                             Path(client_key).read_bytes() if client_key else None,
+                                             Path(client_cert).read_bytes() if client_cert else None)
         return grpc.aio.secure_channel(target, creds, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 

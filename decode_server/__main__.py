@@ -8,8 +8,6 @@ import asyncio
 import logging
 import time
 
-import grpc
-
 from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
 from serving.cli_args import add_dataclass_args
@@ -17,6 +15,7 @@ from serving.cli_args import parse_config as parse_into
 from serving.grpc_common import (
     Health,
     bind,
+    channel_credentials,
     check_port_free,
     make_server,
     run_main,
@@ -69,10 +68,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
     if cfg.prefill_addr:
-        creds = None
-        if cfg.tls_ca:
-            with open(cfg.tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(f.read())
+        creds = channel_credentials(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
@@ -88,6 +84,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     scheduler.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
     server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     scheduler.start()
     if router is not None and cfg.warms_up(runner.device.type):

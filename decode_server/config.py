@@ -71,15 +71,18 @@ class DecodeConfig(ServerConfig):
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
-    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle to verify prefill servers' TLS "
-                                                           "certificates"))
+    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle that signed the prefill servers' TLS "
+                                                          "certificates; enables TLS towards them"))
+    tls_client_cert: str | None = field(default=None, metadata=opt(
+        "PEM certificate this server presents to prefill servers that require one (--tls-client-ca there)"))
+    tls_client_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-client-cert"))
     loop_lag_probe_ms: float = field(default=0.0, metadata=opt(
         "every this many ms, hand the event loop a stamped callback from a thread and record how long it "
         "waits to run (what a token from the engine thread waits): metric event_loop_lag_seconds, and each "
         "request log line's loop_lag_max_s from its arrival to its first token; 0 = off"))
-    kv_checksum: str = field(default="off", metadata=opt(
-        "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
-        choices=("on", "off")))
+    kv_checksum: str = field(default="on", metadata=opt(
+        "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
+        "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,6 +95,10 @@ class DecodeConfig(ServerConfig):
         problem = chunk_size_problem(self.chunk_size)
         if problem:
             raise ValueError(f"--chunk-size {problem}")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
         if self.prefill_sms is not None and self.itl_slo_ms is not None:
             raise ValueError("pass either --prefill-sms or --itl-slo-ms (which picks --prefill-sms), not both")
         if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None

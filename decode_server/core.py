@@ -168,9 +168,11 @@ class DecodeCore:
 
         A failure that a second try may cure is retried once, with the same blocks: after
         UNAVAILABLE or FAILED_PRECONDITION the router has dropped the pairing, so the retry
-        handshakes afresh (and may pick another prefill server). That covers a prefill server that
-        restarted while this one was idle: it answers the stale pairing with "handshake first". A
-        server that is down, or a real layout mismatch, fails the retry the same way at once."""
+        handshakes afresh; after UNAVAILABLE it has also taken that prefill server out of the
+        rotation (a frozen one is found by its silence in seconds), so the retry goes to another.
+        That covers a prefill server that restarted while this one was idle: it answers the stale
+        pairing with "handshake first". A server that is down, or a real layout mismatch, fails the
+        retry the same way at once."""
         assert self.router is not None  # accept() refuses the mode without one
         p = seq.params
         sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)

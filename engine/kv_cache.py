@@ -244,16 +244,3 @@ class KVPool:
         """Store layers [start, end) at once from `[end - start, 2, n, num_kv_heads, head_dim]`: one
         device call for several layers (the NCCL receiver's scatter, where the slots are not one run)."""
         self.storage[start:end].index_copy_(2, slots, kv)
-
-    def checksum(self, slots: torch.Tensor) -> int:
-        """Position-weighted sum of the KV bytes at `slots` (every layer, wire order), for verifying
-        a handoff bit for bit."""
-        total = 0
-        row = 2 * self.layout.num_kv_heads * self.layout.head_dim * self.layout.torch_dtype.itemsize // 2
-        cols = torch.arange(1, row + 1, device=self.device, dtype=torch.int32)
-        for layer in range(self.layout.num_layers):
-            words = self.read(layer, slots).transpose(0, 1).contiguous().view(torch.int16).view(-1, row).int()
-            rows = torch.arange(1, words.shape[0] + 1, device=self.device, dtype=torch.int64)
-            total += int((words.sum(1, dtype=torch.int64) * rows).sum()) * (layer + 1)
-            total += int((words * cols).sum(dtype=torch.int64))
-        return total % (1 << 64)

@@ -54,10 +54,13 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     service = PrefillService(cfg, runner, worker, faults)
     if faults.layer_delay_s:
         log.warning("fault injection: every prefill layer is delayed by %.3fs", faults.layer_delay_s)
+    if faults.corrupt_kv:
+        log.warning("fault injection: one bit of every prompt's KV flips once it is sent")
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
     server = make_server(lambda s: add_prefill_servicer(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     worker.start()
     await server.start()

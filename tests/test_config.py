@@ -30,9 +30,9 @@ def test_decode_flags_tls_ca_and_kv_checksum(capsys: pytest.CaptureFixture[str])
     from decode_server.__main__ import parse_config
 
     cfg, _ = parse_config([])
-    assert (cfg.tls_ca, cfg.kv_checksum) == (None, "off")
-    cfg, _ = parse_config(["--tls-ca", "ca.pem", "--kv-checksum", "on"])
-    assert (cfg.tls_ca, cfg.kv_checksum) == ("ca.pem", "on")
+    assert (cfg.tls_ca, cfg.kv_checksum) == (None, "on")
+    cfg, _ = parse_config(["--tls-ca", "ca.pem", "--kv-checksum", "off"])
+    assert (cfg.tls_ca, cfg.kv_checksum) == ("ca.pem", "off")
     with pytest.raises(SystemExit):
         parse_config(["--kv-checksum", "yes"])
     assert "--kv-checksum" in capsys.readouterr().err
