@@ -22,7 +22,8 @@ class Row:
     b_first_token_during_gap: int | None = None
     b_server_prefill_ms: float | None = None
     b_server_kv_transfer_ms: float | None = None
-    a_gaps_ms: list[float] = field(default_factory=list)
+    a_gaps_ms: list[float] = field(default_factory=list)         # as A's client saw them
+    a_server_gaps_ms: list[float] = field(default_factory=list)  # as the decode server stamped them (since_arrival_s)
     prefill_sms: int | None = None  # partitioned: the request's prefill SM count (None: the server's)
 
 

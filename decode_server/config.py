@@ -11,6 +11,16 @@ from decode_server.placement import PlacementThresholds
 from serving.server_config import ServerConfig, env_number, opt
 
 LOCAL_MODES = ("colocated", "chunked", "layered", "partitioned")
+# The chunk sizes a chunked prefill may use (--chunk-size, a request's chunk_size): powers of two,
+# each warmed up at start-up, so none compiles or plans on a request's path.
+CHUNK_SIZES = tuple(1 << k for k in range(4, 14))
+
+
+def chunk_size_problem(size: int) -> str | None:
+    """Why `size` is not a chunk size this server takes, in words; None if it is."""
+    if size in CHUNK_SIZES:
+        return None
+    return f"must be a power of two from {CHUNK_SIZES[0]} to {CHUNK_SIZES[-1]} (each is warmed up), got {size}"
 
 
 class PrefillMode(StrEnum):
@@ -44,7 +54,8 @@ class DecodeConfig(ServerConfig):
     mode: str | None = field(default=None, metadata=opt(
         "where prompts are prefilled; default: disaggregated with --prefill-addr, else colocated",
         choices=tuple(PrefillMode)))
-    chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
+    chunk_size: int = field(default=512, metadata=opt(
+        "prompt tokens per chunk in chunked mode: a power of two from 16 to 8192"))
     layer_slice_tokens: int = field(default=32768, metadata=opt(
         "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
         "x layers within this (one layer at least)"))
@@ -63,11 +74,18 @@ class DecodeConfig(ServerConfig):
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
-    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle to verify prefill servers' TLS "
-                                                           "certificates"))
-    kv_checksum: str = field(default="off", metadata=opt(
-        "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
-        choices=("on", "off")))
+    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle that signed the prefill servers' TLS "
+                                                          "certificates; enables TLS towards them"))
+    tls_client_cert: str | None = field(default=None, metadata=opt(
+        "PEM certificate this server presents to prefill servers that require one (--tls-client-ca there)"))
+    tls_client_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-client-cert"))
+    loop_lag_probe_ms: float = field(default=0.0, metadata=opt(
+        "every this many ms, hand the event loop a stamped callback from a thread and record how long it "
+        "waits to run (what a token from the engine thread waits): metric event_loop_lag_seconds, and each "
+        "request log line's loop_lag_max_s from its arrival to its first token; 0 = off"))
+    kv_checksum: str = field(default="on", metadata=opt(
+        "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
+        "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
     # mode auto; the defaults are provisional until measured (docs/prefix-cache.md)
     auto_local_mode: str = field(default="colocated", metadata=opt(
         "mode auto: how a prompt kept here is prefilled", choices=LOCAL_MODES))
@@ -83,8 +101,17 @@ class DecodeConfig(ServerConfig):
         super().__post_init__()
         if self.mode == PrefillMode.DISAGGREGATED and not self.prefill_addr:
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
-        if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
-            raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if self.loop_lag_probe_ms < 0:
+            raise ValueError("--loop-lag-probe-ms must be >= 0 (0 = off)")
+        if self.max_batch_size < 1 or self.layer_slice_tokens < 1:
+            raise ValueError("--layer-slice-tokens and --max-batch-size must be positive")
+        problem = chunk_size_problem(self.chunk_size)
+        if problem:
+            raise ValueError(f"--chunk-size {problem}")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
         if self.prefill_sms is not None and self.itl_slo_ms is not None:
             raise ValueError("pass either --prefill-sms or --itl-slo-ms (which picks --prefill-sms), not both")
         if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None

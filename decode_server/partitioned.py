@@ -110,8 +110,8 @@ class PartitionedPrefill:
         try:
             with self.partitions.confine(self.sms_for(seq)):
                 try:
-                    logits = self.runner.prefill(seq.prompt[seq.prefilled:], seq.block_table, seq.prefilled,
-                                                 on_layer_done=stop_if_cancelled)  # after its cached prefix
+                    logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
+                                                 on_layer_done=stop_if_cancelled)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                 finally:  # whatever was queued must finish before the scheduler may free the blocks
                     if self.runner.device.type == "cuda":

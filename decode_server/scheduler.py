@@ -30,15 +30,21 @@ import torch
 
 from decode_server import metrics
 from decode_server.admission import Admission
-from decode_server.config import PrefillMode
+from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
+from engine.warmup import WarmUp
+from serving.token_ids import as_array
 
 log = logging.getLogger(__name__)
+
+# While a remote prefill is under way, a decode step waits for its tokens in slices this long,
+# taking handed-over first tokens in between: they leave at once, not after the step.
+HANDOVER_POLL_S = 0.0002
 
 
 @dataclass
@@ -59,10 +65,12 @@ class _Arrival:
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
                  layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
-                 partitions: SmPartitions | None = None, prefill_sms: int = 0) -> None:
+                 partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
-        steps; without them a partitioned prompt is prefilled as a layered one."""
+        steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
+        local prefill path once before `start` returns (engine.warmup)."""
         self.runner = runner
+        self.warm_up = warm_up
         self.admission = admission
         self.loop = admission.loop  # where the outputs' readers run
         self.max_batch_size = max_batch_size
@@ -84,6 +92,8 @@ class BatchScheduler:
         self.failed: BaseException | None = None
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
         self.steps = 0
+        self._handovers = 0  # remote prefills whose first token may be handed over (expect_handover)
+        self._handover_lock = threading.Lock()
         self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
 
     # --- called from the event loop ---------------------------------------------------------
@@ -120,6 +130,16 @@ class BatchScheduler:
         seq.cancelled.set()
         self.submit(seq)
 
+    def expect_handover(self) -> None:
+        """A remote prefill began (event loop): until its first token is submitted, or it ends
+        without one (`handover_ended`), decode steps look for that token while they run."""
+        with self._handover_lock:
+            self._handovers += 1
+
+    def handover_ended(self) -> None:
+        with self._handover_lock:
+            self._handovers -= 1
+
     def check_prefill_sms(self, num_sms: int) -> str | None:
         """Why a request can't have its partitioned prefill on `num_sms` SMs; None if it can, or if
         this server prefills partitioned prompts as layered ones (no green contexts)."""
@@ -134,6 +154,8 @@ class BatchScheduler:
         try:
             try:
                 self.runner.prepare_engine_thread()
+                if self.warm_up:
+                    self._warm_up()
             finally:
                 self._ready.set()
             while not self._stop.is_set():
@@ -161,6 +183,13 @@ class BatchScheduler:
             for callback in self.on_failure:
                 callback()
 
+    def _warm_up(self) -> None:
+        warm = WarmUp(self.runner)
+        warm.run("whole prompts", warm.whole_prompts)
+        warm.run(f"chunks of {CHUNK_SIZES[0]}-{CHUNK_SIZES[-1]} tokens", lambda: warm.chunks(CHUNK_SIZES))
+        warm.run("layer slices", lambda: warm.layer_slices(self.layer_slice_tokens))
+        warm.run("sampling", lambda: warm.sampling(self._tokens))
+
     def _fail(self, seq: Sequence, error: BaseException, release: bool = True) -> None:
         """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""
         if release:
@@ -176,9 +205,10 @@ class BatchScheduler:
             woken, self._woken = self._woken, []
             self.loop.call_soon_threadsafe(RequestOutput.wake_all, woken)
 
-    def _take_inbox(self, block: bool) -> None:
+    def _take_inbox(self, wait_s: float = 0.0) -> None:
+        """Take every arrival, waiting up to `wait_s` for the first; wake the readers of what came out."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             while True:
                 if isinstance(item, PrefillDone):
                     self._partition_done(item)
@@ -191,6 +221,8 @@ class BatchScheduler:
 
     def _arrive(self, arrival: _Arrival) -> None:
         seq = arrival.seq
+        if arrival.first_token is not None:
+            self.handover_ended()
         if seq.cancelled.is_set():
             self.admission.release(seq)
         elif arrival.first_token is None and seq.mode == PrefillMode.PARTITIONED and self.partitioned is not None:
@@ -210,7 +242,7 @@ class BatchScheduler:
         seq.out.add(seq.append(token, step_s, now))
         self._woken.append(seq.out)
         if seq.finish_reason:
-            written = seq.prompt + seq.tokens[:-1]  # the last token's KV is never written
+            written = seq.written_tokens()
             self.admission.cache.publish(written, seq.block_table, len(written))
             self.admission.release(seq)
             return True
@@ -234,7 +266,7 @@ class BatchScheduler:
     def step(self) -> None:
         # schedule
         idle = not (self.prefilling or self.ready or self.running)
-        self._take_inbox(block=idle)
+        self._take_inbox(wait_s=0.5 if idle else 0.0)
         self._drop_cancelled()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
@@ -256,7 +288,7 @@ class BatchScheduler:
         """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
         size = seq.chunk_size if seq.mode == PrefillMode.CHUNKED else len(seq.prompt)
         start = seq.prefilled
-        piece = seq.prompt[start:start + size]
+        piece = as_array(seq.prompt)[start:start + size]
         t0 = time.perf_counter()
         try:
             logits = self.runner.prefill(piece, seq.block_table, start)
@@ -275,7 +307,7 @@ class BatchScheduler:
         """The next slice of the model's layers over the whole prompt (layered); queued, not waited
         for: the decode step after it waits for both. The last slice samples the first token."""
         if self.layered is None or self.layered.seq is not seq:
-            slices = self.runner.prefill_slices(seq.prompt[seq.prefilled:], seq.block_table, self.layer_slice_tokens,
+            slices = self.runner.prefill_slices(seq.uncached_prompt(), seq.block_table, self.layer_slice_tokens,
                                                 seq.prefilled)
             self.layered = LayeredPrefill(seq, slices, time.perf_counter())
         started = self.layered.started
@@ -341,7 +373,10 @@ class BatchScheduler:
         t0 = time.perf_counter()
         batch = [DecodeSeq(s.tokens[-1], len(s.prompt) + len(s.tokens) - 1, s.block_table) for s in seqs]
         logits, greedy = self.runner.decode(batch)
-        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        self._tokens.start(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        while self._handovers and not self._tokens.ready():
+            self._take_inbox(wait_s=HANDOVER_POLL_S)  # a handed-over first token leaves now, not after the step
+        tokens = self._tokens.take()
         now = time.perf_counter()
         elapsed = now - t0
         self.steps += 1

@@ -8,10 +8,13 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from decode_server.config import PrefillMode
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
+from serving.token_ids import TokenIds, as_array
 
 
 class Rejected(StatusError):
@@ -64,7 +67,7 @@ class RequestOutput:
 @dataclass
 class Sequence:
     request_id: str
-    prompt: list[int]
+    prompt: TokenIds  # read with numpy on the engine thread (serving.token_ids)
     max_new_tokens: int
     params: SamplingParams
     stop_ids: frozenset[int]
@@ -79,6 +82,15 @@ class Sequence:
     out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
+
+    def uncached_prompt(self) -> TokenIds | np.ndarray:
+        """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""
+        return as_array(self.prompt)[self.prefilled:] if self.prefilled else self.prompt
+
+    def written_tokens(self) -> np.ndarray:
+        """The tokens whose KV is in its blocks once it has finished: the prompt and its answer, less
+        the answer's last token (sampled, never fed back)."""
+        return np.concatenate([as_array(self.prompt), np.asarray(self.tokens[:-1], dtype=np.int64)])
 
     @property
     def total_tokens(self) -> int:

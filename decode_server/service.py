@@ -22,13 +22,14 @@ import grpc
 from google.protobuf.message import DecodeError
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from decode_server.config import DecodeConfig, PrefillMode
+from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.sequence import Rejected
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDetokenizer, Tokenizer
 from serving.grpc_common import deadline_passed
+from serving.token_ids import TokenIds, token_ids
 from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             raise InvalidRequest("set exactly one of prompt (text) and token_ids, not both" if has_text
                                  else "the request has no prompt: set prompt (text) or token_ids")
         check_max_new_tokens(request.max_new_tokens)
+        tokens: TokenIds
         if has_ids:
             check_lengths(len(request.token_ids), request.max_new_tokens, limit)
-            tokens = list(request.token_ids)
+            tokens = request.token_ids  # kept as the field it came in: no per-token work on the event loop
         else:
             if self.tokenizer is None:
                 raise InvalidRequest("this server's model has no tokenizer, so it can't take prompt text; "
@@ -67,10 +69,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequest(f"prompt text of {len(request.prompt)} characters can't fit the context "
                                      f"limit of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} "
                                      "characters are accepted)")
+            encode = self.tokenizer.encode
             if len(request.prompt) > TOKENIZE_IN_THREAD_CHARS:
-                tokens = await asyncio.to_thread(self.tokenizer.encode, request.prompt)
+                tokens = await asyncio.to_thread(lambda: token_ids(encode(request.prompt)))
             else:
-                tokens = self.tokenizer.encode(request.prompt)
+                tokens = token_ids(encode(request.prompt))
             if not tokens:
                 raise InvalidRequest("the prompt text encodes to no tokens")
             check_lengths(len(tokens), request.max_new_tokens, limit)
@@ -89,8 +92,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if mode is None:
             raise InvalidRequest(f"unknown prefill_mode {request.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}")
-        if request.chunk_size < 0:
-            raise InvalidRequest(f"chunk_size must be >= 0 (0 = the server's --chunk-size), got {request.chunk_size}")
+        problem = chunk_size_problem(request.chunk_size) if request.chunk_size else None
+        if problem:
+            raise InvalidRequest(f"chunk_size {problem}; or 0 for the server's --chunk-size")
         if request.prefill_sms < 0:
             raise InvalidRequest(f"prefill_sms must be >= 0 (0 = the server's --prefill-sms), got "
                                  f"{request.prefill_sms}")

@@ -173,7 +173,7 @@ class PrefixCache:
         Blocks it published before are passed over unhashed: a finished sequence publishes again."""
         if not self.enabled:
             return
-        data = token_bytes(tokens[:num_tokens])
+        data = token_bytes(tokens)
         step = 4 * self.block_size
         with self._lock:
             parent: _Entry | None = None

@@ -14,33 +14,38 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
+from engine.kv_checksum import layer_checksums
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
+from engine.warmup import WarmUp
 from prefill_server import metrics
+from prefill_server.kv_lease import KVLeases
+from serving.token_ids import TokenIds, as_array
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
 Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
+# How long a finished job's blocks wait for the decode side's Release: it has the KV by then or is gone.
+LEASE_S = 60.0
 
 
 @dataclass
 class PrefillJob:
     request_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     params: SamplingParams
     block_table: list[int]
     transport: str
     chunk_tokens: int
     emit: Emit
+    peer_id: str = ""  # the decode server whose Release lets go of the blocks
     make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
-    # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
-    hold_blocks: Callable[[PrefillJob], None] | None = None
-    verify_kv: bool = False
+    kv_checksums: bool = False
     cached_tokens: int = 0  # leading tokens whose KV the prefix cache gave: the prefill starts after them
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -48,8 +53,13 @@ class PrefillJob:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner, cache: PrefixCache) -> None:
+    """Runs jobs; a finished job's blocks (whatever its outcome) go to `leases`, held for its decode side."""
+
+    def __init__(self, runner: ModelRunner, cache: PrefixCache, warm_up: bool = False,
+                 lease_s: float = LEASE_S) -> None:
         self.runner, self.cache = runner, cache
+        self.warm_up = warm_up  # prefill every kind of prompt once before `start` returns (engine.warmup)
+        self.leases = KVLeases(cache.release, lease_s)
         self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
@@ -65,6 +75,7 @@ class PrefillWorker:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        self.leases.close()
 
     @property
     def waiting(self) -> int:
@@ -77,6 +88,10 @@ class PrefillWorker:
     def _loop(self) -> None:
         try:
             self.runner.prepare_engine_thread()
+            if self.warm_up:
+                warm = WarmUp(self.runner)
+                warm.run("whole prompts", warm.whole_prompts)
+                warm.run("sampling", lambda: warm.sampling(self._tokens))
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
@@ -94,10 +109,7 @@ class PrefillWorker:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
-                if job.hold_blocks is not None:
-                    job.hold_blocks(job)
-                else:
-                    self.cache.release(job.block_table)
+                self.leases.hold(job.peer_id, job.request_id, job.block_table)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)
 
@@ -130,7 +142,8 @@ class PrefillWorker:
 
         started = time.perf_counter()
         try:
-            logits = runner.prefill(job.token_ids[cached:], job.block_table, cached, on_layer_done=layer_done)
+            uncached = as_array(job.token_ids)[cached:] if cached else job.token_ids
+            logits = runner.prefill(uncached, job.block_table, cached, on_layer_done=layer_done)
             first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
             self.cache.publish(job.token_ids, job.block_table, n)
         finally:
@@ -140,13 +153,13 @@ class PrefillWorker:
         if job.cancelled.is_set():
             raise TransferCancelled
         kv_bytes = (n - skip) * runner.layout.bytes_per_token
-        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, skip, n)) if job.verify_kv else 0
+        checksums = layer_checksums(runner.pool, job.block_table, n, skip) if job.kv_checksums else []
         checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
-                                       kv_bytes=kv_bytes, kv_checksum=checksum, queue_s=dequeued - job.submitted,
+                                       kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
                                        checksum_s=checked - sent, cached_tokens=cached)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)

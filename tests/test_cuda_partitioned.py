@@ -151,6 +151,6 @@ def test_cancelled_mid_prefill_frees_its_blocks_after_the_green_kernels(runner, 
         while not after.finish_reason:
             s.step()
         assert [o.token_id for o in after.out.taken() if isinstance(o, TokenOutput)] == \
-            generate(runner, [after.prompt], 6)[0]
+            generate(runner, [list(after.prompt)], 6)[0]
     finally:
         s.partitioned.stop()

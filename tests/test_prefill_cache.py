@@ -34,7 +34,8 @@ def servers(server_logs: Path) -> Iterator[tuple[Server, Server, Server]]:
 
 
 class Peer:
-    """A decode server's side of the Prefill service, over the gRPC transport."""
+    """A decode server's side of the Prefill service, over the gRPC transport: it releases each
+    prefill's blocks once it has the KV, as a decode server does."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -61,6 +62,7 @@ class Peer:
             elif reply.HasField("done"):
                 done = reply.done
         assert done is not None
+        self.stub.Release(prefill_pb2.ReleaseRequest(request_id=request.request_id, peer_id="test-peer"), timeout=10)
         return done, kv, sent
 
 

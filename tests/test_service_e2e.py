@@ -134,6 +134,9 @@ def test_scenario_cli_all_rows(pair, tmp_path: Path) -> None:  # type: ignore[no
         assert fields <= row.keys()
         assert row["a_tokens_match_solo"] is True
         assert len(row["a_gaps_ms"]) == 39
+        server = row["a_server_gaps_ms"]  # the decode server's stamps: the same stream, no client in them
+        assert len(server) == 39 and min(server) >= 0
+        assert abs(sum(server) - sum(row["a_gaps_ms"])) < 0.25 * sum(row["a_gaps_ms"]) + 50
     assert all(r["b_first_token_matches"] is True and r["b_ttft_ms"] > 0 for r in rows[1:])
     assert "A alone" in proc.stdout and "chunked, 2,048" in proc.stdout
     assert plot.stat().st_size > 10_000
