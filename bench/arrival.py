@@ -105,7 +105,8 @@ def main() -> None:
     p.add_argument("--logs", default=None, help="folder for the servers' logs")
     args = p.parse_args()
     logs = Path(args.logs or tempfile.mkdtemp())
-    common = ["--host", "127.0.0.1", "--kv-transport", args.kv_transport, "--metrics-port", "0",
+    # No prefix cache: each trial sends the same B, which must be prefilled, not found in a cache.
+    common = ["--host", "127.0.0.1", "--kv-transport", args.kv_transport, "--metrics-port", "0", "--no-prefix-cache",
               *(["--preset", args.preset] if args.preset else []),
               *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
     prefill = ServerProcess("prefill_server", [*common, "--port", "50062", "--device", args.prefill_device,

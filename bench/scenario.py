@@ -29,8 +29,9 @@ def main() -> None:
     args = p.parse_args()
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
+    # No prefix cache: every row sends the same B, which must be prefilled, not found in a cache.
     common = ["--host", "127.0.0.1", "--preset", args.preset, "--kv-transport", args.kv_transport, "--metrics-port",
-              "0"]
+              "0", "--no-prefix-cache"]
     prefill = ServerProcess("prefill_server", [*common, "--port", "50052", "--device", args.prefill_device,
                                                *args.prefill_args.split()], "127.0.0.1:50052", logs / "prefill.log")
     decode = ServerProcess("decode_server", [*common, "--port", "50051", "--device", args.decode_device,

@@ -101,6 +101,10 @@ def make_row(mode: str, chunk: int | None, b_len: int, a: StreamResult, b: Strea
         row.b_sent_after_a_token = trigger
         row.b_first_token_during_gap = sum(t < b.arrivals[0] for t in a.arrivals) - 1
         if b.first is not None:
+            if b.first.timing.cached_tokens:
+                raise RuntimeError(f"B's prompt came from the decode server's prefix cache "
+                                   f"({b.first.timing.cached_tokens} tokens), so nothing was prefilled; replay the "
+                                   "scenario against servers started with --no-prefix-cache")
             row.b_server_prefill_ms = b.first.timing.prefill_s * 1e3
             row.b_server_kv_transfer_ms = b.first.timing.kv_transfer_s * 1e3
     return row

@@ -117,8 +117,19 @@ def test_health_and_reflection_on_both(pair) -> None:  # type: ignore[no-untyped
             assert {service, "grpc.health.v1.Health"} <= names
 
 
-def test_scenario_cli_all_rows(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_scenario_refuses_a_b_served_from_a_prefix_cache(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Every row sends the same B; with prefix caches on, B's KV is found, not prefilled, and the
+    scenario says so instead of reporting a stall-free B."""
     decode, _ = pair
+    proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "256",
+                           "--a-len", "64", "--a-new-tokens", "24", "--modes", "alone,colocated",
+                           "--json", str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "prefix cache" in proc.stderr and "--no-prefix-cache" in proc.stderr
+
+
+def test_scenario_cli_all_rows(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    decode, _ = scenario_pair
     out, plot = tmp_path / "out.json", tmp_path / "gaps.png"
     proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "1024",
                            "--a-len", "256", "--a-new-tokens", "40", "--json", str(out), "--plot", str(plot)],

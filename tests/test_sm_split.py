@@ -98,7 +98,7 @@ def test_the_adapter_creates_a_context_with_either_api(monkeypatch: pytest.Monke
     assert (context.num_sms, context.device_id) == (96, 1)
 
 
-def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The lead's GPU commands, end to end on the CPU (where partitioned runs as layered): scenario rows
     at two SM counts, then the trade-off plot and the SLO table the decode server reads."""
     import subprocess
@@ -106,7 +106,7 @@ def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(pair, tmp_p
 
     from tests.servers import ROOT
 
-    decode, _ = pair
+    decode, _ = scenario_pair
     scenario, table, png = tmp_path / "scenario.json", tmp_path / "table.json", tmp_path / "tradeoff.png"
     proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "512",
                            "--a-len", "128", "--a-new-tokens", "30", "--modes",
