@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 
@@ -20,6 +21,7 @@ from serving.grpc_common import (
     make_server,
     run_main,
     serve_until_signalled,
+    server_ssl_context,
     setup_process,
     start_metrics,
 )
@@ -46,11 +48,13 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server import metrics
     from decode_server.admission import Admission
     from decode_server.core import DecodeCore
+    from decode_server.http_api import OpenAIApi
     from decode_server.prefill_client import PrefillRouter
+    from decode_server.request_parser import RequestParser
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
 
-    check_port_free(cfg)
+    check_port_free(cfg, [(cfg.http_port, "--http-port")])
     health = Health([SERVICE])
     await health.set(False)
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
@@ -71,7 +75,11 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
     core = DecodeCore(cfg, scheduler, router, eos_ids)
-    service = DecodeService(cfg, runner, core, tokenizer)
+    parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
+                           cfg.default_chat_max_tokens)
+    service = DecodeService(core, parser, tokenizer)
+    http = OpenAIApi(core, parser, tokenizer, served_model_name(cfg, runner.config.name), runner.max_model_len,
+                     cfg.http_timeout_s) if cfg.http_port else None
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks, lambda: len(scheduler.running),
                              core.num_waiting)
@@ -81,16 +89,29 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     port = bind(server, cfg)
     start_metrics(cfg)
     scheduler.start()
+    if http is not None:
+        await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
     await server.start()
     await health.set(True)
-    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)", cfg.host, port, runner.device,
-             runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "")
+    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s", cfg.host, port, runner.device,
+             runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "",
+             f"; OpenAI API at http{'s' if cfg.tls_cert else ''}://{cfg.host}:{cfg.http_port}/v1 as model "
+             f"{http.model_name!r}" if http is not None else "")
 
     code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
                                        on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))
+    if http is not None:
+        await http.stop()
     if router is not None:
         await router.close()
     return code
+
+
+def served_model_name(cfg: DecodeConfig, loaded_name: str) -> str:
+    """--served-model-name, else the checkpoint folder's name, else the preset's."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    return Path(cfg.model).resolve().name if cfg.model else loaded_name
 
 
 def main(argv: list[str] | None = None) -> None:

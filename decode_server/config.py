@@ -54,6 +54,15 @@ class DecodeConfig(ServerConfig):
     kv_checksum: str = field(default="off", metadata=opt(
         "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
         choices=("on", "off")))
+    http_port: int = field(default=8000, metadata=opt("OpenAI-compatible HTTP API port (/v1 on --host); 0 "
+                                                       "turns it off"))
+    served_model_name: str | None = field(default=None, metadata=opt(
+        "the model id the HTTP API lists and takes; default: the checkpoint folder's or preset's name"))
+    http_timeout_s: float = field(default=0.0, metadata=opt(
+        "longest an HTTP request may take before it ends 504; 0 = no limit"))
+    default_chat_max_tokens: int = field(default=4096, metadata=opt(
+        "max_tokens of a chat request that sends none, capped by the context (a request reserves KV for "
+        "all its tokens up front)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +70,10 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
         if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
             raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError("--http-port must be in 0..65535")
+        if self.http_timeout_s < 0 or self.default_chat_max_tokens < 1:
+            raise ValueError("--http-timeout-s must be >= 0 and --default-chat-max-tokens positive")
 
     @property
     def default_mode(self) -> PrefillMode:
