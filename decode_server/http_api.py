@@ -313,12 +313,16 @@ class Reply:
 
 
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON: 413 past the size limit, 400 when it is not JSON."""
+    """The body as JSON: 413 past the size limit (told by Content-Length before reading, else found
+    while reading), 400 when it is not JSON."""
+    too_large = ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
+                         "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    if (request.content_length or 0) > MAX_REQUEST_BYTES:
+        raise too_large
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
-                       "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED) from e
+        raise too_large from e
     try:
         if len(raw) > PARSE_IN_THREAD_BYTES:
             return await asyncio.to_thread(json.loads, raw)
