@@ -37,6 +37,8 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.http", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--model", default=None, help="a checkpoint folder instead of --preset (its tokenizer then "
+                                                 "detokenizes every token, over both APIs)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--users", type=int, default=64, help="users decoding back to back: the batch (default 64)")
     p.add_argument("--prompt-len", default="512")
@@ -52,7 +54,8 @@ def main() -> None:
     logs = Path(args.logs or tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
     server_args = ["--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.http_port),
-                   "--metrics-port", "0", "--preset", args.preset, "--device", args.device, "--mode", "colocated",
+                   "--metrics-port", "0", *(["--model", args.model] if args.model else ["--preset", args.preset]),
+                   "--device", args.device, "--mode", "colocated",
                    "--max-batch-size", str(args.users), *args.server_args.split()]
     server = ServerProcess("decode_server", server_args, f"127.0.0.1:{args.port}", logs / "decode_server.log")
     out = logs / "load.json"
@@ -71,7 +74,7 @@ def main() -> None:
     runs = json.loads(out.read_text())["runs"]
     grpc_itl, http_itl = runs["grpc"]["itl_ms"], runs["http"]["itl_ms"]
     added = overhead(grpc_itl, http_itl)
-    doc = {**metadata(), "preset": args.preset, "device": args.device,
+    doc = {**metadata(), "model": args.model or f"preset:{args.preset}", "device": args.device,
            "server": f"python -m decode_server {' '.join(server_args)}", "load_command": " ".join(cmd[2:]),
            "itl_ms": {"grpc": grpc_itl, "http": http_itl}, "http_minus_grpc_ms": added, "budget_ms": BUDGET_MS,
            "within_budget": added["p50"] is not None and added["p50"] <= BUDGET_MS,

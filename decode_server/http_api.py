@@ -185,9 +185,12 @@ class OpenAIApi:
             status = "DEADLINE_EXCEEDED"
             return await reply.fail(ApiError.from_status(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"the request ran past --http-timeout-s {self.timeout_s:g}"))
-        except (asyncio.CancelledError, ConnectionResetError):
-            status = "CANCELLED"  # the client went away
+        except asyncio.CancelledError:
+            status = "CANCELLED"  # the client went away (aiohttp cancels the handler)
             raise
+        except ConnectionError:  # ... or it went away while an event was being written to it
+            status = "CANCELLED"
+            return reply.stream or web.Response(status=499)
         except Exception as e:
             status = "INTERNAL"
             log.exception("request %s failed", request_id)
@@ -306,9 +309,12 @@ class Reply:
         """The request's error: its HTTP status before the stream began, an SSE event after."""
         if self.stream is None:
             return error.response()
-        await self.stream.write(f"data: {json.dumps(error.body())}\n\n".encode())
-        await self.stream.write(DONE)
-        await self.stream.write_eof()
+        try:
+            await self.stream.write(f"data: {json.dumps(error.body())}\n\n".encode())
+            await self.stream.write(DONE)
+            await self.stream.write_eof()
+        except ConnectionError:
+            pass  # the client is gone too; there is no one left to tell
         return self.stream
 
 

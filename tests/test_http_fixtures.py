@@ -23,6 +23,14 @@ class HttpServer(Server):
         self.http_port = free_port()
         super().__init__("decode_server", ["--http-port", str(self.http_port), "--chunk-size", "32", *args], log_dir)
 
+    def spawn(self, detach: bool = False) -> None:
+        self.log_start = len(self.log())  # a log file of an earlier server on the same port is appended to
+        super().spawn(detach)
+
+    def own_log(self) -> str:
+        """What this server wrote to its log."""
+        return self.log()[self.log_start:]
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/v1"

@@ -152,4 +152,4 @@ def after_fuzzing(server: HttpServer, reference: str) -> None:
     wait_kv_idle(server, timeout=10)
     assert answer(server) == reference
     assert server.proc is not None and server.proc.poll() is None
-    assert "Traceback" not in server.log()
+    assert "Traceback" not in server.own_log(), server.own_log()[-4000:]
