@@ -6,6 +6,7 @@ OpenAI clients send many of them at their defaults; those that would change the 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,6 +20,7 @@ OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids=
                           prefill_mode="prefill_mode", chunk_size="chunk_size")
 CHAT_NAMES = replace(OPENAI_NAMES, prompt="messages", token_ids="messages")
 
+INT32 = (-(2**31), 2**31)  # the proto's int32 fields' range, [low, high)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -67,13 +69,20 @@ class Body:
             raise InvalidRequest(f"{name} must be in [{low}, {high}), got {value}", name)
         return int(value)
 
-    def number(self, name: str, default: float) -> float:
+    def float32(self, name: str, default: float) -> float:
+        """A number as the proto's float fields hold it, so that a request samples the same tokens
+        over HTTP as over gRPC (and a top_p below float32's range is 0 there too, not a filter
+        that keeps nothing)."""
         value = self.get(name, (int, float), "a number")
         if value is None:
             return default
-        if not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be a finite number, got {value}", name)
-        return float(value)
+        try:
+            rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+        except (OverflowError, struct.error):
+            rounded = math.inf
+        if not math.isfinite(rounded):
+            raise InvalidRequest(f"{name} must be a finite 32-bit number, got {value}", name)
+        return rounded
 
     def flag(self, name: str, default: bool = False) -> bool:
         value = self.get(name, bool, "true or false")
@@ -117,10 +126,10 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
         prompt, token_ids = _prompt(body.data.get("prompt"))
     fields = RequestFields(
         request_id, token_ids, prompt, True, max_tokens,
-        temperature=body.number("temperature", 1.0), top_p=body.number("top_p", 1.0),
-        top_k=_top_k(body.integer("top_k", 0)),
+        temperature=body.float32("temperature", 1.0), top_p=body.float32("top_p", 1.0),
+        top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=body.integer("seed", 0, 0, 2**64), stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
-        prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0))
+        prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import struct
 import subprocess
@@ -81,6 +82,17 @@ def test_seeded_sampling_and_text_prompts_match_grpc(http_server: HttpServer) ->
                                        sampling=decode_pb2.SamplingParams(temperature=0.9, top_p=0.95, seed=1234))
 
 
+def test_numbers_beyond_float32_sample_as_over_grpc(http_server: HttpServer) -> None:
+    """JSON numbers are float64; the proto's sampling fields float32. A top_p below float32's range is
+    0 (off) over gRPC, and so over HTTP; as a float64 filter it would keep no token and fail the batch."""
+    args: dict[str, Any] = dict(model=MODEL, prompt=prompt(12), max_tokens=6, temperature=0.7, seed=9,
+                                extra_body={"ignore_eos": True})
+    tiny_top_p = http_server.client().completions.create(top_p=1e-300, **args).choices[0].text
+    assert tiny_top_p == http_server.client().completions.create(top_p=0, **args).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="temperature must be a finite 32-bit number"):
+        http_server.client().completions.create(**{**args, "temperature": 1e39})
+
+
 def test_streamed_completion_is_one_event_a_token_then_usage_and_done(http_server: HttpServer) -> None:
     client = http_server.client()
     ids = prompt(30, salt=5)
@@ -149,6 +161,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None, list[str]]] = [
     (dict(extra_body={"prefill_mode": "fast"}), "prefill_mode", ["prefill_mode must be one of", "layered"]),
     (dict(extra_body={"prefill_mode": "disaggregated"}), None, ["needs a prefill server"]),
     (dict(extra_body={"chunk_size": -1}), "chunk_size", ["chunk_size must be >= 0", "got -1"]),
+    (dict(extra_body={"top_k": 2**31}), "top_k", ["top_k must be in [-2147483648, 2147483648)"]),
     (dict(extra_body={"stop_token_ids": [400]}), "stop_token_ids", ["stop_token_ids[0] = 400", "[0, 320)"]),
     (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos", ["ignore_eos must be true or false, got a string"]),
     (dict(max_tokens=2.5), "max_tokens", ["max_tokens must be an integer, got a number"]),
@@ -277,6 +290,44 @@ def test_full_pool_is_429_and_deadline_504(server_logs: Path) -> None:
         assert "Traceback" not in server.own_log(), server.own_log()[-4000:]
     finally:
         server.stop()
+
+
+def test_draining_server_answers_503_and_finishes_its_streams(server_logs: Path) -> None:
+    server = HttpServer(server_logs, "--drain-timeout-s", "30")
+    server.start()
+    try:
+        client = server.client()
+        stream = iter(client.completions.create(model=MODEL, prompt=prompt(16), max_tokens=300, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        next(stream)
+        server.signal(signal.SIGTERM)
+        wait_until(lambda: health(server) == 503, timeout=10)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 503 and "shutting down" in str(refused.value)
+        assert len(list(stream)) == 299  # the stream in flight still gets every token
+        assert server.wait(30) == 0
+        assert "Traceback" not in server.own_log(), server.own_log()[-4000:]
+    finally:
+        server.kill()
+
+
+def health(server: HttpServer) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_served_model_name() -> None:
+    from decode_server.__main__ import parse_config, served_model_name
+
+    assert served_model_name(parse_config(["--preset", "tiny"])[0], "tiny") == "tiny"
+    assert served_model_name(parse_config(["--model", "/models/Qwen2.5-7B-Instruct/"])[0], "qwen2") == \
+        "Qwen2.5-7B-Instruct"
+    assert served_model_name(parse_config(["--preset", "tiny", "--served-model-name", "chat"])[0], "tiny") == "chat"
 
 
 def test_busy_http_port_is_one_line() -> None:
