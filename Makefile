@@ -44,7 +44,7 @@ test: install
 	$(PYTHON) -m pytest -q
 
 soak: install
-	$(PYTHON) -m pytest -q -m soak -p no:cacheprovider tests/test_soak.py
+	$(PYTHON) -m pytest -q -m soak -p no:cacheprovider tests/test_soak.py tests/test_chaos.py
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -2,7 +2,8 @@
 how long a whole prompt's KV takes to move from one GPU's pool to another's when nothing hides it.
 
 This process is the decode side (on the second GPU); a child process is the prefill side (on the
-first), its pool filled with random values. They meet on a TCPStore, as the servers do.
+first), its pool filled with random values. They meet on a loopback TCPStore (the servers relay
+their rendezvous over gRPC instead).
 - nccl: this side posts its receives (`NcclKVReceiver`), then the child sends every layer with
   `NcclKVSender`, timed to every layer in this pool (landed straight in it when both tables are
   one run, else scattered from staging), optionally after the sending GPU has run matmuls for
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
+from engine.kv_checksum import layer_checksums
 from serving.grpc_common import set_nccl_env
 
 TIMEOUT_S = 120.0
@@ -74,7 +76,7 @@ def serve(transport: str, port: int, preset: str, tokens: int, repeats: int, dev
     store = _store(port, master=False)
     pool, table = make_pool(preset, tokens, 1, device, scattered)
     slots = pool.slots(table, 0, tokens)
-    store.set("checksum", str(pool.checksum(slots)))
+    store.set("checksum", ",".join(map(str, layer_checksums(pool, table, tokens))))
     store.set("table", ",".join(map(str, table)))
     if transport == "cuda-ipc":
         from engine.transport.cuda_ipc import export_pool
@@ -131,13 +133,13 @@ def rows(transport: str, preset: str, tokens: int, repeats: int,
         if device.type == "cuda":
             torch.cuda.set_device(device)
         pool, table = make_pool(preset, tokens, None, device, scattered)
-        expected = int(store.get("checksum"))
+        expected = [int(c) for c in store.get("checksum").decode().split(",")]
         src_table = [int(b) for b in store.get("table").decode().split(",")]
         timed = _ipc_copies(store, pool, table, src_table, tokens, repeats + 1) if transport == "cuda-ipc" \
             else _nccl_receives(store, pool, table, tokens, repeats + 1)
         out = []
         for i, (seconds, set_up_ms) in enumerate(timed):
-            equal = pool.checksum(pool.slots(table, 0, tokens)) == expected
+            equal = layer_checksums(pool, table, tokens) == expected
             pool.storage.zero_()  # the next repeat must bring every byte again
             _sync(device)
             if i == 0:

@@ -29,6 +29,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from bench.common import metadata, write_json
 from bench.random_pool import make_pool
+from engine.kv_checksum import layer_checksums
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
@@ -40,7 +41,7 @@ class EndpointService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, preset: str, tokens: int) -> None:
         self.pool, self.table = make_pool(preset, tokens, seed=1)
         self.slots = self.pool.slots(self.table, 0, tokens)
-        self.checksum = self.pool.checksum(self.slots)
+        self.checksums = layer_checksums(self.pool, self.table, tokens)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any):  # type: ignore[no-untyped-def,override]
         out: asyncio.Queue[Any] = asyncio.Queue()
@@ -55,7 +56,7 @@ class EndpointService(prefill_pb2_grpc.PrefillServicer):
             for layer in range(self.pool.layout.num_layers):
                 sender.layer_done(layer)
             sender.finish()
-            done = prefill_pb2.PrefillDone(kv_checksum=self.checksum)
+            done = prefill_pb2.PrefillDone(layer_checksums=self.checksums)
             loop.call_soon_threadsafe(out.put_nowait, prefill_pb2.PrefillResponse(done=done))
 
         task = loop.run_in_executor(None, send_all)
@@ -83,15 +84,15 @@ async def receive_once(address: str, preset: str, tokens: int) -> tuple[float, i
         call = prefill_stream(channel)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        checksum = None
+        checksums: list[int] = []
         async for message in call(prefill_pb2.PrefillRequest(token_ids=[0])):
             if isinstance(message, KVView):
                 c = message
                 await loop.run_in_executor(None, receiver.write, c.layer, c.token_start, c.token_end, c.data)
             else:
-                checksum = message.done.kv_checksum
+                checksums = list(message.done.layer_checksums)
         seconds = time.perf_counter() - t0
-    return seconds, receiver.bytes_received, receiver.complete() and checksum == pool.checksum(receiver.slots)
+    return seconds, receiver.bytes_received, receiver.complete() and checksums == layer_checksums(pool, table, tokens)
 
 
 def endpoints_rows(args: argparse.Namespace) -> list[dict[str, Any]]:

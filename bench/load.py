@@ -1,7 +1,8 @@
 """`python -m bench.load`: the same seeded many-user load against each deployment (client.load
 --compare), recorded with date, hardware, commit and command.
 
-One device: one decode server, colocated against chunked and layered (the mode is sent per request).
+One device: one decode server, colocated against chunked, layered and partitioned (the mode is sent
+per request; partitioned's SM split is the server's, e.g. --server-args "--prefill-sms 104").
 Two devices: the split pair (prefill server on the first, decode server on the second, KV over
 --kv-transport) against one decode server per device, colocated, chunked and layered; every server runs
 at once, each with --kv-cache-gb, and only the deployment under test gets requests.
@@ -44,7 +45,8 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
     if len(devices) == 1:
         one = Server("decode_server", port, [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated"])
         return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
-                       f"chunked-2048={one.address}@chunked:2048", f"layered={one.address}@layered"]
+                       f"chunked-2048={one.address}@chunked:2048", f"layered={one.address}@layered",
+                       f"partitioned={one.address}@partitioned"]
     first, second = devices
     prefill = Server("prefill_server", port + 3, [*common, *kv, "--device", first, "--kv-transport", kv_transport])
     split = Server("decode_server", port, [*common, *kv, *http_off, "--device", second, "--mode", "disaggregated",

@@ -26,7 +26,7 @@ def build_request(args: argparse.Namespace) -> decode_pb2.GenerateRequest:
 
 
 async def run(args: argparse.Namespace) -> int:
-    channel = open_channel(args.target, args.tls_ca)
+    channel = open_channel(args.target, args.tls_ca, args.tls_client_cert, args.tls_client_key)
     stub = decode_pb2_grpc.DecodeStub(channel)
     sent = time.perf_counter()
     last = None
@@ -64,7 +64,11 @@ def main() -> None:
     p.add_argument("--show-ids", action="store_true", help="one line per token with its id and arrival time")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--tls-ca", help="PEM CA bundle, when the server uses TLS")
+    p.add_argument("--tls-client-cert", help="PEM certificate to present, when the server requires one")
+    p.add_argument("--tls-client-key", help="PEM private key for --tls-client-cert")
     args = p.parse_args()
+    if (args.tls_client_cert is None) != (args.tls_client_key is None):
+        p.error("--tls-client-cert and --tls-client-key go together")
     if not args.prompt and not args.token_ids:
         p.error("give a prompt or --token-ids")
     sys.exit(asyncio.run(run(args)))

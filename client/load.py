@@ -36,13 +36,14 @@ whose TPOT (time per output token after the first) <= --slo-itl-ms; an SLO left 
 
 --compare NAME=TARGETS[@MODE[:CHUNK]] ...: one run per item, the same seeded load each time.
   TARGETS is host:port[,host:port...] (round-robin), or empty for --target's list; MODE
-  (disaggregated, colocated, chunked) is sent as each request's prefill_mode, default --mode;
-  CHUNK overrides --chunk-size for chunked. A target that is a URL (http://host:port/v1) is sent
-  to over the OpenAI API, whatever --api says.
+  (disaggregated, colocated, chunked, layered, partitioned) is sent as each request's prefill_mode,
+  default --mode; CHUNK overrides --chunk-size for chunked, and the server's --prefill-sms for
+  partitioned.
+  A target that is a URL (http://host:port/v1) is sent to over the OpenAI API, whatever --api says.
 
 --api openai: the same requests as /v1/completions streams (prompt as token ids, ignore_eos,
-  prefill_mode and chunk_size as extra fields) to targets given as host:port of the HTTP API
-  (--http-port) or as URLs; no server timing comes back over HTTP.
+  prefill_mode, chunk_size and prefill_sms as extra fields) to targets given as host:port of the
+  HTTP API (--http-port) or as URLs; no server timing comes back over HTTP.
 
 examples:
   python -m client.load --target 127.0.0.1:50051 --rate 4 --duration 60 \\
@@ -113,8 +114,11 @@ def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None,
         raise ValueError(f"--compare {item!r} names no targets and no --target was given")
     if match["mode"] is not None and match["mode"] not in MODES:
         raise ValueError(f"--compare {item!r}: mode must be one of {', '.join(MODES)}")
-    return Deployment(match["name"], targets, match["mode"] or mode, int(match["chunk"] or chunk),
-                      api_for(targets, api))
+    mode = match["mode"] or mode
+    size = int(match["chunk"] or 0)
+    if mode == "partitioned":
+        return Deployment(match["name"], targets, mode, chunk, prefill_sms=size, api=api_for(targets, api))
+    return Deployment(match["name"], targets, mode, size or chunk, api=api_for(targets, api))
 
 
 def deployments(args: argparse.Namespace) -> list[Deployment]:
@@ -122,7 +126,7 @@ def deployments(args: argparse.Namespace) -> list[Deployment]:
     if not args.compare:
         if not targets:
             raise ValueError("give --target HOST:PORT (or --compare)")
-        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api_for(targets, args.api))]
+        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api=api_for(targets, args.api))]
     runs = [parse_compare(item, targets, args.mode, args.chunk_size, args.api) for item in args.compare]
     names = [r.name for r in runs]
     if len(set(names)) != len(names):

@@ -34,12 +34,15 @@ class Deployment:
     targets: tuple[str, ...]
     mode: str | None = None     # None: each server's own --mode
     chunk_size: int = 0         # 0: the server's --chunk-size
+    prefill_sms: int = 0        # partitioned: 0 = the server's --prefill-sms
     api: str = "grpc"           # one of APIS; openai targets are HTTP URLs or host:port (/v1 added)
 
     def describe(self) -> str:
         mode = self.mode or "server default"
         if self.mode == "chunked" and self.chunk_size:
             mode += f":{self.chunk_size}"
+        if self.mode == "partitioned" and self.prefill_sms:
+            mode += f":{self.prefill_sms}"
         return f"{','.join(self.targets)} @ {mode} over {self.api}"
 
 
@@ -116,12 +119,16 @@ class LoadRunner:
     def _request(self, spec: RequestSpec) -> decode_pb2.GenerateRequest | bytes:
         """The request as the deployment's API takes it (an OpenAI body: JSON bytes)."""
         if self.openai:
-            return completion_body(spec.token_ids.tolist(), spec.output_len, self.deployment.mode,
-                                   self.deployment.chunk_size)
+            return self._body(spec.token_ids.tolist(), spec.output_len)
         return decode_pb2.GenerateRequest(
             request_id=f"{self.run_id}-{spec.key}", token_ids=spec.token_ids.tolist(),
             max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
-            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size)
+            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size,
+            prefill_sms=self.deployment.prefill_sms)
+
+    def _body(self, token_ids: list[int], max_tokens: int) -> bytes:
+        d = self.deployment
+        return completion_body(token_ids, max_tokens, d.mode, d.chunk_size, d.prefill_sms)
 
     async def _collect(self, index: int, request: decode_pb2.GenerateRequest | bytes, request_id: str) -> StreamResult:
         if isinstance(request, bytes):
@@ -172,9 +179,9 @@ class LoadRunner:
             request: decode_pb2.GenerateRequest | bytes = decode_pb2.GenerateRequest(
                 request_id=request_id, token_ids=list(range(16)), max_new_tokens=2,
                 ignore_eos=True, prefill_mode=MODE_ENUM[self.deployment.mode],
-                chunk_size=self.deployment.chunk_size)
+                chunk_size=self.deployment.chunk_size, prefill_sms=self.deployment.prefill_sms)
             if self.openai:
-                request = completion_body(list(range(16)), 2, self.deployment.mode, self.deployment.chunk_size)
+                request = self._body(list(range(16)), 2)
             result = await self._collect(index, request, request_id)
             if result.error is not None:
                 print(f"warning: warm-up request to {target} failed: {result.error.name}: {result.error_message}",

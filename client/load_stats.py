@@ -58,6 +58,7 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
     summary: Summary = {
         "name": result.deployment.name, "targets": list(result.deployment.targets),
         "mode": result.deployment.mode, "chunk_size": result.deployment.chunk_size or None,
+        "prefill_sms": result.deployment.prefill_sms or None,
         "completed": len(ok), "failed": len(result.records) - len(ok), "failures": failures,
         "failure_examples": examples, "duration_s": round(duration, 3),
         "input_tokens": input_tokens, "output_tokens": output_tokens,
@@ -172,7 +173,8 @@ def format_side_by_side(summaries: Sequence[Summary], slo: Slo) -> str:
 
 def _mode_label(summary: Summary) -> str:
     mode = summary["mode"] or "server's"
-    return f"{mode}:{summary['chunk_size']}" if summary["chunk_size"] and mode == "chunked" else mode
+    size = {"chunked": summary["chunk_size"], "partitioned": summary.get("prefill_sms")}.get(mode)
+    return f"{mode}:{size}" if size else mode
 
 
 def slo_note(slo: Slo) -> str:

@@ -33,7 +33,8 @@ def base_url(target: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def completion_body(token_ids: list[int], max_tokens: int, mode: str | None, chunk_size: int) -> bytes:
+def completion_body(token_ids: list[int], max_tokens: int, mode: str | None, chunk_size: int,
+                    prefill_sms: int = 0) -> bytes:
     """What the gRPC load sends, as an OpenAI request: greedy, ignore_eos, this project's prefill fields."""
     body: dict[str, Any] = {"prompt": token_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                             "stream": True}
@@ -41,6 +42,8 @@ def completion_body(token_ids: list[int], max_tokens: int, mode: str | None, chu
         body["prefill_mode"] = mode
     if chunk_size:
         body["chunk_size"] = chunk_size
+    if prefill_sms:
+        body["prefill_sms"] = prefill_sms
     return json.dumps(body).encode()
 
 

@@ -1,8 +1,10 @@
 """`python -m client.scenario`: the A/B experiment end to end over gRPC.
 
 User A sends a 1,024-token prompt and receives 100 tokens; just before A's 20th token arrives
-(when its 19th does), B sends a long prompt. Each row runs that once in one prefill mode and
-records every gap between A's tokens and B's time to first token, as the client sees them.
+(when its 19th does), B sends a long prompt. B is a second client: a process of its own with its
+own channel (client.second_user). Each row runs that once in one prefill mode and records every
+gap between A's tokens as the client saw them and as the decode server stamped them (a slow gap in
+the first and not the second came from the client or the network), and B's time to first token.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from client.scenario_report import Row, format_table, plot_gaps
+from client.second_user import SecondUser
 from client.stream import PREFILL_MODES, StreamResult, collect, open_channel, stream_generate
 
 MODE_ENUM = {"alone": decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
@@ -40,28 +43,34 @@ def make_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
-def request(tokens: list[int], new_tokens: int, mode: str, chunk_size: int | None,
+def request(tokens: list[int], new_tokens: int, mode: str, size: int | None,
             request_id: str) -> decode_pb2.GenerateRequest:
+    """`size`: the chunk size of chunked, the prefill SM count of partitioned (None: the server's)."""
     return decode_pb2.GenerateRequest(request_id=request_id, token_ids=tokens, max_new_tokens=new_tokens,
-                                      ignore_eos=True, prefill_mode=MODE_ENUM[mode], chunk_size=chunk_size or 0)
+                                      ignore_eos=True, prefill_mode=MODE_ENUM[mode],
+                                      chunk_size=(size or 0) if mode == "chunked" else 0,
+                                      prefill_sms=(size or 0) if mode == "partitioned" else 0)
 
 
-async def run_pair(stub: decode_pb2_grpc.DecodeStub, spec: ScenarioSpec, a_prompt: list[int],
-                   b_prompt: list[int] | None, mode: str, chunk_size: int | None,
-                   tag: str) -> tuple[StreamResult, StreamResult | None]:
-    """A streams; B (if any) is sent when A's trigger token arrives. Both run to completion."""
+async def run_pair(stub: decode_pb2_grpc.DecodeStub, second: SecondUser | None, spec: ScenarioSpec,
+                   a_prompt: list[int], b_prompt: list[int] | None, mode: str, chunk_size: int | None,
+                   tag: str, a_mode: str | None = None) -> tuple[StreamResult, StreamResult | None]:
+    """A streams; B (if any) is sent by the second user when A's trigger token arrives. Both run to
+    completion. A runs disaggregated beside a disaggregated B, else colocated (unless `a_mode`)."""
     a = StreamResult(sent_at=time.perf_counter())
-    b_task: asyncio.Task[StreamResult] | None = None
-    a_mode = "alone" if mode == "alone" else "disaggregated" if mode == "disaggregated" else "colocated"
-    a_req = request(a_prompt, spec.a_new_tokens, a_mode if mode != "alone" else "alone", None, f"A-{tag}")
+    if a_mode is None:
+        a_mode = "alone" if mode == "alone" else "disaggregated" if mode == "disaggregated" else "colocated"
+    a_req = request(a_prompt, spec.a_new_tokens, a_mode, None, f"A-{tag}")
+    b_sent = False
+    if b_prompt is not None:
+        assert second is not None
+        second.prepare(request(b_prompt, spec.b_new_tokens, mode, chunk_size, f"B-{tag}"))
     async for response, arrived in stream_generate(stub, a_req):
-        a.tokens.append(response.token_id)
-        a.arrivals.append(arrived)
-        a.last = response
-        if b_prompt is not None and response.index == spec.b_trigger_index:
-            b_req = request(b_prompt, spec.b_new_tokens, mode, chunk_size, f"B-{tag}")
-            b_task = asyncio.ensure_future(collect(stub, b_req))
-    b = await b_task if b_task is not None else None
+        a.add(response, arrived)
+        if second is not None and b_prompt is not None and response.index == spec.b_trigger_index:
+            second.send_now()
+            b_sent = True
+    b = await second.result() if second is not None and b_sent else None
     if b is not None and b.error is not None:
         raise RuntimeError(f"B failed in mode {mode}: {b.error.name}: {b.error_message}")
     return a, b
@@ -78,10 +87,13 @@ def make_row(mode: str, chunk: int | None, b_len: int, a: StreamResult, b: Strea
              solo: list[int], solo_median: float, b_ref: list[int], trigger: int) -> Row:
     gaps = a.gaps
     diff = first_diff(a.tokens, solo)
-    row = Row(mode=mode, chunk_size=chunk, b_len=b_len, a_median_gap_ms=statistics.median(gaps) * 1e3,
+    row = Row(mode=mode, chunk_size=chunk if mode == "chunked" else None, b_len=b_len,
+              a_median_gap_ms=statistics.median(gaps) * 1e3,
               a_worst_gap_ms=max(gaps) * 1e3, a_slow_gaps=sum(g > 2 * solo_median for g in gaps),
               b_ttft_ms=None, a_tokens_match_solo=diff is None, b_first_token_matches=None,
-              a_first_diff_index=diff, a_gaps_ms=[g * 1e3 for g in gaps])
+              a_first_diff_index=diff, a_gaps_ms=[g * 1e3 for g in gaps],
+              a_server_gaps_ms=[g * 1e3 for g in a.server_gaps],
+              prefill_sms=chunk if mode == "partitioned" else None)
     if b is not None:
         row.b_ttft_ms = b.ttft * 1e3
         row.b_first_token_matches = b.tokens[:1] == b_ref[:1]
@@ -112,6 +124,7 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
     stub = decode_pb2_grpc.DecodeStub(channel)
     a_prompt = make_prompt(spec.a_len, spec.seed)
     rows: list[Row] = []
+    second = SecondUser(target, tls_ca)
     try:
         await collect(stub, request(a_prompt[:64], 4, "alone", None, "warmup"))
         for b_len in b_lens:
@@ -120,14 +133,16 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
             ref = await collect(stub, request(b_prompt, spec.b_new_tokens, "colocated", None, f"Bref-{b_len}"))
             if ref.error is not None:
                 raise RuntimeError(f"reference run of B failed: {ref.error.name}: {ref.error_message}")
-            solo, _ = await run_pair(stub, spec, a_prompt, None, "alone", None, f"solo-{b_len}")
+            solo, _ = await run_pair(stub, None, spec, a_prompt, None, "alone", None, f"solo-{b_len}")
             solo_median = statistics.median(solo.gaps)
             for mode, chunk in modes:
                 tag = f"{mode}{chunk or ''}-{b_len}"
                 if mode == "alone":
                     a, b = solo, None
                 else:
-                    a, b = await run_pair(stub, spec, a_prompt, b_prompt, mode, chunk, tag)
+                    if mode == "partitioned":  # its green context is made on first use: not in B's TTFT
+                        await collect(stub, request(b_prompt[:64], 2, mode, chunk, f"warmup-{tag}"))
+                    a, b = await run_pair(stub, second, spec, a_prompt, b_prompt, mode, chunk, tag)
                 row = make_row(mode, chunk, b_len, a, b, solo.tokens, solo_median, ref.tokens,
                                spec.b_trigger_index)
                 rows.append(row)
@@ -135,6 +150,7 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
                     f"A worst {row.a_worst_gap_ms:.1f} ms, B TTFT "
                     f"{'-' if row.b_ttft_ms is None else f'{row.b_ttft_ms:.1f} ms'}")
     finally:
+        second.close()
         await channel.close()
     return rows
 

@@ -22,7 +22,9 @@ class Row:
     b_first_token_during_gap: int | None = None
     b_server_prefill_ms: float | None = None
     b_server_kv_transfer_ms: float | None = None
-    a_gaps_ms: list[float] = field(default_factory=list)
+    a_gaps_ms: list[float] = field(default_factory=list)         # as A's client saw them
+    a_server_gaps_ms: list[float] = field(default_factory=list)  # as the decode server stamped them (since_arrival_s)
+    prefill_sms: int | None = None  # partitioned: the request's prefill SM count (None: the server's)
 
 
 def mode_label(row: Row) -> str:
@@ -30,6 +32,8 @@ def mode_label(row: Row) -> str:
         return "A alone"
     if row.mode == "chunked":
         return f"chunked, {row.chunk_size:,}"
+    if row.mode == "partitioned" and row.prefill_sms:
+        return f"partitioned, {row.prefill_sms} SMs"
     return row.mode
 
 
@@ -40,12 +44,12 @@ def _yes(flag: bool | None, diff: int | None = None) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'B len':>7}  {'mode':<16} {'A median':>9} {'A worst':>10} {'slow':>5} {'B TTFT':>11}  "
+    head = (f"{'B len':>7}  {'mode':<20} {'A median':>9} {'A worst':>10} {'slow':>5} {'B TTFT':>11}  "
             f"{'A = alone':<13} {'B first = ref':<13}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ttft = "-" if r.b_ttft_ms is None else f"{r.b_ttft_ms:,.1f} ms"
-        lines.append(f"{r.b_len:>7,}  {mode_label(r):<16} {r.a_median_gap_ms:>6.2f} ms {r.a_worst_gap_ms:>7.1f} ms "
+        lines.append(f"{r.b_len:>7,}  {mode_label(r):<20} {r.a_median_gap_ms:>6.2f} ms {r.a_worst_gap_ms:>7.1f} ms "
                      f"{r.a_slow_gaps:>5} {ttft:>11}  {_yes(r.a_tokens_match_solo, r.a_first_diff_index):<13} "
                      f"{_yes(r.b_first_token_matches):<13}")
     return "\n".join(lines)

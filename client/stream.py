@@ -15,10 +15,14 @@ PREFILL_MODES = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
                  for v in decode_pb2.PrefillMode.DESCRIPTOR.values if v.number}
 
 
-def open_channel(target: str, tls_ca: str | None = None) -> grpc.aio.Channel:
+def open_channel(target: str, tls_ca: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None) -> grpc.aio.Channel:
+    """`client_cert`/`client_key`: this client's certificate, for a server that requires one (mutual TLS)."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+    if tls_ca or client_cert:
+        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None,
+                                             Path(client_key).read_bytes() if client_key else None,
+                                             Path(client_cert).read_bytes() if client_cert else None)
         return grpc.aio.secure_channel(target, creds, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 
@@ -30,6 +34,7 @@ class StreamResult:
     sent_at: float
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
+    server_times: list[float] = field(default_factory=list)  # each token's ServerTiming.since_arrival_s
     text: str = ""
     finish_reason: str = ""
     last: decode_pb2.GenerateResponse | None = None
@@ -45,6 +50,21 @@ class StreamResult:
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
+    @property
+    def server_gaps(self) -> list[float]:
+        """The gaps as the decode server stamped its tokens: no client or network in them."""
+        return [b - a for a, b in zip(self.server_times, self.server_times[1:], strict=False)]
+
+    def add(self, response: decode_pb2.GenerateResponse, arrived: float) -> None:
+        if self.first is None:
+            self.first = response
+        self.tokens.append(response.token_id)
+        self.arrivals.append(arrived)
+        self.server_times.append(response.timing.since_arrival_s)
+        self.text += response.text
+        self.last = response
+        self.finish_reason = response.finish_reason or self.finish_reason
+
 
 async def stream_generate(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.GenerateRequest,
                           timeout: float | None = None) -> AsyncIterator[tuple[decode_pb2.GenerateResponse, float]]:
@@ -59,13 +79,7 @@ async def collect(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.Generate
     result = StreamResult(sent_at=time.perf_counter())
     try:
         async for response, arrived in stream_generate(stub, request, timeout):
-            if result.first is None:
-                result.first = response
-            result.tokens.append(response.token_id)
-            result.arrivals.append(arrived)
-            result.text += response.text
-            result.last = response
-            result.finish_reason = response.finish_reason or result.finish_reason
+            result.add(response, arrived)
     except grpc.aio.AioRpcError as e:
         result.error, result.error_message = e.code(), e.details() or ""
     return result

@@ -1,14 +1,13 @@
 """`python -m decode_server`: the front door. Continuous batching on one device; prompts are
-prefilled by a prefill server (disaggregated) or here (colocated, chunked, layered)."""
+prefilled by a prefill server (disaggregated) or here (colocated, chunked, layered, partitioned)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import time
 from pathlib import Path
-
-import grpc
 
 from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
@@ -17,6 +16,7 @@ from serving.cli_args import parse_config as parse_into
 from serving.grpc_common import (
     Health,
     bind,
+    channel_credentials,
     check_port_free,
     make_server,
     run_main,
@@ -53,7 +53,10 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.request_parser import RequestParser
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
+    from decode_server.sm_split import open_partitions
+    from serving.loop_lag import LoopLagProbe
 
+    started = time.perf_counter()
     check_port_free(cfg, [(cfg.http_port, "--http-port")])
     health = Health([SERVICE])
     await health.set(False)
@@ -61,22 +64,24 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     tokenizer = runner.tokenizer
     loop = asyncio.get_running_loop()
     admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop)
+    partitions, prefill_sms = open_partitions(cfg, runner.device)
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
-                               die_after_steps=faults.engine_die_after_steps)
+                               die_after_steps=faults.engine_die_after_steps, partitions=partitions,
+                               prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type))
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
     if cfg.prefill_addr:
-        creds = None
-        if cfg.tls_ca:
-            with open(cfg.tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(f.read())
+        creds = channel_credentials(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-    core = DecodeCore(cfg, scheduler, router, eos_ids)
+    loop_lag = None
+    if cfg.loop_lag_probe_ms:
+        loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
+    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
     parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
-                           cfg.default_chat_max_tokens)
+                           scheduler.check_prefill_sms, cfg.default_chat_max_tokens)
     service = DecodeService(core, parser, tokenizer)
     http = OpenAIApi(core, parser, tokenizer, served_model_name(cfg, runner.config.name), runner.max_model_len,
                      cfg.http_timeout_s) if cfg.http_port else None
@@ -87,21 +92,28 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     scheduler.on_failure.append(lambda: loop.call_soon_threadsafe(fatal.set))
     server = make_server(lambda s: add_to_server(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     scheduler.start()
+    if router is not None and cfg.warms_up(runner.device.type):
+        await router.warm_up()
+    if loop_lag is not None:
+        loop_lag.start()
     if http is not None:
         await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
     await server.start()
     await health.set(True)
-    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s", cfg.host, port, runner.device,
+    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s; started in %.1fs", cfg.host, port, runner.device,
              runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "",
              f"; OpenAI API at http{'s' if cfg.tls_cert else ''}://{cfg.host}:{cfg.http_port}/v1 as model "
-             f"{http.model_name!r}" if http is not None else "")
+             f"{http.model_name!r}" if http is not None else "", time.perf_counter() - started)
 
     code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
                                        on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))
     if http is not None:
         await http.stop()
+    if loop_lag is not None:
+        loop_lag.stop()
     if router is not None:
         await router.close()
     return code

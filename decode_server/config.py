@@ -9,6 +9,17 @@ from pd.v1 import decode_pb2
 
 from serving.server_config import ServerConfig, env_number, opt
 
+# The chunk sizes a chunked prefill may use (--chunk-size, a request's chunk_size): powers of two,
+# each warmed up at start-up, so none compiles or plans on a request's path.
+CHUNK_SIZES = tuple(1 << k for k in range(4, 14))
+
+
+def chunk_size_problem(size: int) -> str | None:
+    """Why `size` is not a chunk size this server takes, in words; None if it is."""
+    if size in CHUNK_SIZES:
+        return None
+    return f"must be a power of two from {CHUNK_SIZES[0]} to {CHUNK_SIZES[-1]} (each is warmed up), got {size}"
+
 
 class PrefillMode(StrEnum):
     """Where a prompt is prefilled: --mode's choices, and the request's prefill_mode as the proto
@@ -17,6 +28,7 @@ class PrefillMode(StrEnum):
     COLOCATED = "colocated"          # here, the whole prompt in one step
     CHUNKED = "chunked"              # here, a chunk of the prompt between two decode steps
     LAYERED = "layered"              # here, a slice of the model's layers between two decode steps
+    PARTITIONED = "partitioned"      # here, the whole prompt beside the decode steps, on a share of the SMs
     DISAGGREGATED = "disaggregated"  # on a prefill server, whose KV then comes over
 
     @property
@@ -39,21 +51,38 @@ class DecodeConfig(ServerConfig):
     mode: str | None = field(default=None, metadata=opt(
         "where prompts are prefilled; default: disaggregated with --prefill-addr, else colocated",
         choices=tuple(PrefillMode)))
-    chunk_size: int = field(default=512, metadata=opt("prompt tokens per chunk in chunked mode"))
+    chunk_size: int = field(default=512, metadata=opt(
+        "prompt tokens per chunk in chunked mode: a power of two from 16 to 8192"))
     layer_slice_tokens: int = field(default=32768, metadata=opt(
         "layered mode: a prompt's prefill runs as many layers between two decode steps as keep prompt tokens "
         "x layers within this (one layer at least)"))
+    prefill_sms: int | None = field(default=None, metadata=opt(
+        "partitioned mode: SMs of the green context a prompt's prefill runs on while decode keeps the rest; a "
+        "multiple of the GPU's split step (8 on Hopper); default: the split --itl-slo-ms picks"))
+    itl_slo_ms: float | None = field(default=None, metadata=opt(
+        "partitioned mode: the longest gap between a decoding request's tokens while a prefill runs; picks the "
+        "largest --prefill-sms whose measured gap is within it from --sm-split-table (default: twice the "
+        "table's decode step alone)"))
+    sm_split_table: str | None = field(default=None, metadata=opt(
+        "partitioned mode: JSON table of A's gap per prefill SM count (default: the one in decode_server/)"))
     max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
-    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle to verify prefill servers' TLS "
-                                                           "certificates"))
-    kv_checksum: str = field(default="off", metadata=opt(
-        "on: checksum every remote prefill's KV on both sides; a mismatch fails the request DATA_LOSS",
-        choices=("on", "off")))
+    tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle that signed the prefill servers' TLS "
+                                                          "certificates; enables TLS towards them"))
+    tls_client_cert: str | None = field(default=None, metadata=opt(
+        "PEM certificate this server presents to prefill servers that require one (--tls-client-ca there)"))
+    tls_client_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-client-cert"))
+    loop_lag_probe_ms: float = field(default=0.0, metadata=opt(
+        "every this many ms, hand the event loop a stamped callback from a thread and record how long it "
+        "waits to run (what a token from the engine thread waits): metric event_loop_lag_seconds, and each "
+        "request log line's loop_lag_max_s from its arrival to its first token; 0 = off"))
+    kv_checksum: str = field(default="on", metadata=opt(
+        "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
+        "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
     http_port: int = field(default=8000, metadata=opt("OpenAI-compatible HTTP API port (/v1 on --host); 0 "
                                                        "turns it off"))
     served_model_name: str | None = field(default=None, metadata=opt(
@@ -68,8 +97,22 @@ class DecodeConfig(ServerConfig):
         super().__post_init__()
         if self.mode == PrefillMode.DISAGGREGATED and not self.prefill_addr:
             raise ValueError("--mode disaggregated needs --prefill-addr HOST:PORT of a running prefill server")
-        if self.chunk_size < 1 or self.max_batch_size < 1 or self.layer_slice_tokens < 1:
-            raise ValueError("--chunk-size, --layer-slice-tokens and --max-batch-size must be positive")
+        if self.loop_lag_probe_ms < 0:
+            raise ValueError("--loop-lag-probe-ms must be >= 0 (0 = off)")
+        if self.max_batch_size < 1 or self.layer_slice_tokens < 1:
+            raise ValueError("--layer-slice-tokens and --max-batch-size must be positive")
+        problem = chunk_size_problem(self.chunk_size)
+        if problem:
+            raise ValueError(f"--chunk-size {problem}")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("--tls-client-cert needs --tls-ca, the CA that signed the prefill servers' certificates")
+        if self.prefill_sms is not None and self.itl_slo_ms is not None:
+            raise ValueError("pass either --prefill-sms or --itl-slo-ms (which picks --prefill-sms), not both")
+        if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None
+                                                                       and not self.itl_slo_ms > 0):
+            raise ValueError("--prefill-sms and --itl-slo-ms must be positive")
         if not 0 <= self.http_port < 65536:
             raise ValueError("--http-port must be in 0..65535")
         if self.http_timeout_s < 0 or self.default_chat_max_tokens < 1:

@@ -28,6 +28,8 @@ from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, Sequence, TokenOutput
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
+from serving.loop_lag import LoopLagProbe
+from serving.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("decode_server.requests")
@@ -38,7 +40,7 @@ class Request:
     """A request as a front end parsed and checked it."""
 
     request_id: str
-    prompt: list[int]
+    prompt: TokenIds
     max_new_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
@@ -46,6 +48,7 @@ class Request:
     mode: PrefillMode
     chunk_size: int
     arrival: float  # perf_counter when it came in
+    prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
 
 
 class Generation:
@@ -64,7 +67,14 @@ class Generation:
         await core.admission.reserve(seq)
         timing.admitted = time.perf_counter()
         metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
-        first_token = await core.remote_prefill(seq) if seq.mode == PrefillMode.DISAGGREGATED else None
+        first_token = None
+        if seq.mode == PrefillMode.DISAGGREGATED:
+            core.scheduler.expect_handover()
+            try:
+                first_token = await core.remote_prefill(seq)
+            except BaseException:
+                core.scheduler.handover_ended()
+                raise
         core.scheduler.submit(seq, first_token)
         self.submitted = True
         last = timing.arrival
@@ -87,8 +97,9 @@ class Generation:
 
 class DecodeCore:
     def __init__(self, cfg: DecodeConfig, scheduler: BatchScheduler, router: PrefillRouter | None,
-                 eos_ids: frozenset[int]) -> None:
+                 eos_ids: frozenset[int], loop_lag: LoopLagProbe | None = None) -> None:
         self.cfg, self.scheduler, self.router, self.eos_ids = cfg, scheduler, router, eos_ids
+        self.loop_lag = loop_lag  # for each request's loop_lag_max_s
         self.admission = scheduler.admission
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
@@ -120,7 +131,7 @@ class DecodeCore:
         self.in_flight.add(request.request_id)
         seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
-                       request.chunk_size, timing=Timing(arrival=request.arrival))
+                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:
@@ -133,10 +144,15 @@ class DecodeCore:
         self.in_flight.discard(seq.request_id)
         if status != "OK":
             metrics.REQUEST_FAILURE.labels(status).inc()
+        now = time.perf_counter()
+        lag: dict[str, float] = {}
+        if self.loop_lag is not None:  # while the request arrived: from its arrival to its first token
+            t = seq.timing
+            lag["loop_lag_max_s"] = round(self.loop_lag.max_between(t.arrival, t.first_token or now), 6)
         request_log.info(json.dumps({
             "event": "request_finished", "request_id": seq.request_id, "status": status,
             "finish_reason": seq.finish_reason, "mode": seq.mode, "prompt_tokens": len(seq.prompt),
-            "output_tokens": len(seq.tokens), **seq.timing.to_log(time.perf_counter())}))
+            "output_tokens": len(seq.tokens), **seq.timing.to_log(now), **lag}))
 
     @staticmethod
     def log_rejected(request_id: str, code: grpc.StatusCode, arrival: float) -> None:
@@ -152,9 +168,11 @@ class DecodeCore:
 
         A failure that a second try may cure is retried once, with the same blocks: after
         UNAVAILABLE or FAILED_PRECONDITION the router has dropped the pairing, so the retry
-        handshakes afresh (and may pick another prefill server). That covers a prefill server that
-        restarted while this one was idle: it answers the stale pairing with "handshake first". A
-        server that is down, or a real layout mismatch, fails the retry the same way at once."""
+        handshakes afresh; after UNAVAILABLE it has also taken that prefill server out of the
+        rotation (a frozen one is found by its silence in seconds), so the retry goes to another.
+        That covers a prefill server that restarted while this one was idle: it answers the stale
+        pairing with "handshake first". A server that is down, or a real layout mismatch, fails the
+        retry the same way at once."""
         assert self.router is not None  # accept() refuses the mode without one
         p = seq.params
         sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)

@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
@@ -21,6 +22,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout, KVPool
+from engine.kv_checksum import first_mismatch, layer_checksums
 from engine.transport.base import KVReceiver, KVTransport
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
@@ -29,9 +31,12 @@ from serving.grpc_common import StatusError
 if TYPE_CHECKING:
     from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
     from engine.transport.nccl import NcclKVReceiver, NcclPair
+    from engine.transport.nccl_rendezvous import RelayStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# (the pairing's secret, timeout) -> a context holding a store relayed to the prefill server
+RelayOpener = Callable[[bytes, float], AbstractContextManager["RelayStore"]]
 
 
 class HandoffError(StatusError):
@@ -44,7 +49,6 @@ class Handoff(ABC):
 
     transport: ClassVar[KVTransport]
     cancels_call: ClassVar[bool] = True            # leaving early cancels the Prefill call
-    releases_remote_blocks: ClassVar[bool] = False  # the prefill side holds its blocks until ReleaseIpc
     receiver: KVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor) -> None:
@@ -115,11 +119,11 @@ class Handoff(ABC):
         freed); False if a transfer may still land (the caller must not reuse them)."""
         return True
 
-    def verify(self, expected: int) -> None:
-        got = self.pool.checksum(self.pool.slots(self.block_table, 0, self.num_tokens))
-        if got != expected:
-            raise HandoffError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch after the {self.transport} "
-                                                          f"handoff: got {got}, prefill sent {expected}")
+    def verify(self, expected: list[int]) -> None:
+        layer = first_mismatch(layer_checksums(self.pool, self.block_table, self.num_tokens), expected)
+        if layer is not None:
+            raise HandoffError(grpc.StatusCode.DATA_LOSS, f"the KV that arrived over {self.transport} differs from "
+                                                          f"what the prefill server sent (layer {layer}'s checksum)")
 
 
 class GrpcHandoff(Handoff):
@@ -207,7 +211,6 @@ class IpcHandoff(Handoff):
     reports it written; the prefill side holds its blocks until told the copies are done."""
 
     transport = KVTransport.CUDA_IPC
-    releases_remote_blocks = True
     receiver: IpcKVReceiver | None
 
     def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
@@ -220,10 +223,12 @@ class IpcHandoff(Handoff):
     async def on_start(self, start: prefill_pb2.TransferStart, deadline: float) -> None:
         from engine.transport.cuda_ipc import IpcKVReceiver
 
-        receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
-        await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receiver.start,
-                                                         list(start.src_block_table), start.src_block_size)
-        self.receiver = receiver
+        def receive() -> IpcKVReceiver:  # the stream, the event, the block lists: all off the event loop
+            receiver = IpcKVReceiver(self.remote, self.pool, self.block_table, self.num_tokens)
+            receiver.start(list(start.src_block_table), start.src_block_size)
+            return receiver
+
+        self.receiver = await asyncio.get_running_loop().run_in_executor(self.writer, self._timed, receive)
 
     async def on_layer_sent(self, layer: int) -> None:
         # At most one writer call a handoff, copying every layer reported by the time it runs: the
@@ -270,8 +275,9 @@ class Pairing(ABC):
     @classmethod
     @abstractmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float) -> Pairing:
-        """On the writer thread, after the prefill server's handshake reply."""
+                timeout: float, relay: RelayOpener) -> Pairing:
+        """On the writer thread, after the prefill server's handshake reply. `relay` opens a store whose
+        operations go to the prefill server over the channel the handshake used (NCCL's rendezvous)."""
 
     @property
     def broken(self) -> bool:
@@ -292,7 +298,7 @@ class GrpcPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float) -> GrpcPairing:
+                timeout: float, relay: RelayOpener) -> GrpcPairing:
         return cls()
 
     def forget(self) -> None:
@@ -303,7 +309,8 @@ class GrpcPairing(Pairing):
 
 
 class NcclPairing(Pairing):
-    """The pair's own two-rank NCCL group, joined through the prefill server's TCPStore."""
+    """The pair's own two-rank NCCL group, its rendezvous relayed to the prefill server's store for it
+    over the handshake's channel (engine.transport.nccl_rendezvous)."""
 
     transport = KVTransport.NCCL
 
@@ -312,17 +319,12 @@ class NcclPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float) -> NcclPairing:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
+                timeout: float, relay: RelayOpener) -> NcclPairing:
         from engine.transport.nccl import DECODE_RANK, NcclPair
 
-        host, _, port = reply.nccl_store_addr.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
-        pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
-        pair.warm_up()
+        with relay(reply.nccl_secret, timeout) as store:  # closed once the pair has met
+            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
+            pair.warm_up()
         return cls(pair)
 
     @property
@@ -346,7 +348,7 @@ class IpcPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float) -> IpcPairing:
+                timeout: float, relay: RelayOpener) -> IpcPairing:
         from engine.transport.cuda_ipc import RemotePool
 
         return cls(RemotePool(layout, reply.ipc_pool_handle, reply.ipc_pool_offset, reply.ipc_pool_num_slots, device))

@@ -26,6 +26,9 @@ KV_FREE_BLOCKS = Gauge("kv_cache_free_blocks", "KV pool blocks free right now")
 KV_TOTAL_BLOCKS = Gauge("kv_cache_total_blocks", "KV pool blocks that requests can use")
 REQUEST_SUCCESS = Counter("request_success_total", "Finished requests by finish reason", ["finish_reason"])
 REQUEST_FAILURE = Counter("request_failure_total", "Failed requests by gRPC status code", ["code"])
+LOOP_LAG = Histogram("event_loop_lag_seconds", "How long a callback handed to the event loop from another thread "
+                     "waited to run (--loop-lag-probe-ms)",
+                     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5))
 DECODE_STEP = Histogram("decode_step_seconds", "One batched decode step", buckets=LATENCY_BUCKETS)
 
 

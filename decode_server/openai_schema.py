@@ -129,7 +129,8 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
         temperature=body.float32("temperature", 1.0), top_p=body.float32("top_p", 1.0),
         top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=body.integer("seed", 0, 0, 2**64), stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
-        prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32))
+        prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
+        prefill_sms=body.integer("prefill_sms", 0, *INT32))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop)
 
 

@@ -11,12 +11,16 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
+from decode_server.peer_watch import PROBE_EVERY_S, PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
 from engine.transport.grpc_wire import KVView, prefill_stream
@@ -28,11 +32,18 @@ from engine.transport.handshake import (
     supported_transports,
 )
 from serving.grpc_common import GRPC_OPTIONS, StatusError
+from serving.token_ids import TokenIds
+
+if TYPE_CHECKING:
+    from engine.transport.nccl_rendezvous import RelayStore
 
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
-HANDSHAKE_TIMEOUT_S = 5.0  # a tiny RPC: a peer that can't answer it in time is as good as down
+HANDSHAKE_TIMEOUT_S = 3.0  # a tiny RPC: a peer that can't answer it in time is as good as down
+REJOIN_WAIT_S = 2 * PROBE_EVERY_S  # with no prefill server in the rotation, how long a request waits for one
+RELEASE_TIMEOUT_S = 1.0    # a Release's wait for an answer, and the pause before it is sent again
+RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lease (prefill_server.worker.LEASE_S)
 
 
 class PrefillFailed(StatusError):
@@ -43,15 +54,19 @@ class PrefillPeer:
     """One prefill server: a channel, and the pairing made at the handshake (redone after a failure)."""
 
     def __init__(self, address: str, runner: ModelRunner, requested_transport: str,
-                 credentials: grpc.ChannelCredentials | None) -> None:
+                 credentials: grpc.ChannelCredentials | None, server_name: str | None = None) -> None:
         self.address = address
         self.runner = runner
         self.requested_transport = requested_transport
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS) if credentials
-                        else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
+        self.credentials = credentials
+        # dialled by IP (a dns:/// target's addresses), a TLS certificate is checked against the name resolved
+        self.options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else GRPC_OPTIONS
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=self.options) if credentials
+                        else grpc.aio.insecure_channel(address, options=self.options))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.prefill_call = prefill_stream(self.channel)  # KV chunks arrive as views, not copies
         self.pairing: Pairing | None = None
+        self.health = PeerHealth(address, self.channel)
         self.in_flight = 0
         self.peer_id = uuid.uuid4().hex[:12]
         self._handshake_lock = asyncio.Lock()
@@ -70,6 +85,8 @@ class PrefillPeer:
             try:
                 reply = await self.stub.Handshake(request, timeout=min(timeout, HANDSHAKE_TIMEOUT_S))
             except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.health.down(f"handshake: {e.code().name}")
                 raise peer_error(self.address, e, "handshake") from e
             problem = layout_mismatch_message(self.runner.layout, layout_from_proto(reply.layout))
             if problem:
@@ -81,12 +98,23 @@ class PrefillPeer:
                                     f"which this decode server does not run")
             try:
                 self.pairing = await asyncio.get_running_loop().run_in_executor(
-                    writer, PAIRINGS[chosen].connect, reply, self.runner.layout, self.runner.device, timeout)
+                    writer, PAIRINGS[chosen].connect, reply, self.runner.layout, self.runner.device, timeout,
+                    self.relay)
             except Exception as e:
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
             log.info("paired with prefill server %s (%s) over %s", self.address, reply.server_id, chosen)
             return self.pairing
+
+    @contextmanager
+    def relay(self, secret: bytes, timeout: float) -> Iterator[RelayStore]:
+        """A store whose operations run on this prefill server's store for the pairing (NCCL's rendezvous),
+        over a blocking channel like the handshake's (torch calls the store from the writer thread)."""
+        from engine.transport.nccl_rendezvous import RelayStore
+
+        with (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
+              else grpc.insecure_channel(self.address, options=self.options)) as channel:
+            yield RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, secret, timeout)
 
     def forget_pairing(self) -> None:
         if self.pairing is not None:
@@ -123,42 +151,71 @@ class PrefillRouter:
         # proves every write of a request has landed before its blocks can be freed.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writer",
                                          initializer=runner.bind_thread)
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._resolved_at < DNS_REFRESH_S and self.peers:
             return
         self._resolved_at = time.monotonic()
-        addresses: list[str] = []
+        addresses: dict[str, str | None] = {}  # address -> the DNS name it was resolved from
         for target in self.targets:
             if target.startswith("dns:///"):
                 host, _, port = target.removeprefix("dns:///").rpartition(":")
                 try:
                     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                    addresses += sorted({f"{i[4][0]}:{port}" for i in infos})
+                    addresses.update((f"{i[4][0]}:{port}", host) for i in sorted(infos, key=lambda i: i[4][0]))
                 except OSError as e:
                     log.warning("can't resolve %s: %s", target, e)
             else:
-                addresses.append(target)
-        for address in addresses:
+                addresses[target] = None
+        for address, name in addresses.items():
             if address not in self.peers:
-                self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials)
+                self.peers[address] = PrefillPeer(address, self.runner, self.transport, self.credentials, name)
         for address in [a for a, p in self.peers.items() if a not in addresses and not p.in_flight]:
-            await self.peers.pop(address).channel.close()
+            gone = self.peers.pop(address)
+            gone.health.close()
+            await gone.channel.close()
+
+    async def warm_up(self) -> None:
+        """Before serving: the KV writer thread started and bound to the device, and every prefill
+        server paired (the handshake; NCCL's group and its warm-up; the IPC mapping of its pool),
+        so the first remote prefill pays none of it. One not up yet is paired on first use."""
+        started = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)
+        await self._refresh()
+        paired = 0
+        for peer in list(self.peers.values()):
+            try:
+                await peer.ensure_paired(self.timeout_s, self.writer)
+                paired += 1
+            except PrefillFailed as e:
+                log.warning("not paired at start-up, pairing on first use: %s", e)
+        log.info("warm-up: KV receive (writer thread, %d of %d prefill servers paired) in %.2fs", paired,
+                 len(self.peers), time.perf_counter() - started)
 
     async def pick(self) -> PrefillPeer:
+        """Of the prefill servers in the rotation, the one with the fewest prefills in flight. When none is
+        in it, a moment's wait for one to pass its next health check."""
         await self._refresh()
-        peers = list(self.peers.values())
-        if not peers:
+        if not self.peers:
             raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server found at {', '.join(self.targets)}")
+        back_by = time.monotonic() + REJOIN_WAIT_S
+        while not (peers := [p for p in self.peers.values() if p.health.up]) and time.monotonic() < back_by:
+            await asyncio.sleep(0.05)
+        if not peers:
+            down = ", ".join(p.address for p in self.peers.values())
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"no prefill server is answering ({down} failed or fell "
+                                                             "silent; each rejoins once its health checks pass)")
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
-    async def prefill(self, request_id: str, prompt: list[int], sampling: decode_pb2.SamplingParams,
+    async def prefill(self, request_id: str, prompt: TokenIds, sampling: decode_pb2.SamplingParams,
                       block_table: list[int], timing: Timing) -> int:
         """Prefill remotely into `block_table`; returns the first token, sampled by the prefill
-        server, and records where the time went in `timing`. If the KV might still land after a
-        failure, the blocks are moved out of `block_table` (left reserved) so the caller cannot
-        reuse them."""
+        server, and records where the time went in `timing`. A prefill server that fails or falls
+        silent (UNAVAILABLE) leaves the rotation until it answers health checks again, so a retry
+        goes to another. If the KV might still land after a failure, the blocks are moved out of
+        `block_table` (left reserved) so the caller cannot reuse them."""
         peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
@@ -168,21 +225,22 @@ class PrefillRouter:
         try:
             pairing = await peer.ensure_paired(self.timeout_s, self.writer)
             handoff = pairing.handoff(self.runner.pool, block_table, len(prompt), self.writer)
+            # a repeated field goes into the message in one copy (serving.token_ids)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=pairing.transport, peer_id=peer.peer_id,
-                                                 verify_kv=self.verify_kv)
+                                                 kv_checksums=self.verify_kv)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
-            async for message in call:
+            async for message in until_silent(call):
                 if not handoff.marks:
                     handoff.mark("first message")
                 if isinstance(message, KVView):  # our own encoding of a KV chunk (grpc_wire)
                     await handoff.on_kv(message)
-                elif message.WhichOneof("payload") == "done":
+                elif (kind := message.WhichOneof("payload")) == "done":
                     done = message.done
                     done_at = time.monotonic()
                     handoff.mark("done")
-                else:
+                elif kind != "heartbeat":
                     await handoff.on_message(message, deadline)
             if done is None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
@@ -196,23 +254,28 @@ class PrefillRouter:
                                    for what, t in [*handoff.marks, ("complete", now)]))
             exposed = done.kv_send_s + (now - done_at)
             handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
-            if self.verify_kv:
-                await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, done.kv_checksum)
+            if self.verify_kv:  # before the first token goes anywhere
+                expected = list(done.layer_checksums)
+                await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False
-            if handoff.releases_remote_blocks:
-                asyncio.ensure_future(self._release_ipc(peer, request_id))
             timing.remote_prefill_done(queue_s=done.queue_s, prefill_s=done.prefill_s,
                                        kv_transfer_s=max(0.0, handoff_s), kv_exposed_s=max(0.0, exposed),
                                        kv_bytes=handoff.bytes, transport=pairing.transport,
                                        start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
                                        post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
             return done.first_token_id
+        except Silent as e:
+            peer.forget_pairing()
+            peer.health.down(str(e))
+            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address}: {e}") from e
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
                 peer.forget_pairing()
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                peer.health.down(f"{e.code().name}: {e.details()}")
             raise peer_error(peer.address, e, "prefill") from e
         except HandoffError as e:
-            peer.forget_pairing()
+            peer.forget_pairing()  # DATA_LOSS included: the next prefill pairs anew
             raise PrefillFailed(e.code, f"prefill server {peer.address}: {e}") from e
         except asyncio.CancelledError:
             failed = False  # the client left; the transfer itself is healthy
@@ -226,24 +289,37 @@ class PrefillRouter:
 
     async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
                       failed: bool) -> None:
-        """Make sure nothing writes into the blocks once the caller frees them."""
+        """Make sure nothing writes into the blocks once the caller frees them; then let the prefill
+        server free its own."""
         await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # writer calls have run
-        if handoff.settled():
-            return
-        if not await handoff.abandon(failed):
+        if not handoff.settled() and not await handoff.abandon(failed):
             block_table.clear()  # a transfer may still land: keep those blocks out of circulation
-        if handoff.releases_remote_blocks:
-            await self._release_ipc(peer, request_id)
+        task = asyncio.get_running_loop().create_task(self._release(peer, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-    async def _release_ipc(self, peer: PrefillPeer, request_id: str) -> None:
-        try:
-            await peer.stub.ReleaseIpc(prefill_pb2.ReleaseIpcRequest(request_id=request_id, peer_id=peer.peer_id),
-                                       timeout=10)
-        except grpc.aio.AioRpcError as e:  # the prefill side frees on its own after its timeout
-            log.warning("ReleaseIpc to %s failed: %s", peer.address, e.code().name)
+    async def _release(self, peer: PrefillPeer, request_id: str) -> None:
+        """Tell the prefill server it may free the request's blocks; a server that can't hear it now (frozen,
+        restarting) is told again until it does, or until its lease would have freed them anyway."""
+        request = prefill_pb2.ReleaseRequest(request_id=request_id, peer_id=peer.peer_id)
+        give_up = time.monotonic() + RELEASE_FOR_S
+        while True:
+            try:
+                await peer.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as e:
+                retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry or time.monotonic() > give_up:
+                    log.warning("Release of %s to %s failed (%s); its lease frees the blocks", request_id,
+                                peer.address, e.code().name)
+                    return
+            await asyncio.sleep(RELEASE_TIMEOUT_S)
 
     async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
         for peer in self.peers.values():
             peer.forget_pairing()
+            peer.health.close()
             await peer.channel.close()
         self.writer.shutdown(wait=True)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from decode_server.config import DecodeConfig, PrefillMode
+from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
+from serving.token_ids import TokenIds, token_ids
 from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
 
 MAX_REQUEST_ID_CHARS = 256
@@ -27,7 +28,7 @@ class RequestFields:
     """A request before any check. As in the proto, 0 / "" / empty mean unset."""
 
     request_id: str
-    token_ids: Sequence[int] = ()
+    token_ids: TokenIds = ()          # kept as the field it came in: no per-token work on the event loop
     prompt: str = ""
     add_special_tokens: bool = True  # False for a chat template's text, which writes its own
     max_new_tokens: int | None = 0   # None: as many as fit the context, at most `default_max_new_tokens`
@@ -39,6 +40,7 @@ class RequestFields:
     ignore_eos: bool = False
     prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
     chunk_size: int = 0
+    prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class FieldNames:
     stop_token_ids: str = "stop_token_ids"
     prefill_mode: str = "prefill_mode"
     chunk_size: str = "chunk_size"
+    prefill_sms: str = "prefill_sms"
 
 
 GRPC_NAMES = FieldNames()
@@ -60,9 +63,11 @@ GRPC_NAMES = FieldNames()
 
 class RequestParser:
     def __init__(self, cfg: DecodeConfig, tokenizer: Tokenizer | None, max_model_len: int, vocab_size: int,
-                 default_max_new_tokens: int = 16) -> None:
+                 check_prefill_sms: Callable[[int], str | None], default_max_new_tokens: int = 16) -> None:
+        """`check_prefill_sms`: why a partitioned request's SM count can't be had, None if it can."""
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.check_prefill_sms = check_prefill_sms
         self.default_max_new_tokens = default_max_new_tokens
 
     async def parse(self, f: RequestFields, arrival: float, names: FieldNames = GRPC_NAMES) -> Request:
@@ -78,7 +83,9 @@ class RequestParser:
                                                   f"{names.token_ids}", names.prompt)
         if f.max_new_tokens is not None:
             check_max_new_tokens(f.max_new_tokens, names.max_new_tokens)
-        tokens = list(f.token_ids) if has_ids else await self._encode(f, names)
+        if has_ids and f.max_new_tokens is not None:  # before any per-token work
+            check_lengths(len(f.token_ids), f.max_new_tokens, limit, names.max_new_tokens)
+        tokens = f.token_ids if has_ids else await self._encode(f, names)
         max_new = f.max_new_tokens
         if max_new is None:
             max_new = min(self.default_max_new_tokens, limit - len(tokens))
@@ -102,13 +109,20 @@ class RequestParser:
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
-        if f.chunk_size < 0:
-            raise InvalidRequest(f"{names.chunk_size} must be >= 0 (0 = the server's --chunk-size), got "
-                                 f"{f.chunk_size}", names.chunk_size)
+        problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
+        if problem:
+            raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
+        if f.prefill_sms < 0:
+            raise InvalidRequest(f"{names.prefill_sms} must be >= 0 (0 = the server's --prefill-sms), got "
+                                 f"{f.prefill_sms}", names.prefill_sms)
+        if mode == PrefillMode.PARTITIONED and f.prefill_sms:
+            problem = self.check_prefill_sms(f.prefill_sms)
+            if problem:
+                raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
-                       f.chunk_size or self.cfg.chunk_size, arrival)
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms)
 
-    async def _encode(self, f: RequestFields, names: FieldNames) -> list[int]:
+    async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:
             raise InvalidRequest(f"this server's model has no tokenizer, so it can't take {names.prompt} text; "
                                  f"send {names.token_ids}", names.prompt)
@@ -117,10 +131,11 @@ class RequestParser:
             raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters can't fit the context limit "
                                  f"of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} characters are "
                                  "accepted)", names.prompt)
+        encode = self.tokenizer.encode
         if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS:
-            tokens = await asyncio.to_thread(self.tokenizer.encode, f.prompt, f.add_special_tokens)
+            tokens = await asyncio.to_thread(lambda: token_ids(encode(f.prompt, f.add_special_tokens)))
         else:
-            tokens = self.tokenizer.encode(f.prompt, f.add_special_tokens)
+            tokens = token_ids(encode(f.prompt, f.add_special_tokens))
         if not tokens:
             raise InvalidRequest(f"the {names.prompt} text encodes to no tokens", names.prompt)
         return tokens

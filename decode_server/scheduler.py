@@ -6,7 +6,8 @@ Each iteration of `step()` reads as schedule, run, postprocess:
   sequences into the running batch up to --max-batch-size;
 - run: at most one local prefill piece (a whole prompt when colocated, one chunk when chunked, a
   slice of the model's layers over the whole prompt when layered), then one decode step for every
-  running sequence;
+  running sequence; a partitioned prompt is prefilled meanwhile on the partitioned-prefill thread
+  (decode_server.partitioned), whose `PrefillDone` comes back through the inbox;
 - postprocess: each sampled token goes into its request's `RequestOutput`, and the readers on
   the event loop are woken once for the step; finished sequences leave and give their KV blocks
   back (`Admission.release`, called from here only).
@@ -29,13 +30,21 @@ import torch
 
 from decode_server import metrics
 from decode_server.admission import Admission
-from decode_server.config import PrefillMode
+from decode_server.config import CHUNK_SIZES, PrefillMode
+from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
+from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
+from engine.warmup import WarmUp
+from serving.token_ids import as_array
 
 log = logging.getLogger(__name__)
+
+# While a remote prefill is under way, a decode step waits for its tokens in slices this long,
+# taking handed-over first tokens in between: they leave at once, not after the step.
+HANDOVER_POLL_S = 0.0002
 
 
 @dataclass
@@ -55,19 +64,27 @@ class _Arrival:
 
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
-                 layer_slice_tokens: int = 32768, die_after_steps: int | None = None) -> None:
+                 layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
+                 partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False) -> None:
+        """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
+        steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
+        local prefill path once before `start` returns (engine.warmup)."""
         self.runner = runner
+        self.warm_up = warm_up
         self.admission = admission
         self.loop = admission.loop  # where the outputs' readers run
         self.max_batch_size = max_batch_size
         self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.die_after_steps = die_after_steps  # fault injection (PD_FAULT_ENGINE_DIE_AFTER_STEPS)
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
-        self._inbox: queue.Queue[_Arrival | None] = queue.Queue()
+        self._inbox: queue.Queue[_Arrival | PrefillDone | None] = queue.Queue()
         self.prefilling: deque[Sequence] = deque()  # local prefill, FIFO
         self.ready: deque[Sequence] = deque()       # first token out, waiting for a batch slot
         self.running: list[Sequence] = []
         self.layered: LayeredPrefill | None = None
+        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, self._inbox.put_nowait)
+                            if partitions is not None else None)
+        self.in_partition: list[Sequence] = []     # on the partitioned-prefill thread; blocks freed on its PrefillDone
         self._woken: list[RequestOutput] = []       # outputs added since the last wake-up
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -75,11 +92,15 @@ class BatchScheduler:
         self.failed: BaseException | None = None
         self.on_failure: list[Callable[[], object]] = []  # run on this thread if the loop dies
         self.steps = 0
+        self._handovers = 0  # remote prefills whose first token may be handed over (expect_handover)
+        self._handover_lock = threading.Lock()
         self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
 
     # --- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; returns once it is ready to run requests."""
+        if self.partitioned is not None:
+            self.partitioned.start()
         self._thread.start()
         self._ready.wait()
 
@@ -87,6 +108,8 @@ class BatchScheduler:
         self._stop.set()
         self._inbox.put_nowait(None)
         self._thread.join(timeout=10)
+        if self.partitioned is not None:
+            self.partitioned.stop()
 
     def submit(self, seq: Sequence, first_token: int | None = None) -> None:
         """Hand an admitted sequence over: to prefill here, or (`first_token` given) prefilled by a
@@ -107,15 +130,32 @@ class BatchScheduler:
         seq.cancelled.set()
         self.submit(seq)
 
+    def expect_handover(self) -> None:
+        """A remote prefill began (event loop): until its first token is submitted, or it ends
+        without one (`handover_ended`), decode steps look for that token while they run."""
+        with self._handover_lock:
+            self._handovers += 1
+
+    def handover_ended(self) -> None:
+        with self._handover_lock:
+            self._handovers -= 1
+
+    def check_prefill_sms(self, num_sms: int) -> str | None:
+        """Why a request can't have its partitioned prefill on `num_sms` SMs; None if it can, or if
+        this server prefills partitioned prompts as layered ones (no green contexts)."""
+        return None if self.partitioned is None else self.partitioned.partitions.check(num_sms)
+
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self.prefilling) + len(self.ready)
+        return self._inbox.qsize() + len(self.prefilling) + len(self.ready) + len(self.in_partition)
 
     # --- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             try:
                 self.runner.prepare_engine_thread()
+                if self.warm_up:
+                    self._warm_up()
             finally:
                 self._ready.set()
             while not self._stop.is_set():
@@ -138,12 +178,22 @@ class BatchScheduler:
                     stranded.append(item.seq)
             for seq in stranded:
                 self._fail(seq, e)
+            for seq in self.in_partition:  # its prefill may still write its blocks: they stay out of circulation
+                self._fail(seq, e, release=False)
             for callback in self.on_failure:
                 callback()
 
-    def _fail(self, seq: Sequence, error: BaseException) -> None:
+    def _warm_up(self) -> None:
+        warm = WarmUp(self.runner)
+        warm.run("whole prompts", warm.whole_prompts)
+        warm.run(f"chunks of {CHUNK_SIZES[0]}-{CHUNK_SIZES[-1]} tokens", lambda: warm.chunks(CHUNK_SIZES))
+        warm.run("layer slices", lambda: warm.layer_slices(self.layer_slice_tokens))
+        warm.run("sampling", lambda: warm.sampling(self._tokens))
+
+    def _fail(self, seq: Sequence, error: BaseException, release: bool = True) -> None:
         """Any thread, once the loop is gone: the blocks go back, then the request hears of it."""
-        self.admission.release(seq)
+        if release:
+            self.admission.release(seq)
         seq.out.add(Rejected(grpc.StatusCode.UNAVAILABLE,
                              f"the decode engine failed ({type(error).__name__}: {error}); this server is exiting, "
                              "retry on another replica"))
@@ -155,11 +205,14 @@ class BatchScheduler:
             woken, self._woken = self._woken, []
             self.loop.call_soon_threadsafe(RequestOutput.wake_all, woken)
 
-    def _take_inbox(self, block: bool) -> None:
+    def _take_inbox(self, wait_s: float = 0.0) -> None:
+        """Take every arrival, waiting up to `wait_s` for the first; wake the readers of what came out."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, PrefillDone):
+                    self._partition_done(item)
+                elif item is not None:
                     self._arrive(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -168,8 +221,13 @@ class BatchScheduler:
 
     def _arrive(self, arrival: _Arrival) -> None:
         seq = arrival.seq
+        if arrival.first_token is not None:
+            self.handover_ended()
         if seq.cancelled.is_set():
             self.admission.release(seq)
+        elif arrival.first_token is None and seq.mode == PrefillMode.PARTITIONED and self.partitioned is not None:
+            self.in_partition.append(seq)
+            self.partitioned.submit(seq)
         elif arrival.first_token is None:
             self.prefilling.append(seq)
         else:
@@ -200,14 +258,14 @@ class BatchScheduler:
     def step(self) -> None:
         # schedule
         idle = not (self.prefilling or self.ready or self.running)
-        self._take_inbox(block=idle)
+        self._take_inbox(wait_s=0.5 if idle else 0.0)
         self._drop_cancelled()
         while self.ready and len(self.running) < self.max_batch_size:
             self.running.append(self.ready.popleft())
         # run + postprocess
         if self.prefilling:
             head = self.prefilling[0]
-            if head.mode == PrefillMode.LAYERED:
+            if head.mode in (PrefillMode.LAYERED, PrefillMode.PARTITIONED):  # partitioned: no green contexts here
                 self._prefill_slice(head)
             else:
                 self._prefill_piece(head)
@@ -222,7 +280,7 @@ class BatchScheduler:
         """The whole prompt (colocated) or its next chunk (chunked); samples the first token at the end."""
         size = seq.chunk_size if seq.mode == PrefillMode.CHUNKED else len(seq.prompt)
         start = seq.prefilled
-        piece = seq.prompt[start:start + size]
+        piece = as_array(seq.prompt)[start:start + size]
         t0 = time.perf_counter()
         try:
             logits = self.runner.prefill(piece, seq.block_table, start)
@@ -231,8 +289,8 @@ class BatchScheduler:
             return
         seq.prefilled += len(piece)
         if seq.prefilled < len(seq.prompt):
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)  # a chunk is one scheduled unit of work
+            if self.runner.device.type == "cuda":  # a chunk is one scheduled unit of work; this stream only,
+                torch.cuda.current_stream(self.runner.device).synchronize()  # not a partitioned prefill's
             seq.timing.prefill_s += time.perf_counter() - t0
             return
         self._first_token(seq, logits, t0)
@@ -256,9 +314,29 @@ class BatchScheduler:
         seq.prefilled = len(seq.prompt)
         self._first_token(seq, logits, started)
 
+    def _partition_done(self, done: PrefillDone) -> None:
+        """A partitioned prefill's kernels are done: its first token goes out, or its blocks go back."""
+        seq = done.seq
+        self.in_partition.remove(seq)
+        if seq.cancelled.is_set() or (done.token is None and done.error is None):
+            self.admission.release(seq)
+        elif done.error is not None:
+            self._reject_prefill(seq, done.error)
+        else:
+            assert done.token is not None
+            seq.prefilled = len(seq.prompt)
+            seq.timing.prefill_s += done.finished - done.started
+            metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
+            now = time.perf_counter()
+            if not self._append(seq, done.token, done.finished - done.started, now):
+                self.ready.append(seq)
+
     def _prefill_failed(self, seq: Sequence, error: Exception) -> None:
         """One prompt's prefill failed: that request fails, the batch goes on."""
         self.prefilling.popleft()
+        self._reject_prefill(seq, error)
+
+    def _reject_prefill(self, seq: Sequence, error: Exception) -> None:
         if isinstance(error, torch.cuda.OutOfMemoryError):
             seq.out.add(Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory in prefill: {error}"))
         else:
@@ -284,7 +362,10 @@ class BatchScheduler:
         t0 = time.perf_counter()
         batch = [DecodeSeq(s.tokens[-1], len(s.prompt) + len(s.tokens) - 1, s.block_table) for s in seqs]
         logits, greedy = self.runner.decode(batch)
-        tokens = self._tokens.read(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        self._tokens.start(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
+        while self._handovers and not self._tokens.ready():
+            self._take_inbox(wait_s=HANDOVER_POLL_S)  # a handed-over first token leaves now, not after the step
+        tokens = self._tokens.take()
         now = time.perf_counter()
         elapsed = now - t0
         self.steps += 1

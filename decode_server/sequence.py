@@ -12,6 +12,7 @@ from decode_server.config import PrefillMode
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
+from serving.token_ids import TokenIds
 
 
 class Rejected(StatusError):
@@ -64,7 +65,7 @@ class RequestOutput:
 @dataclass
 class Sequence:
     request_id: str
-    prompt: list[int]
+    prompt: TokenIds  # read with numpy on the engine thread (serving.token_ids)
     max_new_tokens: int
     params: SamplingParams
     stop_ids: frozenset[int]
@@ -78,6 +79,7 @@ class Sequence:
     timing: Timing = field(default_factory=Timing)
     out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
 
     @property
     def total_tokens(self) -> int:

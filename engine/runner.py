@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -79,13 +79,13 @@ class ModelRunner:
         log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
                  self.max_model_len, time.perf_counter() - started)
 
-    def prefill(self, token_ids: list[int], block_table: list[int], start: int,
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""
         ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
 
-    def prefill_slices(self, token_ids: list[int], block_table: list[int],
+    def prefill_slices(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int],
                        slice_tokens: int) -> Iterator[torch.Tensor | None]:
         """A whole prompt's prefill a slice of layers at each step of the iterator (layered mode): as
         many layers as keep prompt tokens x layers within `slice_tokens`, one at least. None until
@@ -95,7 +95,7 @@ class ModelRunner:
         for logits in self.model.prefill_slices(ids, positions, self.pool, meta, layers_per_slice):
             yield None if logits is None else logits[0]
 
-    def _prefill_inputs(self, token_ids: list[int], block_table: list[int],
+    def _prefill_inputs(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int],
                         start: int) -> tuple[torch.Tensor, torch.Tensor, PrefillMeta]:
         """Token ids, positions and slots of `token_ids` as positions start.. of the sequence, on the device."""
         end = start + len(token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
 from engine.transport.grpc_wire import add_prefill_servicer
 from prefill_server.config import PrefillConfig, PrefillFaults
@@ -42,25 +43,30 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     from prefill_server.service import PrefillService
     from prefill_server.worker import PrefillWorker
 
+    started = time.perf_counter()
     check_port_free(cfg)
     health = Health([SERVICE])
     await health.set(False)
     runner = await asyncio.to_thread(
         build_runner, cfg, "prefill", 1, False, 4.0,
         cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()))
-    worker = PrefillWorker(runner)
+    worker = PrefillWorker(runner, warm_up=cfg.warms_up(runner.device.type))
     service = PrefillService(cfg, runner, worker, faults)
     if faults.layer_delay_s:
         log.warning("fault injection: every prefill layer is delayed by %.3fs", faults.layer_delay_s)
+    if faults.corrupt_kv:
+        log.warning("fault injection: one bit of every prompt's KV flips once it is sent")
     allocator = runner.pool.allocator
     metrics.bind_live_gauges(lambda: allocator.num_free, allocator.num_blocks)
     server = make_server(lambda s: add_prefill_servicer(service, s), [SERVICE], health)
     port = bind(server, cfg)
+    await health.listen_plaintext(cfg)
     start_metrics(cfg)
     worker.start()
     await server.start()
     await health.set(True)
-    log.info("prefill server SERVING on %s:%d (%s, %s)", cfg.host, port, runner.device, runner.config.name)
+    log.info("prefill server SERVING on %s:%d (%s, %s); started in %.1fs", cfg.host, port, runner.device,
+             runner.config.name, time.perf_counter() - started)
     return await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=worker.stop,
                                        on_drain=service.start_draining, in_flight=lambda: service.in_flight)
 

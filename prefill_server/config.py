@@ -13,8 +13,6 @@ class PrefillConfig(ServerConfig):
     metrics_port: int = field(default=8002, metadata=opt("Prometheus metrics HTTP port; 0 disables it"))
     kv_cache_gb: float | None = field(default=None, metadata=opt("KV pool size in GiB; default 8 on GPU "
                                                                   "(four 32k prompts in flight), 0.25 on CPU"))
-    advertise_host: str | None = field(default=None, metadata=opt("host the decode servers reach this one at "
-                                                                   "for NCCL rendezvous; default: --host"))
 
     def kv_gb_default(self, on_gpu: bool) -> float | None:
         if self.kv_cache_gb is not None:
@@ -24,20 +22,27 @@ class PrefillConfig(ServerConfig):
 
 # Fault injection, for tests only; read once at start-up. Declared here and nowhere else.
 ENV_FAULT_LAYER_DELAY_S = "PD_FAULT_PREFILL_LAYER_DELAY_S"
+ENV_FAULT_CORRUPT_KV = "PD_FAULT_PREFILL_CORRUPT_KV"
 
 
 @dataclass(frozen=True)
 class PrefillFaults:
     """`PD_FAULT_PREFILL_LAYER_DELAY_S=T`: the prefill worker sleeps T seconds after each layer (before
-    that layer's KV is sent), so a test can kill or cancel a request mid-prefill and mid-transfer."""
+    that layer's KV is sent), so a test can kill or cancel a request mid-prefill and mid-transfer.
+    `PD_FAULT_PREFILL_CORRUPT_KV=1`: once a prompt's KV is sent (gRPC transport), one bit of it flips in
+    the pool, so the KV the decode side got differs from what the checksums are taken over."""
 
     layer_delay_s: float = 0.0
+    corrupt_kv: bool = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.layer_delay_s or self.corrupt_kv)
 
     @classmethod
     def from_env(cls) -> PrefillFaults:
-        delay = env_number(ENV_FAULT_LAYER_DELAY_S, float, "seconds")
-        if delay is None:
-            return cls()
+        delay = env_number(ENV_FAULT_LAYER_DELAY_S, float, "seconds") or 0.0
         if not 0 <= delay <= 60:
             raise ValueError(f"{ENV_FAULT_LAYER_DELAY_S} must be in [0, 60] seconds, got {delay}")
-        return cls(layer_delay_s=delay)
+        corrupt = env_number(ENV_FAULT_CORRUPT_KV, int, "0 or 1") or 0
+        return cls(layer_delay_s=delay, corrupt_kv=bool(corrupt))

@@ -12,6 +12,7 @@ from collections import OrderedDict
 import grpc
 import torch
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
+from torch.distributed import DistStoreError
 
 from engine.kv_cache import OutOfBlocks
 from engine.runner import ModelRunner
@@ -36,6 +37,18 @@ from serving.validation import InvalidRequest, check_lengths, check_token_ids
 log = logging.getLogger(__name__)
 
 MAX_PAIRED_PEERS = 4096  # decode server instances remembered (oldest forgotten first)
+# A quiet Prefill stream (queued, or prefilling with the KV going by NCCL) gets a Heartbeat this often, so the
+# decode side tells a slow prompt from a frozen or cut-off server in seconds, not at the HTTP/2 keepalive.
+HEARTBEAT_S = 0.5
+HEARTBEAT = prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat())
+
+
+async def next_or_heartbeat(out: asyncio.Queue[object]) -> object:
+    """The job's next item, or a Heartbeat once HEARTBEAT_S pass without one."""
+    try:
+        return await asyncio.wait_for(out.get(), HEARTBEAT_S)
+    except TimeoutError:
+        return HEARTBEAT
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -50,7 +63,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.draining = False
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
         self.paired: OrderedDict[str, str] = OrderedDict()
-        self.hub = TransportHub(runner, advertised_host(cfg))
+        self.hub = TransportHub(runner)
 
     def start_draining(self) -> None:
         self.draining = True
@@ -89,10 +102,24 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                              server_id=self.server_id, gpu_index=gpu if gpu is not None else 0,
                                              **extra)
 
-    async def ReleaseIpc(self, request: prefill_pb2.ReleaseIpcRequest,
-                         context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseIpcResponse:
-        self.hub.release(request.peer_id, request.request_id)
-        return prefill_pb2.ReleaseIpcResponse()
+    async def Release(self, request: prefill_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseResponse:
+        """The decode side is done with a request's KV: its blocks may go (prefill_server.kv_lease)."""
+        self.worker.leases.release(request.peer_id, request.request_id)
+        return prefill_pb2.ReleaseResponse()
+
+    async def Rendezvous(self, request: prefill_pb2.RendezvousRequest,
+                         context: grpc.aio.ServicerContext) -> prefill_pb2.RendezvousResponse:
+        """A store operation of a decode peer's NCCL pairing (engine.transport.nccl_rendezvous)."""
+        try:
+            return await asyncio.to_thread(self.hub.rendezvous, request)
+        except PermissionError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DistStoreError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"NCCL rendezvous: {e}")
+        raise AssertionError("unreachable: abort() raises")
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
         if self.draining:
@@ -111,7 +138,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 "handshake again")
         try:
             check_lengths(len(request.token_ids), 1, self.runner.max_model_len)
-            tokens = list(request.token_ids)
+            tokens = request.token_ids  # read with numpy, never a Python int each (serving.token_ids)
             check_token_ids(tokens, self.runner.config.vocab_size)
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
@@ -134,9 +161,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         out: asyncio.Queue[object] = asyncio.Queue()
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
         job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
-                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
-                         make_sender=self._slow_sender if self.faults.layer_delay_s else None,
-                         verify_kv=request.verify_kv)
+                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item), peer_id=request.peer_id,
+                         make_sender=self._faulty_sender if self.faults.active else None,
+                         kv_checksums=request.kv_checksums)
         try:
             self.hub.configure(job, request.peer_id, agreed)
         except LookupError as e:
@@ -147,7 +174,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.worker.submit(job)
         status = "OK"
         try:
-            while (item := await out.get()) is not None:
+            while (item := await next_or_heartbeat(out)) is not None:
                 if isinstance(item, Exception):
                     status = "INTERNAL"
                     await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")
@@ -162,28 +189,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.in_flight -= 1
             metrics.REQUESTS_TOTAL.labels(status).inc()
 
-    def _slow_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        """The usual gRPC sender, with the PD_FAULT_PREFILL_LAYER_DELAY_S pause before each layer's KV."""
+    def _faulty_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """The usual gRPC sender, with the faults asked for (PrefillFaults): a pause before each layer's KV,
+        a bit flipped in the pool once the KV is sent."""
         sender = self.worker.grpc_sender(job, slots)
-        delay = self.faults.layer_delay_s
+        faults, pool = self.faults, self.runner.pool
 
-        class Slow(KVSender):
+        class Faulty(KVSender):
             def layer_done(self, layer: int) -> None:
-                time.sleep(delay)
+                time.sleep(faults.layer_delay_s)
                 if job.cancelled.is_set():
                     raise TransferCancelled
                 sender.layer_done(layer)
 
             def finish(self) -> None:
                 sender.finish()
+                if faults.corrupt_kv:
+                    pool.layers[0][0, slots[0]].view(torch.int16).view(-1)[0] ^= 1
 
-        return Slow()
-
-
-def advertised_host(cfg: PrefillConfig) -> str:
-    """Where decode servers reach this one for NCCL rendezvous."""
-    if cfg.advertise_host:
-        return cfg.advertise_host
-    if cfg.host in ("0.0.0.0", "::", ""):
-        return socket.gethostbyname(socket.gethostname())
-    return cfg.host
+        return Faulty()

@@ -1,11 +1,10 @@
 """The prefill server's side of each pairing: the agreed KV transport per decode peer, NCCL
-groups, the exported pool for cuda-ipc, and blocks held until a decode side has copied them."""
+groups, the exported pool for cuda-ipc, and each job's sender. (A finished job's blocks are held
+for its decode side by prefill_server.kv_lease, whatever the transport.)"""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +16,8 @@ from engine.transport.base import KVSender, KVTransport
 from prefill_server.worker import PrefillJob
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from engine.transport.nccl import NcclPair
+    from engine.transport.nccl_rendezvous import PairingHost
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +25,11 @@ SenderFactory = Callable[[PrefillJob, torch.Tensor], KVSender]
 
 
 class TransportHub:
-    def __init__(self, runner: ModelRunner, advertise_host: str, transfer_timeout_s: float = 60.0) -> None:
+    def __init__(self, runner: ModelRunner, transfer_timeout_s: float = 60.0) -> None:
         self.runner = runner
-        self.advertise_host = advertise_host
         self.timeout_s = transfer_timeout_s
-        self._store: dist.TCPStore | None = None
-        self._nccl: dict[str, NcclPair] = {}      # peer_id -> its pair
+        self._nccl: PairingHost | None = None
         self._ipc_export: tuple[bytes, int] | None = None
-        self._held: dict[tuple[str, str], tuple[list[int], float]] = {}  # (peer, request) -> blocks, deadline
-        self._released_early: set[tuple[str, str]] = set()  # acknowledged before the job let go
-        self._lock = threading.Lock()
-        self._pairings = 0
 
     # --- handshake ----------------------------------------------------------------------------
     def pair(self, peer_id: str, transport: KVTransport) -> dict[str, Any]:
@@ -55,44 +47,31 @@ class TransportHub:
         return {}
 
     def _pair_nccl(self, peer_id: str) -> dict[str, Any]:
-        import torch.distributed as dist
+        from engine.transport.nccl_rendezvous import PairingHost
 
-        from engine.transport.nccl import PREFILL_RANK, NcclPair
+        if self._nccl is None:
+            self._nccl = PairingHost(self.runner.device, self.timeout_s)
+        pairing = self._nccl.open(peer_id)
+        return {"nccl_group": pairing.name, "nccl_secret": pairing.secret}
 
-        if self._store is None:  # the pairs' rendezvous store, on a port it picks
-            self._store = dist.TCPStore(self.advertise_host, 0, is_master=True, wait_for_workers=False,
-                                        use_libuv=True)
-        old = self._nccl.pop(peer_id, None)
-        if old is not None:
-            old.abort()
-        self._pairings += 1
-        group = f"{peer_id}/{self._pairings}"
-        pair = NcclPair(self._store, group, PREFILL_RANK, self.runner.device, self.timeout_s)
-        self._nccl[peer_id] = pair
-        threading.Thread(target=self._warm_up, args=(pair,), daemon=True, name="nccl-pair").start()
-        return {"nccl_store_addr": f"{self.advertise_host}:{self._store.port}", "nccl_group": group}
-
-    @staticmethod
-    def _warm_up(pair: NcclPair) -> None:
-        try:
-            pair.warm_up()
-            log.info("NCCL pair %s ready", pair.group)
-        except Exception as e:
-            log.warning("NCCL pair %s failed to connect: %s", pair.group, e)
-            pair.abort()
+    def rendezvous(self, request: prefill_pb2.RendezvousRequest) -> prefill_pb2.RendezvousResponse:
+        """A store operation of a peer's NCCL pairing (engine.transport.nccl_rendezvous); PermissionError
+        unless it carries that pairing's secret."""
+        if self._nccl is None:
+            raise PermissionError(f"no NCCL pairing of peer {request.peer_id!r}; handshake first")
+        return self._nccl.rendezvous(request)
 
     # --- per request --------------------------------------------------------------------------
     def configure(self, job: PrefillJob, peer_id: str, transport: str) -> None:
         """Give the job the sender (and block ownership) its transport needs; the worker's own
         gRPC sender otherwise."""
         if transport == KVTransport.NCCL:
-            pair = self._nccl.get(peer_id)
+            pair = self._nccl.pair(peer_id) if self._nccl is not None else None
             if pair is None or pair.broken:
                 raise LookupError("the NCCL pair with this decode server is gone; handshake again")
             job.make_sender = self._nccl_sender(pair)
         elif transport == KVTransport.CUDA_IPC:
             job.make_sender = self._ipc_sender
-            job.hold_blocks = lambda j: self._hold(peer_id, j)
 
     def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
         from engine.transport.nccl import NcclKVSender
@@ -111,36 +90,3 @@ class TransportHub:
         job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
             src_block_table=job.block_table, src_block_size=self.runner.layout.block_size)))
         return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)))
-
-    # --- cuda-ipc block ownership --------------------------------------------------------------
-    def _hold(self, peer_id: str, job: PrefillJob) -> None:
-        key = (peer_id, job.request_id)
-        with self._lock:
-            early = key in self._released_early
-            self._released_early.discard(key)
-            if not early:
-                self._held[key] = (job.block_table, time.monotonic() + self.timeout_s)
-        if early:
-            self.runner.pool.allocator.free(job.block_table)
-        self.sweep()
-
-    def release(self, peer_id: str, request_id: str) -> None:
-        key = (peer_id, request_id)
-        with self._lock:
-            held = self._held.pop(key, None)
-            if held is None:
-                self._released_early.add(key)
-        if held is not None:
-            self.runner.pool.allocator.free(held[0])
-
-    def sweep(self) -> None:
-        """Free blocks whose decode side never acknowledged (it died); it can't read them any more
-        once it is gone, and a live one has had the whole transfer timeout."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [k for k, (_, deadline) in self._held.items() if deadline < now]
-            blocks = [self._held.pop(k)[0] for k in expired]
-        for b in blocks:
-            self.runner.pool.allocator.free(b)
-        if expired:
-            log.warning("freed the KV of %d cuda-ipc transfers never acknowledged", len(expired))

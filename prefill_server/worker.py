@@ -14,39 +14,48 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
+from engine.kv_checksum import layer_checksums
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
+from engine.warmup import WarmUp
 from prefill_server import metrics
+from prefill_server.kv_lease import KVLeases
+from serving.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
 Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
+# How long a finished job's blocks wait for the decode side's Release: it has the KV by then or is gone.
+LEASE_S = 60.0
 
 
 @dataclass
 class PrefillJob:
     request_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     params: SamplingParams
     block_table: list[int]
     transport: str
     chunk_tokens: int
     emit: Emit
+    peer_id: str = ""  # the decode server whose Release lets go of the blocks
     make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
-    # cuda-ipc: the decode side reads the blocks after the job ends; this takes them instead of freeing
-    hold_blocks: Callable[[PrefillJob], None] | None = None
-    verify_kv: bool = False
+    kv_checksums: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner) -> None:
+    """Runs jobs; a finished job's blocks (whatever its outcome) go to `leases`, held for its decode side."""
+
+    def __init__(self, runner: ModelRunner, warm_up: bool = False, lease_s: float = LEASE_S) -> None:
         self.runner = runner
+        self.warm_up = warm_up  # prefill every kind of prompt once before `start` returns (engine.warmup)
+        self.leases = KVLeases(runner.pool.allocator.free, lease_s)
         self._tokens = TokenReader(runner.device, 1)  # used on the worker thread only
         self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefill-engine")
@@ -62,6 +71,7 @@ class PrefillWorker:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        self.leases.close()
 
     @property
     def waiting(self) -> int:
@@ -74,6 +84,10 @@ class PrefillWorker:
     def _loop(self) -> None:
         try:
             self.runner.prepare_engine_thread()
+            if self.warm_up:
+                warm = WarmUp(self.runner)
+                warm.run("whole prompts", warm.whole_prompts)
+                warm.run("sampling", lambda: warm.sampling(self._tokens))
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
@@ -91,10 +105,7 @@ class PrefillWorker:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
-                if job.hold_blocks is not None:
-                    job.hold_blocks(job)
-                else:
-                    self.runner.pool.allocator.free(job.block_table)
+                self.leases.hold(job.peer_id, job.request_id, job.block_table)
                 metrics.KV_CACHE_USAGE.set(self.runner.pool.usage)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)
@@ -132,13 +143,13 @@ class PrefillWorker:
         if job.cancelled.is_set():
             raise TransferCancelled
         kv_bytes = n * runner.layout.bytes_per_token
-        checksum = runner.pool.checksum(runner.pool.slots(job.block_table, 0, n)) if job.verify_kv else 0
+        checksums = layer_checksums(runner.pool, job.block_table, n) if job.kv_checksums else []
         checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
-                                       kv_bytes=kv_bytes, kv_checksum=checksum, queue_s=dequeued - job.submitted,
+                                       kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
                                        checksum_s=checked - sent)
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)

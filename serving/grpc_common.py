@@ -76,9 +76,11 @@ class StartupError(Exception):
 
 
 # Read by NCCL when a pair's group is made. Our own deadlines abort a stuck pair, so NCCL's watchdog
-# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods.
+# must not tear the whole server down; NVLink SHARP is not usable between two single-GPU pods; the
+# watchdog's dump-on-timeout would poll the pair's store, which on the decode side is a relay over a
+# channel closed once the pair has met (engine.transport.nccl_rendezvous).
 # Values already in the environment win.
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0"}
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
 def set_nccl_env() -> None:
@@ -95,25 +97,50 @@ def setup_process(cfg: ServerConfig) -> None:
 
 
 def server_ssl_context(cfg: ServerConfig) -> ssl.SSLContext | None:
-    """The same certificate for an HTTP listener (None without TLS)."""
+    """What `server_credentials` is for gRPC, for an HTTP listener: the same certificate and, with
+    --tls-client-ca, the same demand for client certificates (None without TLS)."""
     if cfg.tls_cert is None or cfg.tls_key is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        if cfg.tls_client_ca is not None:
+            context.load_verify_locations(cfg.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
     except (OSError, ssl.SSLError) as e:
-        raise StartupError(f"can't read TLS files: {e}") from e
+        raise StartupError(f"can't read TLS files for HTTP: {e}") from e
     return context
 
 
+def read_pem(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise StartupError(f"can't read {flag} {path}: {e.strerror}") from e
+
+
 def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS with --tls-cert/--tls-key; with --tls-client-ca too, every client must present a certificate
+    that CA signed (mutual TLS)."""
     if cfg.tls_cert is None or cfg.tls_key is None:
         return None
-    try:
-        cert, key = Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()
-    except OSError as e:
-        raise StartupError(f"can't read TLS files: {e}") from e
-    return grpc.ssl_server_credentials([(key, cert)])
+    cert, key = read_pem(cfg.tls_cert, "--tls-cert"), read_pem(cfg.tls_key, "--tls-key")
+    if cfg.tls_client_ca is None:
+        return grpc.ssl_server_credentials([(key, cert)])
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=read_pem(cfg.tls_client_ca, "--tls-client-ca"),
+                                       require_client_auth=True)
+
+
+def channel_credentials(ca: str | None, client_cert: str | None = None,
+                        client_key: str | None = None) -> grpc.ChannelCredentials | None:
+    """What a channel to a TLS server needs: the CA that signed its certificate and, for mutual TLS, this
+    side's own certificate and key. None (plaintext) when neither is given."""
+    if ca is None and client_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(ca, "--tls-ca") if ca else None,
+        private_key=read_pem(client_key, "--tls-client-key") if client_key else None,
+        certificate_chain=read_pem(client_cert, "--tls-client-cert") if client_cert else None)
 
 
 def bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
@@ -133,7 +160,8 @@ def bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
 def check_port_free(cfg: ServerConfig, more: Sequence[tuple[int, str]] = ()) -> None:
     """Fail in a second, before loading a model, when a port is taken (`more`: a server's own
     (port, flag) pairs)."""
-    for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics-port"), *more):
+    for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics-port"), (cfg.health_port, "--health-port"),
+                       *more):
         if not port:
             continue
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
@@ -159,16 +187,37 @@ def start_metrics(cfg: ServerConfig) -> None:
 
 
 class Health:
-    """The standard grpc.health.v1 service; '' (overall) and each named service share one status."""
+    """The standard grpc.health.v1 service; '' (overall) and each named service share one status.
+    `listen_plaintext` also answers it alone on a port of its own, for probes that can't do mutual TLS."""
 
     def __init__(self, services: Sequence[str]) -> None:
         self.servicer = health.aio.HealthServicer()
         self.services = ["", *services]
+        self.plaintext: grpc.aio.Server | None = None
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.services:
             await self.servicer.set(name, status)
+
+    async def listen_plaintext(self, cfg: ServerConfig) -> None:
+        if not cfg.health_port:
+            return
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        address = f"{cfg.host}:{cfg.health_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise StartupError(f"can't listen on {address}: pass another --health-port, or 0 to turn it off")
+        await server.start()
+        self.plaintext = server
+
+    async def close(self) -> None:
+        if self.plaintext is not None:
+            await self.plaintext.stop(0)
 
 
 def make_server(register: Callable[[grpc.aio.Server], None], service_names: Sequence[str],
@@ -219,6 +268,7 @@ async def serve_until_signalled(server: grpc.aio.Server, health_state: Health, d
     remaining = 0.0 if stop.is_set() else max(0.0, deadline - loop.time())
     # Tracked requests are done: a moment more for other calls (a health Watch, a reflection query).
     await server.stop(min(remaining, FATAL_GRACE_S) if in_flight is not None else remaining)
+    await health_state.close()
     if on_stop is not None:
         on_stop()
     log.info("stopped")

@@ -57,24 +57,39 @@ class ServerConfig:
                                                                "finish"))
     tls_cert: str | None = field(default=None, metadata=opt("PEM certificate chain; enables TLS"))
     tls_key: str | None = field(default=None, metadata=opt("PEM private key for --tls-cert"))
+    tls_client_ca: str | None = field(default=None, metadata=opt(
+        "PEM CA bundle: require a client certificate signed by it on every call (mutual TLS; needs --tls-cert)"))
+    health_port: int = field(default=0, metadata=opt(
+        "plaintext port that answers only grpc.health.v1, for probes that can't present a client "
+        "certificate (the kubelet's); 0 disables it"))
     log_level: str = field(default="info", metadata=opt("debug, info, warning, error"))
     gil_switch_ms: float = field(default=5.0, metadata=opt("how long a busy Python thread may keep the GIL "
                                                              "before another takes it (sys.setswitchinterval); "
                                                              "lower gives the engine and KV threads it back "
                                                              "sooner from a busy event loop"))
+    warm_up: str = field(default="auto", metadata=opt(
+        "run every path a request can take once before serving (kernel compiles, attention plans, the "
+        "allocator's largest blocks), each stage timed in the log; auto: on with a GPU, off on the CPU",
+        choices=("auto", "on", "off")))
     skinny_gemv: bool = field(default=True, metadata=opt("decode-sized matmuls (at most 16 rows) through our "
                                                           "Triton kernel rather than cuBLAS (GPU only)"))
     fused_gate_up: bool = field(default=True, metadata=opt("prefill-sized MLPs as one Gluon kernel (gate/up "
                                                             "GEMM with SiLU·mul) rather than cuBLAS then "
                                                             "SiLU·mul (Hopper GPUs only)"))
 
+    def warms_up(self, device_type: str) -> bool:
+        return self.warm_up == "on" or (self.warm_up == "auto" and device_type == "cuda")
+
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+        if not all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.health_port)):
             raise ValueError("ports must be in 0..65535")
         if self.model and self.preset:
             raise ValueError("pass either --model or --preset, not both")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked "
+                             "only over TLS")
         if self.block_size < 1 or self.max_queued_requests < 1:
             raise ValueError("--block-size and --max-queued-requests must be positive")
         if not 0 < self.gil_switch_ms <= 1000:

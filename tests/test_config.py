@@ -30,12 +30,21 @@ def test_decode_flags_tls_ca_and_kv_checksum(capsys: pytest.CaptureFixture[str])
     from decode_server.__main__ import parse_config
 
     cfg, _ = parse_config([])
-    assert (cfg.tls_ca, cfg.kv_checksum) == (None, "off")
-    cfg, _ = parse_config(["--tls-ca", "ca.pem", "--kv-checksum", "on"])
-    assert (cfg.tls_ca, cfg.kv_checksum) == ("ca.pem", "on")
+    assert (cfg.tls_ca, cfg.kv_checksum) == (None, "on")
+    cfg, _ = parse_config(["--tls-ca", "ca.pem", "--kv-checksum", "off"])
+    assert (cfg.tls_ca, cfg.kv_checksum) == ("ca.pem", "off")
     with pytest.raises(SystemExit):
         parse_config(["--kv-checksum", "yes"])
     assert "--kv-checksum" in capsys.readouterr().err
+
+
+def test_chunk_size_is_a_warmed_up_power_of_two(capsys: pytest.CaptureFixture[str]) -> None:
+    from decode_server.__main__ import parse_config
+
+    assert parse_config(["--chunk-size", "2048"])[0].chunk_size == 2048
+    with pytest.raises(SystemExit):
+        parse_config(["--chunk-size", "500"])
+    assert "--chunk-size must be a power of two from 16 to 8192" in capsys.readouterr().err
 
 
 def test_nccl_environment_is_set_by_process_setup_not_by_import() -> None:

@@ -194,8 +194,7 @@ def test_server_command_lines_parse_with_the_real_clis(name: str) -> None:
             assert (s.cfg.preset, s.cfg.model) == ("qwen2.5-7b", None)
         else:
             assert s.cfg.preset is None and s.cfg.model
-    prefill, decode = by_role(name, "prefill"), by_role(name, "decode")
-    assert prefill.cfg.advertise_host == POD_IP, "decode servers reach the prefill pod's IP for NCCL rendezvous"
+    decode = by_role(name, "decode")
     assert decode.cfg.default_mode == "disaggregated"
     assert decode.cfg.kv_transport in ("nccl", "grpc", "auto")
 
@@ -217,11 +216,17 @@ def test_decode_finds_prefill_servers_through_the_headless_service(name: str) ->
 
 @pytest.mark.parametrize("name", SERVING)
 def test_probes_are_native_grpc_on_the_server_port(name: str) -> None:
+    """The kubelet's gRPC probe presents no client certificate: where the server requires one, probes go to
+    the plaintext port that answers health alone."""
     for s in servers(name):
+        port = s.cfg.health_port if s.cfg.tls_client_ca else s.cfg.port
+        assert port, f"{s.role} requires client certificates but has no --health-port for its probes"
+        if s.cfg.health_port:
+            assert port_of(s.container, "health") == s.cfg.health_port
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = s.container.get(kind)
             assert probe, f"{s.role}: no {kind}"
-            assert probe["grpc"]["port"] == s.cfg.port, f"{s.role} {kind}"
+            assert probe["grpc"]["port"] == port, f"{s.role} {kind}"
             assert not {"httpGet", "tcpSocket", "exec"} & set(probe)
         startup = s.container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "a 7B model takes minutes to load"
@@ -299,6 +304,57 @@ def test_scale_out_replicas_and_shared_weights(name: str) -> None:
     for s in servers(name):
         [spread] = s.pod["spec"]["topologySpreadConstraints"]
         assert selects(spread["labelSelector"], s.labels)
+
+
+CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+
+
+def secret_file(s: Server, path: str) -> tuple[str, str]:
+    """(Secret name, key) that a server's file flag reads, through the container's mounts."""
+    volumes = {v["name"]: v for v in s.pod["spec"]["volumes"]}
+    for mount in s.container["volumeMounts"]:
+        if Path(path).parent == Path(mount["mountPath"]) and "secret" in volumes[mount["name"]]:
+            assert mount.get("readOnly") is True
+            return volumes[mount["name"]]["secret"]["secretName"], Path(path).name
+    pytest.fail(f"{s.role}: {path} is not in a mounted Secret")
+
+
+@pytest.mark.parametrize("name", SCALE_OUT)
+def test_scale_out_runs_mutual_tls_between_the_servers_from_a_cert_manager_secret(name: str) -> None:
+    prefill, decode = by_role(name, "prefill"), by_role(name, "decode")
+    assert prefill.cfg.tls_client_ca, "prefill servers require client certificates"
+    files = {
+        "prefill --tls-cert": secret_file(prefill, prefill.cfg.tls_cert),
+        "prefill --tls-key": secret_file(prefill, prefill.cfg.tls_key),
+        "prefill --tls-client-ca": secret_file(prefill, prefill.cfg.tls_client_ca),
+        "decode --tls-ca": secret_file(decode, decode.cfg.tls_ca),
+        "decode --tls-client-cert": secret_file(decode, decode.cfg.tls_client_cert),
+        "decode --tls-client-key": secret_file(decode, decode.cfg.tls_client_key),
+    }
+    assert len({secret for secret, _ in files.values()}) == 1, f"one Secret holds them all: {files}"
+    assert {key for _, key in files.values()} == CERT_MANAGER_KEYS
+    assert files["prefill --tls-client-ca"] == files["decode --tls-ca"], "one CA signs both ends"
+    assert files["prefill --tls-cert"] == files["decode --tls-client-cert"]
+
+
+def test_cert_manager_issues_the_secret_the_servers_mount() -> None:
+    """deploy/k8s/cert-manager: a private CA and the pods' certificate, for both ends of a connection, naming
+    what the decode servers check the prefill servers' certificates against (the dns:/// target's host)."""
+    docs = tuple(_kustomize(K8S / "cert-manager"))
+    certificates = {d["metadata"]["name"]: d for d in of_kind(docs, "Certificate")}
+    issuers = {d["metadata"]["name"]: d for d in of_kind(docs, "Issuer")}
+    prefill, decode = by_role("scale-out", "prefill"), by_role("scale-out", "decode")
+    secret, _ = secret_file(prefill, prefill.cfg.tls_cert)
+    [leaf] = [c for c in certificates.values() if c["spec"]["secretName"] == secret]
+    assert {"server auth", "client auth"} <= set(leaf["spec"]["usages"])
+    host = decode.cfg.prefill_addr.removeprefix("dns:///").rpartition(":")[0]
+    assert host in leaf["spec"]["dnsNames"]
+    issuer = issuers[leaf["spec"]["issuerRef"]["name"]]
+    root = certificates[next(c for c in certificates if certificates[c]["spec"]["secretName"]
+                             == issuer["spec"]["ca"]["secretName"])]
+    assert root["spec"]["isCA"] is True
+    namespace = decode.deployment["metadata"]["namespace"]
+    assert {d["metadata"]["namespace"] for d in docs} == {namespace}
 
 
 @pytest.mark.parametrize("name", SERVING)

@@ -68,6 +68,9 @@ def test_compare_syntax() -> None:
     assert d == Deployment("split", ("a:1", "b:2"), "chunked", 256)
     assert parse_compare("x=@colocated", ("t:1",), None, 0) == Deployment("x", ("t:1",), "colocated", 0)
     assert parse_compare("y=t:1", (), "chunked", 64) == Deployment("y", ("t:1",), "chunked", 64)
+    p = parse_compare("p=t:1@partitioned:104", (), None, 512)  # the size is partitioned's SM count
+    assert p == Deployment("p", ("t:1",), "partitioned", 512, prefill_sms=104)
+    assert "partitioned:104" in p.describe()
     for bad in ("nameonly", "z=@colocated", "w=t:1@fast"):
         with pytest.raises(ValueError):
             parse_compare(bad, (), None, 0)

@@ -1,6 +1,7 @@
-"""The NCCL transport's pairing protocol, run over Gloo on CPU pools: a pair made through a prefix of
-one TCPStore, layer-by-layer sends matched by receives in transfer order, the out-of-step and
-aborted cases. (The same classes run NCCL between GPUs; tests/test_cuda_transport.py covers that.)"""
+"""The NCCL transport's pairing protocol, run over Gloo on CPU pools: a pair made through the prefill
+side's PairingHost, its rendezvous relayed (no store port) for the holder of the pairing's secret only;
+layer-by-layer sends matched by receives in transfer order, the out-of-step and aborted cases. (The same
+classes run NCCL between GPUs; tests/test_cuda_transport.py covers that.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import TransferCancelled
-from engine.transport.nccl import DECODE_RANK, PREFILL_RANK, NcclKVReceiver, NcclKVSender, NcclPair, TransferFailed
+from engine.transport.nccl import DECODE_RANK, NcclKVReceiver, NcclKVSender, NcclPair, TransferFailed
+from engine.transport.nccl_rendezvous import PairingHost, RelayStore, apply
 
 LAYOUT = KVLayout("m", "float32", 3, 2, 8, 4)
 CPU = torch.device("cpu")
@@ -40,17 +43,57 @@ def in_threads(*calls: Callable[[], object]) -> list[object]:
     return results
 
 
+def paired_through_the_host(timeout_s: float = 5.0) -> tuple[NcclPair, NcclPair]:
+    """The prefill side's PairingHost opens a pairing; the decode side's store is a RelayStore, every
+    operation of it a Rendezvous request the host runs (here called directly, not over gRPC)."""
+    host = PairingHost(CPU, timeout_s)
+    opened = host.open("decode-1")
+    relay = RelayStore(lambda request, timeout: host.rendezvous(request), "decode-1", opened.secret, timeout_s)
+    decode = NcclPair(relay, opened.name, DECODE_RANK, CPU, timeout_s)
+    decode.warm_up()
+    prefill = host.pair("decode-1")
+    assert isinstance(prefill, NcclPair) and prefill.group == decode.group
+    return prefill, decode
+
+
 @pytest.fixture()
 def pairs() -> Iterator[tuple[NcclPair, NcclPair]]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    peer_store = dist.TCPStore("127.0.0.1", store.port, is_master=False, use_libuv=True)
-    prefill, decode = in_threads(lambda: NcclPair(store, "decode-1/1", PREFILL_RANK, CPU, 5.0),
-                                 lambda: NcclPair(peer_store, "decode-1/1", DECODE_RANK, CPU, 5.0))
-    assert isinstance(prefill, NcclPair) and isinstance(decode, NcclPair)
-    in_threads(prefill.warm_up, decode.warm_up)
+    prefill, decode = paired_through_the_host()
     yield prefill, decode
     prefill.abort()
     decode.abort()
+
+
+def test_rendezvous_needs_the_pairings_secret() -> None:
+    """Another caller (wrong secret, unknown peer, or a secret from an earlier handshake) reaches no store."""
+    host = PairingHost(CPU, 1.0)
+    first = host.open("decode-1").secret
+    second = host.open("decode-1").secret  # a new handshake replaces the pairing
+    assert first != second and len(second) >= 32
+    count = prefill_pb2.RendezvousRequest.OP_NUM_KEYS
+    for peer, secret in (("decode-1", b"guess"), ("decode-1", first), ("decode-2", second)):
+        with pytest.raises(PermissionError, match="handshake first"):
+            host.rendezvous(prefill_pb2.RendezvousRequest(peer_id=peer, secret=secret, op=count))
+    assert host.rendezvous(prefill_pb2.RendezvousRequest(peer_id="decode-1", secret=second, op=count)).number >= 0
+
+
+def test_relayed_store_operations_behave_like_the_store() -> None:
+    """Each operation of the relay, on both ends (a get waits for its key, within its deadline)."""
+    backing = dist.HashStore()
+    relay = RelayStore(lambda request, timeout: apply(backing, request), "p", b"s", 0.3)
+    relay.set("k", b"v")
+    assert relay.get("k") == b"v" and backing.get("k") == b"v"
+    assert relay.add("n", 2) == 2 and relay.add("n", 3) == 5
+    assert relay.check(["k", "n"]) and not relay.check(["k", "absent"])
+    assert relay.compare_set("k", b"v", b"w") == b"w" and backing.get("k") == b"w"
+    assert relay.num_keys() == backing.num_keys() and relay.delete_key("k") and not relay.check(["k"])
+    relay.wait(["n"])
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        relay.get("never")
+    assert time.monotonic() - started < 2
+    with pytest.raises(ValueError, match="one key"):
+        apply(backing, prefill_pb2.RendezvousRequest(op=prefill_pb2.RendezvousRequest.OP_GET, keys=["a", "b"]))
 
 
 def filled_pool(tokens: int, seed: int, scattered: bool = False) -> tuple[KVPool, list[int]]:

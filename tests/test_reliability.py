@@ -90,6 +90,7 @@ BAD_REQUESTS = {
     "too many stop ids": (request(stop_token_ids=[1] * 1025), ["1025 stop_token_ids", "1024"]),
     "unknown prefill_mode": (request(prefill_mode=9), ["prefill_mode 9"]),
     "negative chunk_size": (request(chunk_size=-4), ["chunk_size", "-4"]),
+    "chunk_size not warmed up": (request(chunk_size=200), ["chunk_size", "power of two", "200"]),
     "request_id too long": (request(request_id="x" * 300), ["300 characters", "256"]),
     "huge text": (decode_pb2.GenerateRequest(prompt="a" * (TINY_CONTEXT * 64 + 1), max_new_tokens=1),
                   [f"{TINY_CONTEXT * 64 + 1} characters", f"{TINY_CONTEXT} tokens"]),

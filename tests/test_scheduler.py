@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import torch
 
 from decode_server.admission import Admission
 from decode_server.config import DecodeConfig, PrefillMode
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, Sequence, TokenOutput
+from engine.host_read import TokenReader
 from engine.offline import generate, make_runner
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -40,7 +43,11 @@ def core_for(runner: ModelRunner, **limits: int) -> DecodeCore:
 
 
 async def run(generation: Generation) -> list[int]:
-    return [out.token_id async for out in generation.tokens()]
+    return await drain(generation.tokens())
+
+
+async def drain(outputs: AsyncIterator[TokenOutput]) -> list[int]:
+    return [out.token_id async for out in outputs]
 
 
 def test_tokens_come_out_of_the_generation_and_every_block_goes_back(runner: ModelRunner) -> None:
@@ -98,6 +105,80 @@ def test_a_remote_first_token_is_appended_on_the_scheduler_thread(runner: ModelR
     tokens_out, threads = asyncio.run(main())
     assert tokens_out == alone
     assert set(threads) == {"decode-engine"}
+    assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
+
+
+class HeldReader(TokenReader):
+    """A device still running a decode step: once armed, the next step's tokens are not ready
+    until the test releases them."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner.device)
+        self.armed, self.held, self.released = threading.Event(), threading.Event(), threading.Event()
+
+    def start(self, tokens: torch.Tensor) -> None:
+        super().start(tokens)
+        if self.armed.is_set() and not self.held.is_set():
+            self.held.set()
+
+    def ready(self) -> bool:
+        return not self.held.is_set() or self.released.is_set()
+
+    def take(self) -> list[int]:
+        if self.held.is_set():
+            self.released.wait(10)
+        return super().take()
+
+
+def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runner: ModelRunner) -> None:
+    """A decodes; B's first token is handed over (its KV in the pool) while A's decode step is still
+    on the device: B's token leaves before that step ends, not one step later."""
+    b_prompt = prompt(50, 8)
+    b_alone = generate(runner, [b_prompt], 5)[0]
+
+    async def main() -> tuple[list[int], int, int]:
+        core = core_for(runner)
+        scheduler = core.scheduler
+        reader = HeldReader(runner)
+        scheduler._tokens = reader
+        b = Sequence("b", b_prompt, 5, SamplingParams(), frozenset(), frozenset(), PrefillMode.DISAGGREGATED, 64)
+        await core.admission.reserve(b)
+        runner.prefill(b_prompt, b.block_table, 0)  # as a transfer would
+        scheduler.start()
+        a = core.accept(request("a", prompt(30, 9), 400))
+        a_stream = a.tokens()
+        for _ in range(2):  # A is decoding
+            await a_stream.__anext__()
+        a_tokens = asyncio.ensure_future(drain(a_stream))
+        try:
+            scheduler.expect_handover()  # B's remote prefill is under way
+            reader.armed.set()
+            assert await asyncio.to_thread(reader.held.wait, 10)
+            steps_at_handover = scheduler.steps
+            scheduler.submit(b, first_token=b_alone[0])
+            first = await asyncio.wait_for(b.out.next(), 5)  # before the fix: only once the step is released
+            steps_at_first = scheduler.steps
+            assert not reader.released.is_set()
+            reader.released.set()
+            rest = [await b.out.next() for _ in range(4)]
+            a_tokens.cancel()  # A's client leaves
+            await asyncio.gather(a_tokens, return_exceptions=True)
+            core.finish(a, "CANCELLED")
+            allocator = runner.pool.allocator
+            for _ in range(500):  # the scheduler drops A at its next step
+                if allocator.num_free == allocator.num_blocks:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            reader.released.set()
+            scheduler.stop()
+        outs = [first, *rest]
+        assert all(isinstance(o, TokenOutput) for o in outs)
+        return [o.token_id for o in outs if isinstance(o, TokenOutput)], steps_at_handover, steps_at_first
+
+    tokens, steps_at_handover, steps_at_first = asyncio.run(main())
+    assert tokens == b_alone
+    assert steps_at_first == steps_at_handover  # no step ended between the handover and B's first token
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
 
 

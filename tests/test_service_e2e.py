@@ -18,7 +18,7 @@ from engine.offline import generate, make_runner
 from tests.servers import ROOT, ServerProcess
 
 MODES = [decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED,
-         decode_pb2.PREFILL_MODE_LAYERED]
+         decode_pb2.PREFILL_MODE_LAYERED, decode_pb2.PREFILL_MODE_PARTITIONED]
 
 
 def run_stream(address: str, request: decode_pb2.GenerateRequest) -> list[decode_pb2.GenerateResponse]:
@@ -30,7 +30,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 37 + salt * 11 + 5) % 256 for i in range(n)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked", "layered"])
+@pytest.mark.parametrize("mode", MODES, ids=["disaggregated", "colocated", "chunked", "layered", "partitioned"])
 def test_tokens_equal_offline_reference(pair, mode: int) -> None:  # type: ignore[no-untyped-def]
     decode, _ = pair
     p = prompt(300)
@@ -40,6 +40,23 @@ def test_tokens_equal_offline_reference(pair, mode: int) -> None:  # type: ignor
     assert [r.token_id for r in replies] == reference
     assert [r.index for r in replies] == list(range(24))
     assert replies[-1].finish_reason == "length" and all(not r.finish_reason for r in replies[:-1])
+
+
+def test_partitioned_without_green_contexts_says_so_once_and_refuses_no_count(pair) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU partitioned prompts are prefilled by layers, which the log says at start-up; a
+    request's prefill_sms is then not checked against any device, only for its sign."""
+    decode, _ = pair
+    fallback = [line for line in decode.log().splitlines() if "partitioned prefill falls back to layered" in line]
+    assert len(fallback) == 1 and "CUDA device" in fallback[0]
+    p = prompt(90, 3)
+    replies = run_stream(decode.address, decode_pb2.GenerateRequest(
+        token_ids=p, max_new_tokens=5, ignore_eos=True, prefill_mode=decode_pb2.PREFILL_MODE_PARTITIONED,
+        prefill_sms=12))
+    assert [r.token_id for r in replies] == generate(make_runner(preset="tiny", max_model_len=2048), [p], 5)[0]
+    with pytest.raises(grpc.RpcError) as refused:
+        run_stream(decode.address, decode_pb2.GenerateRequest(
+            token_ids=p, max_new_tokens=5, prefill_mode=decode_pb2.PREFILL_MODE_PARTITIONED, prefill_sms=-8))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefill_sms" in str(refused.value.details())
 
 
 def test_b_tokens_identical_across_modes_while_others_decode(pair) -> None:  # type: ignore[no-untyped-def]
@@ -117,6 +134,9 @@ def test_scenario_cli_all_rows(pair, tmp_path: Path) -> None:  # type: ignore[no
         assert fields <= row.keys()
         assert row["a_tokens_match_solo"] is True
         assert len(row["a_gaps_ms"]) == 39
+        server = row["a_server_gaps_ms"]  # the decode server's stamps: the same stream, no client in them
+        assert len(server) == 39 and min(server) >= 0
+        assert abs(sum(server) - sum(row["a_gaps_ms"])) < 0.25 * sum(row["a_gaps_ms"]) + 50
     assert all(r["b_first_token_matches"] is True and r["b_ttft_ms"] > 0 for r in rows[1:])
     assert "A alone" in proc.stdout and "chunked, 2,048" in proc.stdout
     assert plot.stat().st_size > 10_000

@@ -8,9 +8,7 @@ KV and some are refused), and the prefill server SIGKILLed and restarted midway.
 - a fresh decode server gives the same tokens for completed requests, and the tokens of the
   cancelled ones are a prefix of its answer.
 
-And a frozen (SIGSTOPped) prefill server mid-transfer: HTTP/2 keepalive fails the stream with
-UNAVAILABLE (no hang), a shorter client deadline gives DEADLINE_EXCEEDED on time, and once it
-thaws, both pools are whole and it serves again.
+(A frozen prefill server: tests/test_frozen_peer.py; chaos with two prefill servers: tests/test_chaos.py.)
 
 SOAK_REQUESTS (default 1200) and SOAK_SEED change the size and the draw.
 """
@@ -73,7 +71,7 @@ def draw(rng: random.Random, index: int) -> Spec:
     new = rng.randint(1, min(96, CONTEXT - n))
     req = decode_pb2.GenerateRequest(request_id=f"soak-{index}", token_ids=[rng.randrange(256) for _ in range(n)],
                                      max_new_tokens=new, prefill_mode=rng.choice(MODES),
-                                     chunk_size=rng.choice([0, 16, 64, 200]), ignore_eos=rng.random() < 0.7)
+                                     chunk_size=rng.choice([0, 16, 64, 256]), ignore_eos=rng.random() < 0.7)
     if rng.random() < 0.3:
         req.sampling.CopyFrom(decode_pb2.SamplingParams(temperature=rng.choice([0.5, 0.8, 1.2]),
                                                         top_p=rng.choice([0.0, 0.9]), top_k=rng.choice([0, 40]),
@@ -267,59 +265,3 @@ def test_soak(server_logs: Path) -> None:
               + json.dumps(dict(sorted(summary.items()))))
     finally:
         stop_all(servers)
-
-
-def test_frozen_prefill_server(server_logs: Path) -> None:
-    import signal
-    import threading
-
-    from serving.grpc_common import GRPC_OPTIONS
-
-    keepalive_s = (dict(GRPC_OPTIONS)["grpc.keepalive_time_ms"] + dict(GRPC_OPTIONS)["grpc.keepalive_timeout_ms"]) / 1e3
-    prefill = Server("prefill_server", [], server_logs, env={"PD_FAULT_PREFILL_LAYER_DELAY_S": "0.5"})
-    decode = Server("decode_server", ["--prefill-addr", prefill.address], server_logs)
-    start_all([prefill, decode])
-    results: dict[str, tuple[grpc.StatusCode, float]] = {}
-
-    def send(name: str, req: decode_pb2.GenerateRequest, timeout: float) -> threading.Thread:
-        def run() -> None:
-            started = time.monotonic()
-            with grpc.insecure_channel(decode.address) as ch:
-                try:
-                    list(decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=timeout))
-                    results[name] = (grpc.StatusCode.OK, time.monotonic() - started)
-                except grpc.RpcError as e:
-                    results[name] = (e.code(), time.monotonic() - started)  # type: ignore[attr-defined]
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
-
-    def req(n: int) -> decode_pb2.GenerateRequest:
-        return decode_pb2.GenerateRequest(token_ids=[(i * 7) % 256 for i in range(n)], max_new_tokens=4)
-
-    try:
-        before = prefill.metrics()["kv_streamed_bytes_total"]
-        a = send("mid-transfer", req(800), timeout=120)
-        deadline = time.monotonic() + 10
-        while prefill.metrics()["kv_streamed_bytes_total"] == before:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        prefill.signal(signal.SIGSTOP)
-        b = send("deadline", req(100), timeout=3)
-        b.join(10)
-        code, took = results["deadline"]
-        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 4
-        a.join(keepalive_s + 15)
-        code, took = results["mid-transfer"]
-        assert code == grpc.StatusCode.UNAVAILABLE and took < keepalive_s + 10, (code, took)
-        wait_kv_idle(decode, timeout=5)
-        prefill.signal(signal.SIGCONT)
-        wait_kv_idle(decode, prefill, timeout=10)
-        c = send("after", req(100), timeout=30)
-        c.join(40)
-        assert results["after"][0] == grpc.StatusCode.OK
-        print(f"\nfrozen prefill server: UNAVAILABLE after {took:.1f}s (keepalive {keepalive_s:.0f}s)")
-    finally:
-        prefill.signal(signal.SIGCONT)
-        stop_all([decode, prefill])

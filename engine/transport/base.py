@@ -31,10 +31,11 @@ class TransferCancelled(Exception):
 class KVSender(ABC):
     """The prefill side of one request's transfer.
 
-    Blocks: the prefill worker allocates the prompt's blocks before the job starts and frees them
-    when the job ends, whether `finish` returned or raised. The one exception is cuda-ipc, whose
-    decode side reads the blocks after the job: they are held until the decode side acknowledges
-    its copy (ReleaseIpc) or the transfer timeout passes. A sender never frees a block."""
+    Blocks: the prefill service allocates the prompt's blocks before the job starts; when the job
+    ends, whether `finish` returned or raised, the worker hands them to a lease
+    (prefill_server.kv_lease) that frees them once the decode side acknowledges (Release) or the
+    lease runs out, for every transport (cuda-ipc's decode side reads them after the job). A sender
+    never frees a block."""
 
     # Whether a cancelled request may stop mid-transfer. NCCL may not: the peer has posted its
     # receives, and the pair's sends and receives must stay matched.

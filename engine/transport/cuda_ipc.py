@@ -1,7 +1,7 @@
 """KV over CUDA IPC (same host, both GPUs visible to both processes): the decode side maps the
 prefill server's whole KV pool once, at the handshake, and copies each request's KV straight
 out of it over NVLink, layer by layer as the prefill side reports each layer done. The prefill
-side keeps the request's blocks until the decode side acknowledges the copy (ReleaseIpc).
+side keeps the request's blocks until the decode side acknowledges the copy (Release).
 
 The CUDA driver API is called through ctypes; handles are 64 raw bytes, never pickled.
 """
@@ -141,7 +141,7 @@ class IpcKVSender(KVSender):
 class IpcKVReceiver(KVReceiver):
     """Decode side: copies layer l from the mapped prefill pool into this pool's slots, on its own
     stream, when told the layer is done. Its copies are finished once `drain_marker()` completes;
-    the prefill side's blocks stay held until the decode side says so (ReleaseIpc)."""
+    the prefill side's blocks stay held until the decode side says so (Release)."""
 
     def __init__(self, remote: RemotePool, pool: KVPool, block_table: list[int], num_tokens: int) -> None:
         self.remote, self.pool, self.num_tokens, self.block_table = remote, pool, num_tokens, block_table
@@ -164,8 +164,8 @@ class IpcKVReceiver(KVReceiver):
         self.dst_first = self.pool.table_start(self.block_table, n)
         if self.src_first is not None and self.dst_first is not None:
             return
-        self.src = slot_ids(src_block_table, 0, n, src_block_size, self.remote.storage.device)
         with torch.cuda.stream(self.stream):
+            self.src = slot_ids(src_block_table, 0, n, src_block_size, self.remote.storage.device)
             self.dst = self.pool.slots(self.block_table, 0, n)
 
     def copy_layer(self, layer: int) -> None:

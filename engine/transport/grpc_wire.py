@@ -114,12 +114,15 @@ def add_prefill_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         "Prefill": grpc.unary_stream_rpc_method_handler(
             servicer.Prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
             response_serializer=serialize_response),
-        "ReleaseIpc": grpc.unary_unary_rpc_method_handler(
-            servicer.ReleaseIpc, request_deserializer=prefill_pb2.ReleaseIpcRequest.FromString,
-            response_serializer=prefill_pb2.ReleaseIpcResponse.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release, request_deserializer=prefill_pb2.ReleaseRequest.FromString,
+            response_serializer=prefill_pb2.ReleaseResponse.SerializeToString),
+        "Rendezvous": grpc.unary_unary_rpc_method_handler(
+            servicer.Rendezvous, request_deserializer=prefill_pb2.RendezvousRequest.FromString,
+            response_serializer=prefill_pb2.RendezvousResponse.SerializeToString),
     })
     server.add_generic_rpc_handlers((generic,))
-    assert {"Handshake", "Prefill", "ReleaseIpc"} == set(
+    assert {"Handshake", "Prefill", "Release", "Rendezvous"} == set(
         prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].methods_by_name), prefill_pb2_grpc.__name__
 
 

@@ -2,7 +2,8 @@
 
 Each prefill/decode pair gets its own two-rank `ProcessGroupNCCL`, made when the pair first
 meets (no global `init_process_group`, so any number of servers can pair, across pods and
-nodes): the prefill server hosts one TCPStore; each pairing is a `PrefixStore` in it.
+nodes). Its rendezvous store lives inside the prefill server, and the decode side reaches it
+over the authenticated gRPC channel (engine.transport.nccl_rendezvous): no store port is opened.
 
 On CPU pools (tests) the same protocol runs over Gloo, with each receive waited on by the host.
 
@@ -92,6 +93,7 @@ class NcclPair:
 
     def __init__(self, store: dist.Store, group: str, rank: int, device: torch.device, timeout_s: float) -> None:
         self.group, self.rank, self.device, self.timeout_s = group, rank, device, timeout_s
+        self.store = store  # torch reaches a store written in Python through this object: keep it alive
         self.pg = _process_group(dist.PrefixStore(group, store), rank, device, timeout_s)
         self.peer = 1 - rank
         self.lock = threading.Lock()     # posts of one pair never interleave

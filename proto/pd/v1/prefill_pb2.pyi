@@ -1,5 +1,6 @@
 from pd.v1 import decode_pb2 as _decode_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -42,44 +43,94 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_store_addr", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots")
+    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots", "nccl_secret")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
-    NCCL_STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     NCCL_GROUP_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NCCL_SECRET_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transport: str
     server_id: str
     gpu_index: int
-    nccl_store_addr: str
     nccl_group: str
     ipc_pool_handle: bytes
     ipc_pool_offset: int
     ipc_pool_num_slots: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_store_addr: _Optional[str] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ...) -> None: ...
+    nccl_secret: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ..., nccl_secret: _Optional[bytes] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("peer_id", "secret", "op", "keys", "value", "expected", "amount", "timeout_s")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[RendezvousRequest.Op]
+        OP_SET: _ClassVar[RendezvousRequest.Op]
+        OP_GET: _ClassVar[RendezvousRequest.Op]
+        OP_ADD: _ClassVar[RendezvousRequest.Op]
+        OP_CHECK: _ClassVar[RendezvousRequest.Op]
+        OP_WAIT: _ClassVar[RendezvousRequest.Op]
+        OP_COMPARE_SET: _ClassVar[RendezvousRequest.Op]
+        OP_DELETE_KEY: _ClassVar[RendezvousRequest.Op]
+        OP_NUM_KEYS: _ClassVar[RendezvousRequest.Op]
+    OP_UNSPECIFIED: RendezvousRequest.Op
+    OP_SET: RendezvousRequest.Op
+    OP_GET: RendezvousRequest.Op
+    OP_ADD: RendezvousRequest.Op
+    OP_CHECK: RendezvousRequest.Op
+    OP_WAIT: RendezvousRequest.Op
+    OP_COMPARE_SET: RendezvousRequest.Op
+    OP_DELETE_KEY: RendezvousRequest.Op
+    OP_NUM_KEYS: RendezvousRequest.Op
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    secret: bytes
+    op: RendezvousRequest.Op
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., secret: _Optional[bytes] = ..., op: _Optional[_Union[RendezvousRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "verify_kv")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
     transport: str
     peer_id: str
     kv_chunk_tokens: int
-    verify_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
+    kv_checksums: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")
@@ -104,36 +155,42 @@ class TransferStart(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "kv_checksum", "queue_s", "checksum_s")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "queue_s", "checksum_s", "layer_checksums")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
     kv_bytes: int
-    kv_checksum: int
     queue_s: float
     checksum_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_checksum: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ...) -> None: ...
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("kv", "layer_sent", "start", "done")
+    __slots__ = ("kv", "layer_sent", "start", "done", "heartbeat")
     KV_FIELD_NUMBER: _ClassVar[int]
     LAYER_SENT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     kv: KVChunk
     layer_sent: int
     start: TransferStart
     done: PrefillDone
-    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, kv: _Optional[_Union[KVChunk, _Mapping]] = ..., layer_sent: _Optional[int] = ..., start: _Optional[_Union[TransferStart, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
-class ReleaseIpcRequest(_message.Message):
+class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "peer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +198,6 @@ class ReleaseIpcRequest(_message.Message):
     peer_id: str
     def __init__(self, request_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
-class ReleaseIpcResponse(_message.Message):
+class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

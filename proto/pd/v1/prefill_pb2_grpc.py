@@ -44,10 +44,15 @@ class PrefillStub:
                 request_serializer=pd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pd_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.ReleaseIpc = channel.unary_unary(
-                '/pd.v1.Prefill/ReleaseIpc',
-                request_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.SerializeToString,
-                response_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.FromString,
+        self.Release = channel.unary_unary(
+                '/pd.v1.Prefill/Release',
+                request_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/pd.v1.Prefill/Rendezvous',
+                request_serializer=pd_dot_v1_dot_prefill__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=pd_dot_v1_dot_prefill__pb2.RendezvousResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,7 +71,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReleaseIpc(self, request, context):
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rendezvous(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,10 +96,15 @@ def add_PrefillServicer_to_server(servicer, server):
                     request_deserializer=pd_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pd_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
-            'ReleaseIpc': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseIpc,
-                    request_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.FromString,
-                    response_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.SerializeToString,
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=pd_dot_v1_dot_prefill__pb2.ReleaseRequest.FromString,
+                    response_serializer=pd_dot_v1_dot_prefill__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=pd_dot_v1_dot_prefill__pb2.RendezvousRequest.FromString,
+                    response_serializer=pd_dot_v1_dot_prefill__pb2.RendezvousResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,7 +172,7 @@ class Prefill:
             _registered_method=True)
 
     @staticmethod
-    def ReleaseIpc(request,
+    def Release(request,
             target,
             options=(),
             channel_credentials=None,
@@ -169,9 +185,36 @@ class Prefill:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pd.v1.Prefill/ReleaseIpc',
-            pd_dot_v1_dot_prefill__pb2.ReleaseIpcRequest.SerializeToString,
-            pd_dot_v1_dot_prefill__pb2.ReleaseIpcResponse.FromString,
+            '/pd.v1.Prefill/Release',
+            pd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
+            pd_dot_v1_dot_prefill__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pd.v1.Prefill/Rendezvous',
+            pd_dot_v1_dot_prefill__pb2.RendezvousRequest.SerializeToString,
+            pd_dot_v1_dot_prefill__pb2.RendezvousResponse.FromString,
             options,
             channel_credentials,
             insecure,

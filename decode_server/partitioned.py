@@ -1,0 +1,123 @@
+"""Partitioned mode's prefill thread: whole prompts prefilled beside the decode loop, on a share of
+the SMs.
+
+The scheduler hands a sequence over (`submit`) and keeps stepping its decode batch on the primary
+context with its CUDA graphs. This thread runs one prefill at a time inside `SmPartitions.confine`
+(a green context's stream on the GPU), samples the first token there, waits on its own thread for
+the device to finish, and posts a `PrefillDone` into the scheduler's inbox, which appends the
+token on the engine thread. So the scheduler never waits for a prefill, and a sequence's blocks
+are freed only after `PrefillDone` arrives, when no kernel of its prefill is left to write them.
+
+What the two threads share: the model's weights (read only) and the KV pool, where this thread
+writes only the blocks of the sequence it prefills and the decode graphs read only the running
+sequences' blocks. Each thread keeps its own cuDNN/cuBLAS handles (PyTorch keeps them per thread),
+its own stream and so its own caching-allocator pool, and its own pinned buffer for the token.
+Only this thread waits for the device here, on its stream alone: the decode stream never waits for
+a prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from decode_server.sequence import Sequence
+from engine.green_context import SmPartitions
+from engine.runner import ModelRunner
+from engine.sampling import sample
+from serving.grpc_common import StartupError
+
+log = logging.getLogger(__name__)
+
+
+class _Cancelled(Exception):
+    """The sequence was cancelled while its prefill was being queued: queue no more layers."""
+
+
+@dataclass
+class PrefillDone:
+    """A partitioned prefill ended, its kernels finished: the first token, or why there is none."""
+
+    seq: Sequence
+    token: int | None
+    error: Exception | None  # None with no token: it was cancelled
+    started: float           # perf_counter when the prefill began on the device's share
+    finished: float
+
+
+class PartitionedPrefill:
+    def __init__(self, runner: ModelRunner, partitions: SmPartitions, default_sms: int,
+                 post: Callable[[PrefillDone], None]) -> None:
+        self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
+        self._jobs: queue.Queue[Sequence | None] = queue.Queue()
+        self._ready = threading.Event()
+        self._setup_failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="partitioned-prefill")
+
+    def start(self) -> None:
+        """Start the thread; returns once it has its cuDNN plans (and the default green context), and
+        raises what stopped it from getting them."""
+        self._thread.start()
+        self._ready.wait()
+        if self._setup_failed is not None:
+            raise StartupError(f"the partitioned prefill thread could not start: "
+                               f"{type(self._setup_failed).__name__}: {self._setup_failed}")
+
+    def stop(self) -> None:
+        self._jobs.put_nowait(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, seq: Sequence) -> None:
+        """From the engine thread: prefill `seq` after those submitted before it."""
+        self._jobs.put_nowait(seq)
+
+    def sms_for(self, seq: Sequence) -> int:
+        return seq.prefill_sms or self.default_sms
+
+    def _loop(self) -> None:
+        try:
+            self.runner.bind_thread()
+            with self.partitions.confine(self.default_sms):
+                self.runner.prepare_engine_thread()  # this thread's cuDNN plans, built under its own stream
+            # the first token comes back through pinned memory and a wait on the green stream alone (no
+            # event: recording one made on the primary context on a green context's stream is not portable)
+            host = torch.empty(1, dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
+        except BaseException as e:
+            self._setup_failed = e
+            return
+        finally:
+            self._ready.set()
+        while (seq := self._jobs.get()) is not None:
+            self.post(self._prefill(seq, host))
+
+    def _prefill(self, seq: Sequence, host: torch.Tensor) -> PrefillDone:
+        started = time.perf_counter()
+        if seq.cancelled.is_set():
+            return PrefillDone(seq, None, None, started, started)
+
+        def stop_if_cancelled(_layer: int) -> None:
+            if seq.cancelled.is_set():
+                raise _Cancelled
+
+        token: int | None = None
+        error: Exception | None = None
+        try:
+            with self.partitions.confine(self.sms_for(seq)):
+                try:
+                    logits = self.runner.prefill(seq.prompt, seq.block_table, 0, on_layer_done=stop_if_cancelled)
+                    host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
+                finally:  # whatever was queued must finish before the scheduler may free the blocks
+                    if self.runner.device.type == "cuda":
+                        torch.cuda.current_stream(self.runner.device).synchronize()
+                token = int(host[0])
+        except _Cancelled:
+            pass
+        except Exception as e:  # this request fails; the thread goes on with the next
+            error = e
+        return PrefillDone(seq, token, error, started, time.perf_counter())

@@ -1,0 +1,54 @@
+"""Per-layer checksums of a prompt's KV, computed where it lies (the GPU), to prove a handoff bit for bit.
+
+Both servers run the same reduction over the same tokens in wire order, whatever their block sizes
+and wherever the blocks sit: each layer's K and V rows (one per token) are read as 32-bit words and
+summed in 64 bits, and the row sums are added up weighted by their place (K rows 1..n, V rows
+n+1..2n), wrapping around at 2**64. A changed word changes its row's sum; a row in the wrong place
+(a block table off by one, K and V swapped, blocks freed and reused before they were read) moves its
+sum to another weight. One reduction reads the whole prompt's KV once; the host waits once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import KVPool
+
+
+def _row_words(kv: torch.Tensor) -> torch.Tensor:
+    """`[..., tokens, heads, dim]` as `[..., tokens, words]` of int32 (a view where the rows are contiguous)."""
+    rows = kv.flatten(-2)
+    if rows.shape[-1] * rows.element_size() % 4:
+        raise ValueError(f"a KV row of {rows.shape[-1]} x {rows.element_size()} bytes is not whole 32-bit words")
+    return rows.view(torch.int32) if rows.stride(-1) == 1 else rows.contiguous().view(torch.int32)
+
+
+def _weights(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """`[2, tokens]`: K row t weighs t + 1, V row t weighs tokens + t + 1."""
+    return torch.arange(1, 2 * num_tokens + 1, dtype=torch.int64, device=device).view(2, num_tokens)
+
+
+def layer_checksums_of(kv: torch.Tensor) -> torch.Tensor:
+    """`[layers]` int64 on kv's device, from `[layers, 2, tokens, heads, dim]` KV in wire order."""
+    row_sums = _row_words(kv).sum(-1, dtype=torch.int64)  # [layers, 2, tokens]
+    return (row_sums * _weights(kv.shape[2], kv.device)).sum((-2, -1))
+
+
+def layer_checksums(pool: KVPool, block_table: list[int], num_tokens: int) -> list[int]:
+    """The checksum of each layer of the `num_tokens` tokens at `block_table`, as unsigned 64-bit integers
+    (the proto's uint64). Call once the KV is in the pool (after the writes' stream has them)."""
+    first = pool.table_start(block_table, num_tokens)
+    if first is not None:  # one run of slots: every layer read in place, in one reduction
+        sums = layer_checksums_of(pool.storage.narrow(2, first, num_tokens))
+    else:  # gathered a layer at a time: a copy of every layer at once could be gigabytes
+        slots = pool.slots(block_table, 0, num_tokens)
+        sums = torch.cat([layer_checksums_of(layer.index_select(1, slots)[None]) for layer in pool.layers])
+    return [s % (1 << 64) for s in sums.tolist()]
+
+
+def first_mismatch(ours: list[int], theirs: list[int]) -> int | None:
+    """The first layer whose checksums differ (or the count, when the lists' lengths do); None if all agree."""
+    for layer, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return layer
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))

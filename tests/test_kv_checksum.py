@@ -1,0 +1,88 @@
+"""engine.kv_checksum: the same KV gives the same per-layer checksums in any pool (block size, block
+placement), and each kind of damage a handoff can do changes the damaged layer's checksum only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVLayout, KVPool
+from engine.kv_checksum import first_mismatch, layer_checksums, layer_checksums_of
+
+LAYOUT = KVLayout("m", "bfloat16", 3, 2, 8, 4)
+TOKENS = 21
+
+
+def kv(seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 2, TOKENS, LAYOUT.num_kv_heads, LAYOUT.head_dim, generator=gen).to(
+        LAYOUT.torch_dtype)
+
+
+def pool_with(data: torch.Tensor, block_size: int, scattered: bool) -> tuple[KVPool, list[int]]:
+    layout = KVLayout(LAYOUT.model, LAYOUT.dtype, LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, block_size)
+    pool = KVPool(layout, 64, torch.device("cpu"), reserved_blocks=1)
+    table = pool.allocator.allocate(pool.blocks_needed(TOKENS))
+    table = table[::-1] if scattered else table
+    for layer in range(layout.num_layers):
+        pool.write(layer, pool.slots(table, 0, TOKENS), data[layer])
+    return pool, table
+
+
+@pytest.mark.parametrize("block_size,scattered", [(4, False), (4, True), (16, True), (1, True)])
+def test_same_kv_same_checksums_in_any_pool(block_size: int, scattered: bool) -> None:
+    data = kv()
+    expected = [s % (1 << 64) for s in layer_checksums_of(data).tolist()]
+    pool, table = pool_with(data, block_size, scattered)
+    assert layer_checksums(pool, table, TOKENS) == expected
+    assert len(set(expected)) == LAYOUT.num_layers
+
+
+def damaged(kind: str) -> torch.Tensor:
+    data = kv()
+    if kind == "one bit":
+        data[1].view(torch.int16)[0, 5, 1, 3] ^= 1
+    elif kind == "two tokens swapped":
+        data[1, :, [3, 9]] = data[1, :, [9, 3]]
+    elif kind == "K and V swapped":
+        data[1] = data[1].flip(0)
+    elif kind == "a block of another request":
+        data[1, :, 4:8] = kv(seed=1)[1, :, 4:8]
+    elif kind == "a block left as zeros":
+        data[1, :, 8:12] = 0
+    return data
+
+
+@pytest.mark.parametrize("kind", ["one bit", "two tokens swapped", "K and V swapped", "a block of another request",
+                                  "a block left as zeros"])
+def test_damage_changes_the_damaged_layers_checksum(kind: str) -> None:
+    good = layer_checksums_of(kv()).tolist()
+    bad = layer_checksums_of(damaged(kind)).tolist()
+    assert first_mismatch(good, bad) == 1 and good[0] == bad[0] and good[2] == bad[2]
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+
+
+def test_checksum_benchmark_runs_on_the_cpu() -> None:
+    """bench.kv_checksum end to end with the tiny preset: both layouts timed beside a real prefill."""
+    from bench.kv_checksum import measure
+
+    row = measure("tiny", 256, torch.device("cpu"))
+    assert row["prefill_ms"] > 0 and row["one_run_ms"] > 0 and row["scattered_ms"] > 0
+    assert row["share_of_prefill_one_run"] == pytest.approx(2 * row["one_run_ms"] / row["prefill_ms"], abs=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scattered", [False, True])
+def test_the_gpu_gives_the_cpus_checksums(scattered: bool) -> None:
+    """Each side computes on its own device: a GPU's wrapping integer sums must equal the CPU's."""
+    data = kv()
+    cpu_pool, cpu_table = pool_with(data, 4, scattered)
+    gpu_pool = KVPool(cpu_pool.layout, 64, torch.device("cuda"), reserved_blocks=1)
+    gpu_pool.storage.copy_(cpu_pool.storage)
+    assert layer_checksums(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
