@@ -8,6 +8,7 @@ PREFILL_PORT ?= 50052
 DECODE_PORT ?= 50051
 PREFILL_METRICS_PORT ?= 8002
 DECODE_METRICS_PORT ?= 8001
+HTTP_PORT ?= 8000
 PREFILL_ARGS ?=
 DECODE_ARGS ?=
 B_LEN ?= 4096
@@ -28,7 +29,7 @@ serve-prefill:
 
 serve-decode:
 	@$(PYTHON) -m serving.launch start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
-		-- --host $(HOST) --port $(DECODE_PORT) --metrics-port $(DECODE_METRICS_PORT) \
+		-- --host $(HOST) --port $(DECODE_PORT) --metrics-port $(DECODE_METRICS_PORT) --http-port $(HTTP_PORT) \
 		--prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS)
 
 stop:

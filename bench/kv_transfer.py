@@ -123,7 +123,8 @@ def servers_rows(args: argparse.Namespace, transport: str) -> list[dict[str, Any
     logs = Path(args.logs) / transport if args.logs else Path(tempfile.mkdtemp())
     prefill = ServerProcess("prefill_server", [*common, "--port", "50062", "--device", "cuda:0"], "127.0.0.1:50062",
                             logs / "prefill.log")
-    decode = ServerProcess("decode_server", [*common, "--port", "50061", "--device", decode_device, "--prefill-addr",
+    decode = ServerProcess("decode_server", [*common, "--port", "50061", "--http-port", "0", "--device", decode_device,
+                                             "--prefill-addr",
                                              prefill.address, "--no-cuda-graphs", "--max-batch-size", "4",
                                              "--kv-checksum", "on"], "127.0.0.1:50061", logs / "decode.log")
     try:  # one after the other: on a shared GPU, the decode server sizes its KV pool from what the prefill left

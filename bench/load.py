@@ -44,6 +44,7 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
            cache_compare: bool = False) -> tuple[list[Server], list[str]]:
     """The servers to start (on ports from `port` up) and the --compare items that address them."""
     common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset, *(server_args or [])]
+    http_off = ["--http-port", "0"]  # several decode servers at once; this load is gRPC's
     kv = ["--kv-cache-gb", str(kv_gb)] if kv_gb else []
     if cache_compare:
         on_dev = [*common, *kv, "--device", devices[0], "--mode", "colocated"]
@@ -52,15 +53,15 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
         return [cached, uncached], [f"prefix-cache={cached.address}@colocated",
                                     f"no-prefix-cache={uncached.address}@colocated"]
     if len(devices) == 1:
-        one = Server("decode_server", port, [*common, *kv, "--device", devices[0], "--mode", "colocated"])
+        one = Server("decode_server", port, [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated"])
         return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
                        f"chunked-2048={one.address}@chunked:2048", f"layered={one.address}@layered",
                        f"partitioned={one.address}@partitioned"]
     first, second = devices
     prefill = Server("prefill_server", port + 3, [*common, *kv, "--device", first, "--kv-transport", kv_transport])
-    split = Server("decode_server", port, [*common, *kv, "--device", second, "--mode", "disaggregated",
+    split = Server("decode_server", port, [*common, *kv, *http_off, "--device", second, "--mode", "disaggregated",
                                            "--prefill-addr", prefill.address, "--kv-transport", kv_transport])
-    solo = [Server("decode_server", port + i, [*common, *kv, "--device", dev, "--mode", "colocated"])
+    solo = [Server("decode_server", port + i, [*common, *kv, *http_off, "--device", dev, "--mode", "colocated"])
             for i, dev in ((1, first), (2, second))]
     both = ",".join(s.address for s in solo)
     return [prefill, split, *solo], [f"split={split.address}@disaggregated", f"colocated={both}@colocated",

@@ -20,6 +20,7 @@ from bench.common import metadata
 from decode_server.admission import Admission
 from decode_server.config import DecodeConfig
 from decode_server.core import DecodeCore
+from decode_server.request_parser import RequestParser
 from decode_server.scheduler import BatchScheduler
 from decode_server.service import DecodeService
 from engine.offline import make_runner
@@ -40,19 +41,20 @@ async def measure(tokens: int, repeats: int) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     cfg = DecodeConfig()
     admission = Admission(runner.pool, 16, 1 << 22, loop)
-    core = DecodeCore(cfg, BatchScheduler(runner, admission, 4), None, frozenset())
-    service = DecodeService(cfg, runner, core, None)
+    scheduler = BatchScheduler(runner, admission, 4)
+    core = DecodeCore(cfg, scheduler, None, frozenset())
+    parser = RequestParser(cfg, None, runner.max_model_len, runner.config.vocab_size, scheduler.check_prefill_sms)
     rng = random.Random(0)
     raw = decode_pb2.GenerateRequest(token_ids=[rng.randrange(256) for _ in range(tokens)], max_new_tokens=16,
                                      ignore_eos=True).SerializeToString()
     request = decode_pb2.GenerateRequest.FromString(raw)
-    parsed = await service._parse(request, "r", time.perf_counter())
+    parsed = await parser.parse(DecodeService._fields(request, "r"), time.perf_counter())
     seq = core.accept(parsed).seq
     core.in_flight.clear()
 
     def parse() -> None:  # token ids: no await in it, so one send runs it to its end
         with contextlib.suppress(StopIteration):
-            service._parse(request, "r", 0.0).send(None)
+            parser.parse(DecodeService._fields(request, "r"), 0.0).send(None)
 
     def reserve() -> None:
         blocks = runner.pool.allocator.allocate(runner.pool.blocks_needed(seq.total_tokens))
@@ -71,7 +73,7 @@ async def measure(tokens: int, repeats: int) -> dict[str, float]:
 
     return {
         "decode: GenerateRequest from bytes": median_ms(lambda: decode_pb2.GenerateRequest.FromString(raw), repeats),
-        "decode: _parse (checks, token ids)": median_ms(parse, repeats),
+        "decode: parse (fields read, checks, token ids)": median_ms(parse, repeats),
         "decode: admission's blocks (allocate + free)": median_ms(reserve, repeats),
         "decode: PrefillRequest built": median_ms(lambda: prefill_pb2.PrefillRequest(
             request_id="r", token_ids=seq.prompt, sampling=sampling), repeats),

@@ -34,8 +34,9 @@ def main() -> None:
               "0", "--no-prefix-cache"]
     prefill = ServerProcess("prefill_server", [*common, "--port", "50052", "--device", args.prefill_device,
                                                *args.prefill_args.split()], "127.0.0.1:50052", logs / "prefill.log")
-    decode = ServerProcess("decode_server", [*common, "--port", "50051", "--device", args.decode_device,
-                                             "--prefill-addr", prefill.address, *args.decode_args.split()],
+    decode = ServerProcess("decode_server", [*common, "--port", "50051", "--http-port", "0",
+                                             "--device", args.decode_device, "--prefill-addr", prefill.address,
+                                             *args.decode_args.split()],
                            "127.0.0.1:50051", logs / "decode.log")
     try:  # one after the other: on a shared GPU, the decode server sizes its KV pool from what the prefill left
         prefill.start(timeout=900)

@@ -23,7 +23,7 @@ from typing import Any
 
 from client.event_loop import run_event_loop
 from client.load_plan import LoadSpec, build_plan
-from client.load_run import MODES, Deployment, LoadRunner, RunResult
+from client.load_run import APIS, MODES, Deployment, LoadRunner, RunResult
 from client.load_stats import Slo, Summary, format_side_by_side, format_summary, record_details, summarize
 from client.provenance import git_commit
 
@@ -41,10 +41,16 @@ whose TPOT (time per output token after the first) <= --slo-itl-ms; an SLO left 
   (disaggregated, colocated, chunked, layered, partitioned, auto) is sent as each request's
   prefill_mode, default --mode; CHUNK overrides --chunk-size for chunked, and the server's
   --prefill-sms for partitioned.
+  A target that is a URL (http://host:port/v1) is sent to over the OpenAI API, whatever --api says.
+
+--api openai: the same requests as /v1/completions streams (prompt as token ids, ignore_eos,
+  prefill_mode, chunk_size and prefill_sms as extra fields) to targets given as host:port of the
+  HTTP API (--http-port) or as URLs; no server timing comes back over HTTP.
 
 examples:
   python -m client.load --target 127.0.0.1:50051 --rate 4 --duration 60 \\
       --prompt-len uniform:512:4096 --output-len 256 --background-users 8 --long-prompt-frac 0.1
+  python -m client.load --api openai --target 127.0.0.1:8000 --rate 4 --duration 60
   python -m client.load --rate 2 --duration 60 --background-users 16 --prompt-len 1024 \\
       --long-prompt-frac 0.2 --long-prompt-len 16384 --slo-ttft-ms 2000 --slo-itl-ms 50 \\
       --compare split=gpu-a:50051@disaggregated auto=gpu-a:50051@auto \\
@@ -66,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the same load against each, one after another; see below")
     where.add_argument("--mode", choices=MODES, help="prefill_mode sent with every request (default: the server's)")
     where.add_argument("--chunk-size", type=int, default=0, help="chunk_size sent for chunked (0: the server's)")
-    where.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS")
+    where.add_argument("--api", choices=APIS, default="grpc",
+                       help="grpc (pd.v1.Decode) or openai (/v1/completions over HTTP); default grpc")
+    where.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS (gRPC)")
     load = p.add_argument_group("load")
     load.add_argument("--rate", type=float, default=d.rate, help=f"Poisson arrivals per second (default {d.rate})")
     load.add_argument("--duration", type=float, default=d.duration,
@@ -101,7 +109,12 @@ def split_targets(values: Sequence[str]) -> tuple[str, ...]:
     return tuple(t.strip() for v in values for t in v.split(",") if t.strip())
 
 
-def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None, chunk: int) -> Deployment:
+def api_for(targets: tuple[str, ...], api: str) -> str:
+    return "openai" if targets and all("://" in t for t in targets) else api
+
+
+def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None, chunk: int,
+                  api: str = "grpc") -> Deployment:
     match = COMPARE.match(item.strip())
     if not match:
         raise ValueError(f"bad --compare item {item!r}: use NAME=TARGETS[@MODE[:CHUNK]]")
@@ -113,8 +126,8 @@ def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None,
     mode = match["mode"] or mode
     size = int(match["chunk"] or 0)
     if mode == "partitioned":
-        return Deployment(match["name"], targets, mode, chunk, prefill_sms=size)
-    return Deployment(match["name"], targets, mode, size or chunk)
+        return Deployment(match["name"], targets, mode, chunk, prefill_sms=size, api=api_for(targets, api))
+    return Deployment(match["name"], targets, mode, size or chunk, api=api_for(targets, api))
 
 
 def deployments(args: argparse.Namespace) -> list[Deployment]:
@@ -122,8 +135,8 @@ def deployments(args: argparse.Namespace) -> list[Deployment]:
     if not args.compare:
         if not targets:
             raise ValueError("give --target HOST:PORT (or --compare)")
-        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size)]
-    runs = [parse_compare(item, targets, args.mode, args.chunk_size) for item in args.compare]
+        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api=api_for(targets, args.api))]
+    runs = [parse_compare(item, targets, args.mode, args.chunk_size, args.api) for item in args.compare]
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"--compare names must differ: {names}")

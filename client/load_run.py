@@ -9,13 +9,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import aiohttp
 from pd.v1 import decode_pb2, decode_pb2_grpc
 from tqdm import tqdm
 
 from client.load_plan import BackgroundUser, LoadPlan, RequestSpec
+from client.openai_stream import base_url, collect_openai, completion_body
 from client.stream import PREFILL_MODES, StreamResult, collect, open_channel
 
 MODES = tuple(PREFILL_MODES)
+APIS = ("grpc", "openai")  # pd.v1.Decode, or the OpenAI HTTP API's /v1/completions
 MODE_ENUM: dict[str | None, int] = {None: decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
 # the ServerTiming fields each request records, with how the load report names them
 SERVER_TIMING = {"queue_s": "Queue (KV blocks, batch slot)", "prefill_queue_s": "Prefill server's queue",
@@ -32,6 +35,7 @@ class Deployment:
     mode: str | None = None     # None: each server's own --mode
     chunk_size: int = 0         # 0: the server's --chunk-size
     prefill_sms: int = 0        # partitioned: 0 = the server's --prefill-sms
+    api: str = "grpc"           # one of APIS; openai targets are HTTP URLs or host:port (/v1 added)
 
     def describe(self) -> str:
         mode = self.mode or "server default"
@@ -39,7 +43,7 @@ class Deployment:
             mode += f":{self.chunk_size}"
         if self.mode == "partitioned" and self.prefill_sms:
             mode += f":{self.prefill_sms}"
-        return f"{','.join(self.targets)} @ {mode}"
+        return f"{','.join(self.targets)} @ {mode} over {self.api}"
 
 
 @dataclass
@@ -111,15 +115,31 @@ class LoadRunner:
         self.progress = progress
         self.run_id = f"load-{uuid.uuid4().hex[:8]}"  # unique per run, so two runs never collide on request_id
         self.records: list[Record] = []
-        self._prebuilt: dict[str, decode_pb2.GenerateRequest] = {}
+        self._prebuilt: dict[str, decode_pb2.GenerateRequest | bytes] = {}
         self.t0 = 0.0
+        self.openai = deployment.api == "openai"
+        self._session: aiohttp.ClientSession | None = None
+        self._urls = [base_url(t) for t in deployment.targets]
 
-    def _request(self, spec: RequestSpec) -> decode_pb2.GenerateRequest:
+    def _request(self, spec: RequestSpec) -> decode_pb2.GenerateRequest | bytes:
+        """The request as the deployment's API takes it (an OpenAI body: JSON bytes)."""
+        if self.openai:
+            return self._body(spec.token_ids.tolist(), spec.output_len)
         return decode_pb2.GenerateRequest(
             request_id=f"{self.run_id}-{spec.key}", token_ids=spec.token_ids.tolist(),
             max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
             prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size,
             prefill_sms=self.deployment.prefill_sms)
+
+    def _body(self, token_ids: list[int], max_tokens: int) -> bytes:
+        d = self.deployment
+        return completion_body(token_ids, max_tokens, d.mode, d.chunk_size, d.prefill_sms)
+
+    async def _collect(self, index: int, request: decode_pb2.GenerateRequest | bytes, request_id: str) -> StreamResult:
+        if isinstance(request, bytes):
+            assert self._session is not None
+            return await collect_openai(self._session, self._urls[index], request, request_id, self.timeout_s)
+        return await collect(self._stubs[index], request, self.timeout_s)
 
     async def _send(self, spec: RequestSpec) -> tuple[Record, list[int]]:
         """One request; its record and the tokens it got."""
@@ -131,7 +151,7 @@ class LoadRunner:
             request = self._request(spec)
         tokens: list[int] = []
         try:
-            result = await collect(self._stubs[index], request, self.timeout_s)
+            result = await self._collect(index, request, f"{self.run_id}-{spec.key}")
             record, tokens = make_record(spec, target, result, self.t0), result.tokens
         except Exception as e:  # a client-side fault in one request must not end the run
             record = Record(spec.key, spec.kind, target, len(spec.token_ids), spec.output_len, spec.long,
@@ -173,19 +193,24 @@ class LoadRunner:
     async def _warmup(self) -> None:
         """One short request per server before the clock starts, so first-call costs are not measured."""
         for index, target in enumerate(self.deployment.targets):
-            request = decode_pb2.GenerateRequest(
-                request_id=f"{self.run_id}-warmup{index}", token_ids=list(range(16)), max_new_tokens=2,
+            request_id = f"{self.run_id}-warmup{index}"
+            request: decode_pb2.GenerateRequest | bytes = decode_pb2.GenerateRequest(
+                request_id=request_id, token_ids=list(range(16)), max_new_tokens=2,
                 ignore_eos=True, prefill_mode=MODE_ENUM[self.deployment.mode],
                 chunk_size=self.deployment.chunk_size, prefill_sms=self.deployment.prefill_sms)
-            result = await collect(self._stubs[index], request, self.timeout_s)
+            if self.openai:
+                request = self._body(list(range(16)), 2)
+            result = await self._collect(index, request, request_id)
             if result.error is not None:
                 print(f"warning: warm-up request to {target} failed: {result.error.name}: {result.error_message}",
                       file=sys.stderr)
 
     async def run(self, warmup: bool = True) -> RunResult:
-        channels = [open_channel(target, self.tls_ca) for target in self.deployment.targets]
+        channels = [] if self.openai else [open_channel(target, self.tls_ca) for target in self.deployment.targets]
         self._stubs = [decode_pb2_grpc.DecodeStub(channel) for channel in channels]
-        self._next_target = itertools.cycle(range(len(channels)))
+        if self.openai:  # no connection limit: every user streams at once, as over gRPC's one channel
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._next_target = itertools.cycle(range(len(self.deployment.targets)))
         self._background_done = self._turns_done = self._failed = 0
         self._bar = tqdm(total=len(self.plan.arrivals), desc=self.deployment.name, unit="req", file=sys.stderr,
                          disable=not self.progress, dynamic_ncols=True)
@@ -202,5 +227,7 @@ class LoadRunner:
         finally:
             self._bar.close()
             await asyncio.gather(*(channel.close() for channel in channels))
+            if self._session is not None:
+                await self._session.close()
         self.records.sort(key=lambda r: r.sent_s)
         return RunResult(self.deployment, self.records, duration)

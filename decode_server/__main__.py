@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
@@ -20,6 +21,7 @@ from serving.grpc_common import (
     make_server,
     run_main,
     serve_until_signalled,
+    server_ssl_context,
     setup_process,
     start_metrics,
 )
@@ -47,7 +49,9 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server import metrics
     from decode_server.admission import Admission
     from decode_server.core import DecodeCore
+    from decode_server.http_api import OpenAIApi
     from decode_server.prefill_client import PrefillRouter
+    from decode_server.request_parser import RequestParser
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
     from decode_server.sm_split import open_partitions
@@ -55,7 +59,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from serving.loop_lag import LoopLagProbe
 
     started = time.perf_counter()
-    check_port_free(cfg)
+    check_port_free(cfg, [(cfg.http_port, "--http-port")])
     health = Health([SERVICE])
     await health.set(False)
     runner = await asyncio.to_thread(build_runner, cfg, "decode", cfg.max_batch_size, cfg.cuda_graphs, 10.0)
@@ -79,7 +83,11 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     if cfg.loop_lag_probe_ms:
         loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
     core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
-    service = DecodeService(cfg, runner, core, tokenizer)
+    parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
+                           scheduler.check_prefill_sms, cfg.default_chat_max_tokens)
+    service = DecodeService(core, parser, tokenizer)
+    http = OpenAIApi(core, parser, tokenizer, served_model_name(cfg, runner.config.name), runner.max_model_len,
+                     cfg.http_timeout_s) if cfg.http_port else None
     metrics.bind_live_gauges(lambda: cache.num_available, cache.num_blocks, lambda: len(scheduler.running),
                              core.num_waiting)
     register_prefix_cache_metrics(cache)
@@ -94,19 +102,31 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         await router.warm_up()
     if loop_lag is not None:
         loop_lag.start()
+    if http is not None:
+        await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
     await server.start()
     await health.set(True)
-    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s); started in %.1fs", cfg.host, port, runner.device,
+    log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s; started in %.1fs", cfg.host, port, runner.device,
              runner.config.name, cfg.default_mode, f", prefill at {cfg.prefill_addr}" if cfg.prefill_addr else "",
-             time.perf_counter() - started)
+             f"; OpenAI API at http{'s' if cfg.tls_cert else ''}://{cfg.host}:{cfg.http_port}/v1 as model "
+             f"{http.model_name!r}" if http is not None else "", time.perf_counter() - started)
 
     code = await serve_until_signalled(server, health, cfg.drain_timeout_s, on_stop=scheduler.stop, fatal=fatal,
                                        on_drain=core.start_draining, in_flight=lambda: len(core.in_flight))
+    if http is not None:
+        await http.stop()
     if loop_lag is not None:
         loop_lag.stop()
     if router is not None:
         await router.close()
     return code
+
+
+def served_model_name(cfg: DecodeConfig, loaded_name: str) -> str:
+    """--served-model-name, else the checkpoint folder's name, else the preset's."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    return Path(cfg.model).resolve().name if cfg.model else loaded_name
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,6 +96,15 @@ class DecodeConfig(ServerConfig):
     auto_remote_backlog_tokens: int = field(default=32768, metadata=opt(
         "mode auto: while this server's remote prefills in flight hold this many uncached tokens, new "
         "ones are prefilled here"))
+    http_port: int = field(default=8000, metadata=opt("OpenAI-compatible HTTP API port (/v1 on --host); 0 "
+                                                       "turns it off"))
+    served_model_name: str | None = field(default=None, metadata=opt(
+        "the model id the HTTP API lists and takes; default: the checkpoint folder's or preset's name"))
+    http_timeout_s: float = field(default=0.0, metadata=opt(
+        "longest an HTTP request may take before it ends 504; 0 = no limit"))
+    default_chat_max_tokens: int = field(default=4096, metadata=opt(
+        "max_tokens of a chat request that sends none, capped by the context (a request reserves KV for "
+        "all its tokens up front)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,6 +126,10 @@ class DecodeConfig(ServerConfig):
         if (self.prefill_sms is not None and self.prefill_sms < 1) or (self.itl_slo_ms is not None
                                                                        and not self.itl_slo_ms > 0):
             raise ValueError("--prefill-sms and --itl-slo-ms must be positive")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError("--http-port must be in 0..65535")
+        if self.http_timeout_s < 0 or self.default_chat_max_tokens < 1:
+            raise ValueError("--http-timeout-s must be >= 0 and --default-chat-max-tokens positive")
         if min(self.auto_local_tokens, self.auto_idle_local_tokens, self.auto_remote_backlog_tokens) < 0:
             raise ValueError("--auto-local-tokens, --auto-idle-local-tokens and --auto-remote-backlog-tokens "
                              "must be >= 0")

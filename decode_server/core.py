@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -63,7 +63,7 @@ class Generation:
     def cancel(self) -> None:
         self.seq.cancelled.set()
 
-    async def tokens(self) -> AsyncIterator[TokenOutput]:
+    async def tokens(self) -> AsyncGenerator[TokenOutput, None]:
         core, seq, timing = self.core, self.seq, self.seq.timing
         await core.admission.reserve(seq)
         timing.admitted = time.perf_counter()

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -95,6 +96,22 @@ def setup_process(cfg: ServerConfig) -> None:
     set_nccl_env()
 
 
+def server_ssl_context(cfg: ServerConfig) -> ssl.SSLContext | None:
+    """What `server_credentials` is for gRPC, for an HTTP listener: the same certificate and, with
+    --tls-client-ca, the same demand for client certificates (None without TLS)."""
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        if cfg.tls_client_ca is not None:
+            context.load_verify_locations(cfg.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(f"can't read TLS files for HTTP: {e}") from e
+    return context
+
+
 def read_pem(path: str, flag: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -140,9 +157,11 @@ def bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
     return port
 
 
-def check_port_free(cfg: ServerConfig) -> None:
-    """Fail in a second, before loading a model, when a port is taken."""
-    for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics-port"), (cfg.health_port, "--health-port")):
+def check_port_free(cfg: ServerConfig, more: Sequence[tuple[int, str]] = ()) -> None:
+    """Fail in a second, before loading a model, when a port is taken (`more`: a server's own
+    (port, flag) pairs)."""
+    for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics-port"), (cfg.health_port, "--health-port"),
+                       *more):
         if not port:
             continue
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP API of the decode server (aiohttp, on the server's own event loop and
+request core, beside gRPC's `pd.v1.Decode`).
+
+    GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions
+
+A request is read into `RequestFields` (openai_schema.py), checked by the same `RequestParser` as
+a gRPC one, accepted by `DecodeCore`, and answered from its `Generation`'s tokens: one SSE event a
+token when streamed (built from fragments made once a request), one JSON body otherwise. Its
+endings map onto HTTP as the gRPC statuses do (STATUS below), in OpenAI's error body; an error
+after the stream began is an SSE `error` event before `data: [DONE]`. A client that disconnects
+cancels its handler (aiohttp's handler_cancellation), and its KV goes back as on gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from decode_server.core import DecodeCore, Generation
+from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
+from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
+from decode_server.sequence import Rejected
+from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
+from serving.grpc_common import FATAL_GRACE_S, MAX_REQUEST_BYTES, StartupError
+from serving.validation import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+# gRPC's ending -> (HTTP status, OpenAI error type)
+STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+SERVER_ERROR = (500, "server_error")
+FINISH_REASON = {"length": "length", "eos": "stop", "stop": "stop"}  # ours -> OpenAI's
+PARSE_IN_THREAD_BYTES = 1 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """A request's ending as OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str, param: str | None = None,
+                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+        self.grpc_code = grpc_code  # how the request log and metrics count it, as for gRPC
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
+        status, kind = STATUS.get(code, SERVER_ERROR)
+        return cls(status, message, kind, code.name.lower(), param, code)
+
+    @classmethod
+    def internal(cls, message: str) -> ApiError:
+        return cls(SERVER_ERROR[0], message, SERVER_ERROR[1], "internal", None, grpc.StatusCode.INTERNAL)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+class ChunkFormat:
+    """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
+
+    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
+        self.request_id, self.model = request_id, model
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
+                  f'"model":{json.dumps(model)},')
+        self.usage_head = common + '"choices":[],"usage":'
+        choice = common + '"choices":[{"index":0,'
+        self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
+        self.head = choice + ('"delta":{"content":' if chat else '"text":')
+        close = "}" if chat else ""
+        self.tails = {reason: f'{close},"logprobs":null,"finish_reason":{json.dumps(reason)}}}]}}\n\n'
+                      for reason in (None, "stop", "length")}
+
+    def token(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        return ((self.first if first else self.head) + json.dumps(text) + self.tails[finish_reason]).encode()
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
+
+
+@dataclass
+class Answer:
+    """What a request produced: its text, token count and OpenAI finish reason."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+
+
+class OpenAIApi:
+    def __init__(self, core: DecodeCore, parser: RequestParser, tokenizer: Tokenizer | None, model_name: str,
+                 max_model_len: int, timeout_s: float) -> None:
+        self.core, self.parser, self.tokenizer = core, parser, tokenizer
+        self.model_name, self.max_model_len, self.timeout_s = model_name, max_model_len, timeout_s
+        self.created = int(time.time())
+        self._runner: web.AppRunner | None = None
+
+    # --- the application ----------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[openai_errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Listen on host:port; a port in use is one StartupError line."""
+        # after the drain, what is left is cancelled within a second (as gRPC's server.stop grace)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=FATAL_GRACE_S)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise StartupError(f"can't serve HTTP on {host}:{port} ({e.strerror}); stop the other process or pass "
+                               "another --http-port (0 turns HTTP off)") from e
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # --- routes -------------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        try:
+            self.core.check_open()
+        except Rejected as e:
+            return ApiError.from_status(e.code, str(e)).response()
+        return web.json_response({"status": "ok"})
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pd-serve",
+            "max_model_len": self.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    # --- one request --------------------------------------------------------------------------
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.timeout_s if self.timeout_s else None
+        request_id = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            api, generation = await self._accept(request, chat, request_id, arrival)
+        except ApiError as e:
+            self.core.log_rejected(request_id, e.grpc_code, arrival)
+            return e.response()
+        reply = Reply(request, api, ChunkFormat(request_id, chat, int(time.time()), self.model_name), self.tokenizer)
+        status = "OK"
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await reply.run(generation)
+        except Rejected as e:
+            status = e.code.name
+            return await reply.fail(ApiError.from_status(e.code, str(e)))
+        except TimeoutError:
+            status = "DEADLINE_EXCEEDED"
+            return await reply.fail(ApiError.from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the request ran past --http-timeout-s {self.timeout_s:g}"))
+        except asyncio.CancelledError:
+            status = "CANCELLED"  # the client went away (aiohttp cancels the handler)
+            raise
+        except ConnectionError:  # ... or it went away while an event was being written to it
+            status = "CANCELLED"
+            return reply.stream or web.Response(status=499)
+        except Exception as e:
+            status = "INTERNAL"
+            log.exception("request %s failed", request_id)
+            return await reply.fail(ApiError.internal(f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            self.core.finish(generation, status)
+
+    async def _accept(self, request: web.Request, chat: bool, request_id: str,
+                      arrival: float) -> tuple[ApiRequest, Generation]:
+        """Read, check and accept a request; every refusal is an ApiError."""
+        try:
+            self.core.check_open()
+            api = read_request(await read_json(request), chat, request_id)
+            if api.model is not None and api.model != self.model_name:
+                raise ApiError(404, f"the model {api.model!r} does not exist; this server serves "
+                                    f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
+                               "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
+            fields = api.fields
+            if chat:
+                fields = replace(fields, prompt=await self._render(api.messages), add_special_tokens=False)
+            parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
+            return api, self.core.accept(parsed)
+        except Rejected as e:
+            raise ApiError.from_status(e.code, str(e)) from e
+        except InvalidRequest as e:
+            raise ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from e
+        except ApiError:
+            raise
+        except Exception as e:  # e.g. a tokenizer that chokes on some text: still one clear answer
+            log.exception("request %s: reading the request failed", request_id)
+            raise ApiError.internal(f"reading the request failed: {type(e).__name__}: {e}") from e
+
+    async def _render(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
+                                 "/v1/completions with a prompt of token ids", "messages")
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
+            raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
+                                 f"{self.max_model_len} tokens", "messages")
+        try:
+            if chars > TOKENIZE_IN_THREAD_CHARS:
+                return await asyncio.to_thread(self.tokenizer.render_chat, messages)
+            return self.tokenizer.render_chat(messages)
+        except ChatTemplateError as e:
+            raise InvalidRequest(str(e), "messages") from e
+
+
+class Reply:
+    """Answers one accepted request: SSE events as its tokens come, or one JSON body at the end.
+    The stream's headers go out with the first token, so a refusal before it (a full KV pool, a
+    failed prefill) is still a plain HTTP status."""
+
+    def __init__(self, request: web.Request, api: ApiRequest, fmt: ChunkFormat, tokenizer: Tokenizer | None) -> None:
+        self.request, self.api, self.fmt = request, api, fmt
+        self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopMatcher(api.stop) if api.stop else None
+        self.stream: web.StreamResponse | None = None
+        self.prompt_tokens = 0
+
+    async def run(self, generation: Generation) -> web.StreamResponse:
+        answer = Answer()
+        self.prompt_tokens = len(generation.seq.prompt)
+        async with aclosing(generation.tokens()) as tokens:
+            async for out in tokens:
+                piece = self.detok.step(out.token_id) if self.detok is not None else ""
+                answer.tokens += 1
+                finish = FINISH_REASON.get(out.finish_reason)
+                if self.stops is not None:
+                    piece, stopped = self.stops.feed(piece)
+                    if stopped:
+                        finish = "stop"
+                    elif finish:
+                        piece += self.stops.flush()
+                if self.api.stream:
+                    await self._send(piece, finish)
+                else:
+                    answer.text += piece
+                if finish:
+                    answer.finish_reason = finish
+                    break
+        return await self._close(answer)
+
+    async def _open(self) -> web.StreamResponse:
+        self.stream = web.StreamResponse(headers=SSE_HEADERS)
+        await self.stream.prepare(self.request)
+        return self.stream
+
+    async def _send(self, piece: str, finish: str | None) -> None:
+        first = self.stream is None
+        stream = await self._open() if self.stream is None else self.stream
+        await stream.write(self.fmt.token(piece, finish, first))
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    async def _close(self, answer: Answer) -> web.StreamResponse:
+        usage = self._usage(answer.tokens)
+        if self.stream is not None:
+            if self.api.include_usage:
+                await self.stream.write(self.fmt.usage(usage))
+            await self.stream.write(DONE)
+            await self.stream.write_eof()
+            return self.stream
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
+        if self.api.chat:
+            choice["message"] = {"role": "assistant", "content": answer.text}
+        else:
+            choice["text"] = answer.text
+        return web.json_response({
+            "id": self.fmt.request_id, "object": "chat.completion" if self.api.chat else "text_completion",
+            "created": int(time.time()), "model": self.fmt.model, "choices": [choice], "usage": usage})
+
+    async def fail(self, error: ApiError) -> web.StreamResponse:
+        """The request's error: its HTTP status before the stream began, an SSE event after."""
+        if self.stream is None:
+            return error.response()
+        try:
+            await self.stream.write(f"data: {json.dumps(error.body())}\n\n".encode())
+            await self.stream.write(DONE)
+            await self.stream.write_eof()
+        except ConnectionError:
+            pass  # the client is gone too; there is no one left to tell
+        return self.stream
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON: 413 past the size limit (told by Content-Length before reading, else found
+    while reading), 400 when it is not JSON."""
+    too_large = ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
+                         "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    if (request.content_length or 0) > MAX_REQUEST_BYTES:
+        raise too_large
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise too_large from e
+    try:
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
+                       "invalid_json") from e
+
+
+@web.middleware
+async def openai_errors(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method) in OpenAI's error body too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
+                        e.reason.lower().replace(" ", "_")).response()

@@ -1,0 +1,141 @@
+"""From a request's fields, as any front end read them off its wire, to a checked `Request`: the one
+place where the decode server's validation rules live (gRPC's `pd.v1.Decode` and the OpenAI HTTP
+API both come through here). A refusal raises InvalidRequest naming the field as that front end
+calls it, and the limit it broke."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
+from decode_server.core import Request
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+from serving.token_ids import TokenIds, token_ids
+from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per context token can't fit
+TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event loop
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """A request before any check. As in the proto, 0 / "" / empty mean unset."""
+
+    request_id: str
+    token_ids: TokenIds = ()          # kept as the field it came in: no per-token work on the event loop
+    prompt: str = ""
+    add_special_tokens: bool = True  # False for a chat template's text, which writes its own
+    max_new_tokens: int | None = 0   # None: as many as fit the context, at most `default_max_new_tokens`
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
+    chunk_size: int = 0
+    prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """What a front end calls each field, so that a refusal names the field its client sent."""
+
+    request_id: str = "request_id"
+    prompt: str = "prompt"
+    token_ids: str = "token_ids"
+    max_new_tokens: str = "max_new_tokens"
+    sampling: str = "sampling"
+    stop_token_ids: str = "stop_token_ids"
+    prefill_mode: str = "prefill_mode"
+    chunk_size: str = "chunk_size"
+    prefill_sms: str = "prefill_sms"
+
+
+GRPC_NAMES = FieldNames()
+
+
+class RequestParser:
+    def __init__(self, cfg: DecodeConfig, tokenizer: Tokenizer | None, max_model_len: int, vocab_size: int,
+                 check_prefill_sms: Callable[[int], str | None], default_max_new_tokens: int = 16) -> None:
+        """`check_prefill_sms`: why a partitioned request's SM count can't be had, None if it can."""
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.check_prefill_sms = check_prefill_sms
+        self.default_max_new_tokens = default_max_new_tokens
+
+    async def parse(self, f: RequestFields, arrival: float, names: FieldNames = GRPC_NAMES) -> Request:
+        """Cheap checks first, so an oversized request is refused before any per-token work."""
+        limit, vocab = self.max_model_len, self.vocab_size
+        if len(f.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(f"{names.request_id} is {len(f.request_id)} characters; the limit is "
+                                 f"{MAX_REQUEST_ID_CHARS}", names.request_id)
+        has_text, has_ids = bool(f.prompt), len(f.token_ids) > 0
+        if has_text == has_ids:
+            raise InvalidRequest(f"set exactly one of {names.prompt} (text) and {names.token_ids}, not both"
+                                 if has_text else f"the request has no prompt: set {names.prompt} (text) or "
+                                                  f"{names.token_ids}", names.prompt)
+        if f.max_new_tokens is not None:
+            check_max_new_tokens(f.max_new_tokens, names.max_new_tokens)
+        if has_ids and f.max_new_tokens is not None:  # before any per-token work
+            check_lengths(len(f.token_ids), f.max_new_tokens, limit, names.max_new_tokens)
+        tokens = f.token_ids if has_ids else await self._encode(f, names)
+        max_new = f.max_new_tokens
+        if max_new is None:
+            max_new = min(self.default_max_new_tokens, limit - len(tokens))
+            if max_new < 1:
+                raise InvalidRequest(f"the prompt ({len(tokens)} tokens) fills the context limit of {limit} "
+                                     "tokens; no room is left for output", names.prompt)
+        check_lengths(len(tokens), max_new, limit, names.max_new_tokens)
+        check_token_ids(tokens, vocab, names.token_ids if has_ids else names.prompt)
+        if len(f.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"{len(f.stop_token_ids)} {names.stop_token_ids}; the limit is {MAX_STOP_TOKEN_IDS}",
+                                 names.stop_token_ids)
+        for position, token in enumerate(f.stop_token_ids):
+            if not 0 <= token < vocab:
+                raise InvalidRequest(f"{names.stop_token_ids}[{position}] = {token} is outside the vocabulary "
+                                     f"[0, {vocab})", names.stop_token_ids)
+        try:
+            params = SamplingParams(f.temperature, f.top_p, f.top_k, f.seed or random.getrandbits(62))
+        except ValueError as e:
+            raise InvalidRequest(f"bad {names.sampling} parameters: {e}", names.sampling) from e
+        mode = PrefillMode.from_number(f.prefill_mode) if f.prefill_mode else self.cfg.default_mode
+        if mode is None:
+            raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
+                                 f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
+        problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
+        if problem:
+            raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
+        if f.prefill_sms < 0:
+            raise InvalidRequest(f"{names.prefill_sms} must be >= 0 (0 = the server's --prefill-sms), got "
+                                 f"{f.prefill_sms}", names.prefill_sms)
+        if mode == PrefillMode.PARTITIONED and f.prefill_sms:
+            problem = self.check_prefill_sms(f.prefill_sms)
+            if problem:
+                raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
+        return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms)
+
+    async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
+        if self.tokenizer is None:
+            raise InvalidRequest(f"this server's model has no tokenizer, so it can't take {names.prompt} text; "
+                                 f"send {names.token_ids}", names.prompt)
+        limit = self.max_model_len
+        if len(f.prompt) > limit * MAX_PROMPT_CHARS_PER_TOKEN:
+            raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters can't fit the context limit "
+                                 f"of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} characters are "
+                                 "accepted)", names.prompt)
+        encode = self.tokenizer.encode
+        if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS:
+            tokens = await asyncio.to_thread(lambda: token_ids(encode(f.prompt, f.add_special_tokens)))
+        else:
+            tokens = token_ids(encode(f.prompt, f.add_special_tokens))
+        if not tokens:
+            raise InvalidRequest(f"the {names.prompt} text encodes to no tokens", names.prompt)
+        return tokens
