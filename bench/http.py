@@ -56,6 +56,7 @@ def main() -> None:
     server_args = ["--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.http_port),
                    "--metrics-port", "0", *(["--model", args.model] if args.model else ["--preset", args.preset]),
                    "--device", args.device, "--mode", "colocated",
+                   "--no-prefix-cache",  # both APIs send the same seeded prompts, one after the other
                    "--max-batch-size", str(args.users), *args.server_args.split()]
     server = ServerProcess("decode_server", server_args, f"127.0.0.1:{args.port}", logs / "decode_server.log")
     out = logs / "load.json"

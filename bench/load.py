@@ -52,8 +52,9 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
                                                                          [*on_dev, "--no-prefix-cache"])
         return [cached, uncached], [f"prefix-cache={cached.address}@colocated",
                                     f"no-prefix-cache={uncached.address}@colocated"]
-    if len(devices) == 1:
-        one = Server("decode_server", port, [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated"])
+    if len(devices) == 1:  # one server takes every deployment's turn at the same prompts: no cache between them
+        one = Server("decode_server", port, [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated",
+                                             "--no-prefix-cache"])
         return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
                        f"chunked-2048={one.address}@chunked:2048", f"layered={one.address}@layered",
                        f"partitioned={one.address}@partitioned"]
