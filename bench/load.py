@@ -47,7 +47,7 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
     http_off = ["--http-port", "0"]  # several decode servers at once; this load is gRPC's
     kv = ["--kv-cache-gb", str(kv_gb)] if kv_gb else []
     if cache_compare:
-        on_dev = [*common, *kv, "--device", devices[0], "--mode", "colocated"]
+        on_dev = [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated"]
         cached, uncached = Server("decode_server", port, on_dev), Server("decode_server", port + 1,
                                                                          [*on_dev, "--no-prefix-cache"])
         return [cached, uncached], [f"prefix-cache={cached.address}@colocated",
