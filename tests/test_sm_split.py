@@ -99,7 +99,7 @@ def test_the_adapter_creates_a_context_with_either_api(monkeypatch: pytest.Monke
 
 
 def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The lead's GPU commands, end to end on the CPU (where partitioned runs as layered): scenario rows
+    """The documented GPU commands, end to end on the CPU (where partitioned runs as layered): scenario rows
     at two SM counts, then the trade-off plot and the SLO table the decode server reads."""
     import subprocess
     import sys
