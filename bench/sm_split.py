@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("scenario", help="a scenario result JSON (bench.scenario / client.scenario --json)")
     p.add_argument("--b-len", type=int, default=32768, help="B's prompt length to read (default: %(default)s)")
     p.add_argument("--plot", help="PNG of A's median and worst gap against B's TTFT, one point pair per mode")
-    p.add_argument("--table", help="write the SLO table here (decode_server/sm_split_table.json is the one the server reads)")
+    p.add_argument("--table", help="write the SLO table here (the server reads decode_server/sm_split_table.json)")
     args = p.parse_args(argv)
     try:
         doc = json.loads(Path(args.scenario).read_text())
