@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -26,6 +25,7 @@ from bench.sim_costs import RESULTS, describe, fit_costs
 from bench.sim_metrics import simulate, summarize
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
+from client.provenance import git_commit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,15 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-ttft-ms", type=float)
     load.add_argument("--slo-itl-ms", type=float)
     return p
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def stamp(argv: Sequence[str]) -> dict[str, Any]:

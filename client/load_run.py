@@ -122,18 +122,17 @@ class LoadRunner:
         self._urls = [base_url(t) for t in deployment.targets]
 
     def _request(self, spec: RequestSpec) -> decode_pb2.GenerateRequest | bytes:
-        """The request as the deployment's API takes it (an OpenAI body: JSON bytes)."""
-        if self.openai:
-            return self._body(spec.token_ids.tolist(), spec.output_len)
-        return decode_pb2.GenerateRequest(
-            request_id=f"{self.run_id}-{spec.key}", token_ids=spec.token_ids.tolist(),
-            max_new_tokens=spec.output_len, ignore_eos=True,  # ignore_eos: output lengths are as planned
-            prefill_mode=MODE_ENUM[self.deployment.mode], chunk_size=self.deployment.chunk_size,
-            prefill_sms=self.deployment.prefill_sms)
+        return self._build(f"{self.run_id}-{spec.key}", spec.token_ids.tolist(), spec.output_len)
 
-    def _body(self, token_ids: list[int], max_tokens: int) -> bytes:
+    def _build(self, request_id: str, token_ids: list[int], max_new_tokens: int) -> decode_pb2.GenerateRequest | bytes:
+        """The request as the deployment's API takes it (an OpenAI body: JSON bytes)."""
         d = self.deployment
-        return completion_body(token_ids, max_tokens, d.mode, d.chunk_size, d.prefill_sms)
+        if self.openai:
+            return completion_body(token_ids, max_new_tokens, d.mode, d.chunk_size, d.prefill_sms)
+        return decode_pb2.GenerateRequest(
+            request_id=request_id, token_ids=token_ids, max_new_tokens=max_new_tokens,
+            ignore_eos=True,  # output lengths are as planned
+            prefill_mode=MODE_ENUM[d.mode], chunk_size=d.chunk_size, prefill_sms=d.prefill_sms)
 
     async def _collect(self, index: int, request: decode_pb2.GenerateRequest | bytes, request_id: str) -> StreamResult:
         if isinstance(request, bytes):
@@ -194,13 +193,7 @@ class LoadRunner:
         """One short request per server before the clock starts, so first-call costs are not measured."""
         for index, target in enumerate(self.deployment.targets):
             request_id = f"{self.run_id}-warmup{index}"
-            request: decode_pb2.GenerateRequest | bytes = decode_pb2.GenerateRequest(
-                request_id=request_id, token_ids=list(range(16)), max_new_tokens=2,
-                ignore_eos=True, prefill_mode=MODE_ENUM[self.deployment.mode],
-                chunk_size=self.deployment.chunk_size, prefill_sms=self.deployment.prefill_sms)
-            if self.openai:
-                request = self._body(list(range(16)), 2)
-            result = await self._collect(index, request, request_id)
+            result = await self._collect(index, self._build(request_id, list(range(16)), 2), request_id)
             if result.error is not None:
                 print(f"warning: warm-up request to {target} failed: {result.error.name}: {result.error_message}",
                       file=sys.stderr)
