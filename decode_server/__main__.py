@@ -84,10 +84,10 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
     core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
     parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
-                           scheduler.check_prefill_sms, cfg.default_chat_max_tokens)
-    service = DecodeService(core, parser, tokenizer)
-    http = OpenAIApi(core, parser, tokenizer, served_model_name(cfg, runner.config.name), runner.max_model_len,
-                     cfg.http_timeout_s) if cfg.http_port else None
+                           scheduler.check_prefill_sms)
+    service = DecodeService(core, parser)
+    http = (OpenAIApi(core, parser, served_model_name(cfg, runner.config.name), cfg.http_timeout_s)
+            if cfg.http_port else None)
     metrics.bind_live_gauges(lambda: cache.num_available, cache.num_blocks, lambda: len(scheduler.running),
                              core.num_waiting)
     register_prefix_cache_metrics(cache)

@@ -111,10 +111,9 @@ class Answer:
 
 
 class OpenAIApi:
-    def __init__(self, core: DecodeCore, parser: RequestParser, tokenizer: Tokenizer | None, model_name: str,
-                 max_model_len: int, timeout_s: float) -> None:
-        self.core, self.parser, self.tokenizer = core, parser, tokenizer
-        self.model_name, self.max_model_len, self.timeout_s = model_name, max_model_len, timeout_s
+    def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float) -> None:
+        self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
+        self.model_name, self.max_model_len, self.timeout_s = model_name, parser.max_model_len, timeout_s
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
 

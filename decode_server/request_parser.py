@@ -31,7 +31,7 @@ class RequestFields:
     token_ids: TokenIds = ()          # kept as the field it came in: no per-token work on the event loop
     prompt: str = ""
     add_special_tokens: bool = True  # False for a chat template's text, which writes its own
-    max_new_tokens: int | None = 0   # None: as many as fit the context, at most `default_max_new_tokens`
+    max_new_tokens: int | None = 0   # None: as many as fit the context, at most --default-chat-max-tokens
     temperature: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
@@ -63,12 +63,11 @@ GRPC_NAMES = FieldNames()
 
 class RequestParser:
     def __init__(self, cfg: DecodeConfig, tokenizer: Tokenizer | None, max_model_len: int, vocab_size: int,
-                 check_prefill_sms: Callable[[int], str | None], default_max_new_tokens: int = 16) -> None:
+                 check_prefill_sms: Callable[[int], str | None]) -> None:
         """`check_prefill_sms`: why a partitioned request's SM count can't be had, None if it can."""
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.check_prefill_sms = check_prefill_sms
-        self.default_max_new_tokens = default_max_new_tokens
 
     async def parse(self, f: RequestFields, arrival: float, names: FieldNames = GRPC_NAMES) -> Request:
         """Cheap checks first, so an oversized request is refused before any per-token work."""
@@ -83,12 +82,10 @@ class RequestParser:
                                                   f"{names.token_ids}", names.prompt)
         if f.max_new_tokens is not None:
             check_max_new_tokens(f.max_new_tokens, names.max_new_tokens)
-        if has_ids and f.max_new_tokens is not None:  # before any per-token work
-            check_lengths(len(f.token_ids), f.max_new_tokens, limit, names.max_new_tokens)
         tokens = f.token_ids if has_ids else await self._encode(f, names)
         max_new = f.max_new_tokens
         if max_new is None:
-            max_new = min(self.default_max_new_tokens, limit - len(tokens))
+            max_new = min(self.cfg.default_chat_max_tokens, limit - len(tokens))
             if max_new < 1:
                 raise InvalidRequest(f"the prompt ({len(tokens)} tokens) fills the context limit of {limit} "
                                      "tokens; no room is left for output", names.prompt)

@@ -231,10 +231,8 @@ class BatchScheduler:
         elif arrival.first_token is None:
             self.prefilling.append(seq)
         else:
-            self._publish_prompt(seq)  # its KV is in the pool: the handoff completed before submit
-            now = time.perf_counter()
-            if not self._append(seq, arrival.first_token, now - seq.timing.admitted, now):
-                self.ready.append(seq)
+            now = time.perf_counter()  # its KV is in the pool: the handoff completed before submit
+            self._prompt_done(seq, arrival.first_token, now - seq.timing.admitted, now)
 
     def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
         """Record a token and send it; True (and the sequence's blocks given back) if it was the last.
@@ -242,15 +240,19 @@ class BatchScheduler:
         seq.out.add(seq.append(token, step_s, now))
         self._woken.append(seq.out)
         if seq.finish_reason:
-            written = seq.written_tokens()
-            self.admission.cache.publish(written, seq.block_table, len(written))
+            if self.admission.cache.enabled:
+                written = seq.written_tokens()
+                self.admission.cache.publish(written, seq.block_table, len(written))
             self.admission.release(seq)
             return True
         return False
 
-    def _publish_prompt(self, seq: Sequence) -> None:
-        """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve others."""
+    def _prompt_done(self, seq: Sequence, token: int, step_s: float, now: float) -> None:
+        """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve
+        others, and its first token goes out; then it waits for a batch slot, unless that token was its last."""
         self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt))
+        if not self._append(seq, token, step_s, now):
+            self.ready.append(seq)
 
     def _drop_cancelled(self) -> None:
         for group in (self.prefilling, self.ready):
@@ -334,12 +336,10 @@ class BatchScheduler:
         else:
             assert done.token is not None
             seq.prefilled = len(seq.prompt)
-            self._publish_prompt(seq)  # its kernels are done (the partitioned thread waited for them)
             seq.timing.prefill_s += done.finished - done.started
             metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
-            now = time.perf_counter()
-            if not self._append(seq, done.token, done.finished - done.started, now):
-                self.ready.append(seq)
+            # its kernels are done (the partitioned thread waited for them)
+            self._prompt_done(seq, done.token, done.finished - done.started, time.perf_counter())
 
     def _prefill_failed(self, seq: Sequence, error: Exception) -> None:
         """One prompt's prefill failed: that request fails, the batch goes on."""
@@ -359,14 +359,12 @@ class BatchScheduler:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it."""
         token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
-        self._publish_prompt(seq)
         now = time.perf_counter()
         elapsed = now - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        if not self._append(seq, token, elapsed, now):
-            self.ready.append(seq)
+        self._prompt_done(seq, token, elapsed, now)
 
     def _decode_step(self) -> None:
         seqs = self.running

@@ -24,7 +24,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from decode_server.core import DecodeCore, Generation
 from decode_server.request_parser import RequestFields, RequestParser
 from decode_server.sequence import Rejected
-from engine.tokenizer import StreamDetokenizer, Tokenizer
+from engine.tokenizer import StreamDetokenizer
 from serving.grpc_common import deadline_passed
 from serving.validation import InvalidRequest
 
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, core: DecodeCore, parser: RequestParser, tokenizer: Tokenizer | None) -> None:
-        self.core, self.parser, self.tokenizer = core, parser, tokenizer
+    def __init__(self, core: DecodeCore, parser: RequestParser) -> None:
+        self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
 
     @staticmethod
     def _fields(request: decode_pb2.GenerateRequest, request_id: str) -> RequestFields:
