@@ -205,10 +205,6 @@ class KVPool:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
-
     def slots(self, block_table: list[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
         """`slot_ids` in this pool's block size, on the pool's device."""
         return slot_ids(block_table, start, end, self.layout.block_size, self.device)

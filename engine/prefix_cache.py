@@ -45,18 +45,6 @@ def block_key(parent: bytes, block: memoryview) -> bytes:
     return h.digest()
 
 
-def chain_hashes(data: memoryview, block_size: int, num_blocks: int) -> list[bytes]:
-    """The keys of the first `num_blocks` full blocks: equal keys mean (barring a collision) equal
-    prefixes. One hash call per block."""
-    step = 4 * block_size
-    keys: list[bytes] = []
-    parent = b""
-    for i in range(num_blocks):
-        parent = block_key(parent, data[i * step:(i + 1) * step])
-        keys.append(parent)
-    return keys
-
-
 @dataclass(eq=False)
 class _Entry:
     block: int
@@ -140,9 +128,10 @@ class PrefixCache:
         step = 4 * self.block_size
         found: list[_Entry] = []
         parent: _Entry | None = None
-        for i, key in enumerate(chain_hashes(data, self.block_size, (len(tokens) - 1) // self.block_size)):
-            entry = self._by_key.get(key)
-            if entry is None or entry.parent is not parent or entry.tokens != data[i * step:(i + 1) * step]:
+        for i in range((len(tokens) - 1) // self.block_size):  # one hash a block, up to the first miss
+            block = data[i * step:(i + 1) * step]
+            entry = self._by_key.get(block_key(parent.key if parent else b"", block))
+            if entry is None or entry.parent is not parent or entry.tokens != block:
                 break
             found.append(entry)
             parent = entry

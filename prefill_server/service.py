@@ -45,6 +45,8 @@ HEARTBEAT = prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat())
 
 async def next_or_heartbeat(out: asyncio.Queue[object]) -> object:
     """The job's next item, or a Heartbeat once HEARTBEAT_S pass without one."""
+    if not out.empty():  # no timer (a task and a handle with wait_for) for an item already there
+        return out.get_nowait()
     try:
         return await asyncio.wait_for(out.get(), HEARTBEAT_S)
     except TimeoutError:
@@ -169,7 +171,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          kv_checksums=request.kv_checksums, cached_tokens=cached,
                          send_from=request.decode_cached_tokens)
         try:
-            self.hub.configure(job, request.peer_id, agreed)
+            self.hub.configure(job)
         except LookupError as e:
             self.cache.release(table)
             metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()

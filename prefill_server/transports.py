@@ -4,7 +4,6 @@ for its decode side by prefill_server.kv_lease, whatever the transport.)"""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
     from engine.transport.nccl import NcclPair
     from engine.transport.nccl_rendezvous import PairingHost
 
-log = logging.getLogger(__name__)
 
 SenderFactory = Callable[[PrefillJob, torch.Tensor], KVSender]
 
@@ -62,15 +60,15 @@ class TransportHub:
         return self._nccl.rendezvous(request)
 
     # --- per request --------------------------------------------------------------------------
-    def configure(self, job: PrefillJob, peer_id: str, transport: str) -> None:
+    def configure(self, job: PrefillJob) -> None:
         """Give the job the sender (and block ownership) its transport needs; the worker's own
         gRPC sender otherwise."""
-        if transport == KVTransport.NCCL:
-            pair = self._nccl.pair(peer_id) if self._nccl is not None else None
+        if job.transport == KVTransport.NCCL:
+            pair = self._nccl.pair(job.peer_id) if self._nccl is not None else None
             if pair is None or pair.broken:
                 raise LookupError("the NCCL pair with this decode server is gone; handshake again")
             job.make_sender = self._nccl_sender(pair)
-        elif transport == KVTransport.CUDA_IPC:
+        elif job.transport == KVTransport.CUDA_IPC:
             job.make_sender = self._ipc_sender
 
     def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
@@ -78,8 +76,7 @@ class TransportHub:
 
         def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
             pool = self.runner.pool
-            first = pool.table_start(job.block_table, job.send_from + slots.numel(), job.send_from)
-            sender = NcclKVSender(pair, pool, slots, self.timeout_s, first)
+            sender = NcclKVSender(pair, pool, slots, self.timeout_s, job.send_start(pool))
             job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
             return sender
 

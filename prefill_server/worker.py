@@ -14,6 +14,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
+from engine.kv_cache import KVPool
 from engine.kv_checksum import layer_checksums
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -50,6 +51,10 @@ class PrefillJob:
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+
+    def send_start(self, pool: KVPool) -> int | None:
+        """Where the KV it sends (tokens send_from on) starts in the pool, if one run of slots."""
+        return pool.table_start(self.block_table, len(self.token_ids), self.send_from)
 
 
 class PrefillWorker:
@@ -124,8 +129,7 @@ class PrefillWorker:
         def emit(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
             job.emit(encode_kv(layer, start + skip, end + skip, parts))
 
-        return GrpcKVSender(pool, slots, job.chunk_tokens, emit,
-                            pool.table_start(job.block_table, skip + slots.numel(), skip))
+        return GrpcKVSender(pool, slots, job.chunk_tokens, emit, job.send_start(pool))
 
     def _run(self, job: PrefillJob) -> None:
         dequeued = time.perf_counter()
