@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from engine.byte_tokenizer import byte_tokenizer
 from engine.model import DecoderModel
-from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig
+from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig, eos_token_ids
 from engine.ops import ALL_KERNELS, KernelOptions
 from engine.presets import PRESET_SEED, PRESETS
 from engine.tokenizer import Tokenizer
@@ -129,8 +129,7 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
     path = folder / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return eos_token_ids(json.loads(path.read_text()).get("eos_token_id"))
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,

@@ -24,6 +24,13 @@ class UnsupportedConfig(ValueError):
     """The config asks for something this engine does not implement; the message says what."""
 
 
+def eos_token_ids(value: object) -> tuple[int, ...]:
+    """A config's eos_token_id (one id, a list of them, or none) as a tuple."""
+    if isinstance(value, list | tuple):
+        return tuple(int(e) for e in value)
+    return () if value is None else (int(value),)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1's frequency-dependent RoPE scaling (`rope_type: llama3`)."""
@@ -81,8 +88,7 @@ class ModelConfig:
                 raise UnsupportedConfig(f"{flag} is true: {family} checkpoints with that bias are not supported")
         rope_theta, rope_scaling = _rope(hf)
         qkv_bias, qk_norm = FAMILIES[family]
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+        eos_ids = eos_token_ids(getattr(hf, "eos_token_id", None))
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
