@@ -343,5 +343,6 @@ class Cluster:
         now, duration = self.clock.now, self.traffic.spec.duration
         if request.user is not None and now < duration:
             self._send(self.traffic.background(request.user, now))
-        elif (turn := self.traffic.next_turn(request)) is not None and turn.sent < duration:
+        elif (turn := self.traffic.next_turn(request)) is not None and (
+                turn.sent < duration or self.traffic.conversations.finish):
             self.clock.at(turn.sent, lambda: self._send(turn))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from typing import Any
 
 from tqdm import tqdm
@@ -11,6 +12,7 @@ from bench.sim_cluster import Deployment, Serving
 from bench.sim_costs import RESULTS, Costs
 from bench.sim_metrics import simulate, summarize
 from bench.sim_plan import MIXES, deployments, goodput, plan, prefill_counts
+from bench.sim_traffic import Conversations
 from bench.sim_validate import calibrate, recorded_runs
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
@@ -83,27 +85,46 @@ def plot_plan(plans: dict[str, Any]) -> None:
     fig.savefig(PLOT, dpi=110)
 
 
-def run_prediction(costs: Costs, progress: bool = True) -> dict[str, Any]:
+def run_prediction(costs: Costs, progress: bool = True, load_args: str | None = None,
+                   rates: list[float] | None = None) -> dict[str, Any]:
+    """Each deployment's sweep over `rates` under the load that `load_args` (client.load's flags) describe."""
     serving = calibrated_serving(costs)
+    load, conversations = _predicted_load(load_args)
+    sweep_rates = tuple(rates or PREDICT_RATES)
     runs: dict[str, Any] = {}
-    total = len(PREDICT_DEPLOYMENTS) * len(PREDICT_RATES)
+    total = len(PREDICT_DEPLOYMENTS) * len(sweep_rates)
     with tqdm(total=total, desc="predicting", unit="run", disable=not progress) as bar:
         for name, deployment in PREDICT_DEPLOYMENTS.items():
             sweep = []
-            for rate in PREDICT_RATES:
-                spec = dataclasses.replace(PREDICT_LOAD, rate=rate)
-                summary = summarize(simulate(deployment, costs, spec, serving), PREDICT_SLO)
+            for rate in sweep_rates:
+                spec = dataclasses.replace(load, rate=rate)
+                summary = summarize(simulate(deployment, costs, spec, serving, conversations), PREDICT_SLO)
                 sweep.append({"rate": rate, **{k: summary[k] for k in ("completed", "goodput_rps", "ttft_ms",
                                                                       "itl_ms", "tpot_ms", "local_share")}})
                 bar.update(1)
             runs[name] = {"deployment": deployment.label(), "sweep": sweep,
                           "goodput_at_slo_rps": goodput(deployment, costs, _predict_mix(), serving, start=1.0)}
-    return {"load": {**dataclasses.asdict(PREDICT_LOAD), "rates": list(PREDICT_RATES)},
+    measure_with = MEASURE_WITH if load_args is None else (
+        f"python -m bench.load --devices cuda:0 cuda:1 --kv-transport nccl --load-args '{load_args}' --rates "
+        f"{' '.join(f'{r:g}' for r in sweep_rates)} --compare (auto, split, colocated, layered, partitioned)")
+    return {"load": {**dataclasses.asdict(load), "rates": list(sweep_rates),
+                     "conversations": dataclasses.asdict(conversations)},
             "slo": dataclasses.asdict(PREDICT_SLO), "serving": dataclasses.asdict(serving),
             "goodput_rps": "client.load's goodput: requests within the SLO per second of the run, background included",
             "goodput_at_slo_rps": "highest arrival rate (with the 16 background users) at which >= 90% meet the SLO",
-            "measure_with": MEASURE_WITH,
+            "measure_with": measure_with,
             "runs": runs}
+
+
+def _predicted_load(load_args: str | None) -> tuple[LoadSpec, Conversations]:
+    """The LoadSpec and turns of client.load's flags, parsed by client.load itself (bench.load's load without)."""
+    if load_args is None:
+        return PREDICT_LOAD, Conversations()
+    from client.load import build_parser, load_spec
+
+    spec = load_spec(build_parser().parse_args(shlex.split(load_args)))
+    turns = Conversations(turns=str(spec.turns), new_tokens=spec.turn_prompt_len or spec.prompt_len, finish=True)
+    return spec, turns
 
 
 def _predict_mix() -> Any:

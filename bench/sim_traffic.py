@@ -56,6 +56,7 @@ class Conversations:
     turns: str = "1"              # a Length: how many turns a conversation has
     new_tokens: str = "256"       # a Length: a later turn's new prompt tokens
     think_s: float = 0.0          # mean seconds between an answer and the next turn (exponential)
+    finish: bool = False          # send every later turn, also past the run's duration (as client.load does)
 
 
 @dataclass

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--validate", action="store_true", help="replay the recorded load runs and compare")
     what.add_argument("--plan", action="store_true", help="best split and mode for 8 and 64 GPUs (minutes)")
     what.add_argument("--predict", action="store_true", help="predict the next two-GPU load run (rate sweeps)")
+    p.add_argument("--load-args", default=None,
+                   help="--predict: the client.load flags of the run to predict, as given to bench.load "
+                        "(default: bench.load's load, one turn)")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="--predict: the rates of the sweep")
     p.add_argument("--json", metavar="PATH", help="where to write the result (default: a file under bench/results)")
     p.add_argument("--no-progress", action="store_true")
     cluster = p.add_argument_group("deployment")
@@ -98,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan or args.predict:
         from bench.sim_report import run_plan, run_prediction
 
-        record = run_plan(costs, progress) if args.plan else run_prediction(costs, progress)
+        record = run_plan(costs, progress) if args.plan else run_prediction(costs, progress, args.load_args,
+                                                                            args.rates)
         default = "simulate-plan.json" if args.plan else "simulate-prediction-2xh200.json"
         write(args.json or str(RESULTS / default), {**stamp(argv), **record})
         return 0

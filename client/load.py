@@ -12,6 +12,7 @@ several deployments or modes one after another and prints them side by side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "answer is complete, with the whole history plus a new user message (default 1)")
     load.add_argument("--turn-prompt-len", help="the new user message's length in turns 2.. (default: --prompt-len)")
     load.add_argument("--seed", type=int, default=d.seed, help="same seed, same requests (default 0)")
+    load.add_argument("--id-salt", type=int, default=d.id_salt,
+                      help="relabel the token ids by a permutation drawn from (seed, salt): same lengths and times, "
+                           "no prefix shared with another salt's prompts (default 0: none)")
+    load.add_argument("--distinct-ids", action="store_true",
+                      help="with --compare: the i-th deployment's ids get salt --id-salt + i + 1, so deployments "
+                           "that share servers find none of each other's prompts in a prefix cache")
     out = p.add_argument_group("measure and report")
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT limit in ms")
     out.add_argument("--slo-itl-ms", type=float, help="goodput: TPOT limit in ms (vLLM's definition)")
@@ -146,16 +153,18 @@ def deployments(args: argparse.Namespace) -> list[Deployment]:
 def load_spec(args: argparse.Namespace) -> LoadSpec:
     return LoadSpec(args.rate, args.duration, args.prompt_len, args.output_len, args.long_prompt_frac,
                     args.long_prompt_len, args.background_users, args.background_prompt_len,
-                    args.background_output_len, args.seed, args.turns, args.turn_prompt_len)
+                    args.background_output_len, args.seed, args.turns, args.turn_prompt_len, args.id_salt)
 
 
 async def run_deployments(spec: LoadSpec, runs: Sequence[Deployment], timeout_s: float, tls_ca: str | None = None,
-                          warmup: bool = True, progress: bool = True) -> list[RunResult]:
-    """The async entry: the same plan (rebuilt, so background users restart too) against each deployment in turn."""
+                          warmup: bool = True, progress: bool = True, distinct_ids: bool = False) -> list[RunResult]:
+    """The async entry: the same plan (rebuilt, so background users restart too) against each deployment in turn;
+    with `distinct_ids` each deployment's token ids are relabelled by a salt of its own."""
     results = []
-    for deployment in runs:
+    for i, deployment in enumerate(runs):
         print(f"== {deployment.name}: {deployment.describe()}", file=sys.stderr)
-        runner = LoadRunner(build_plan(spec), deployment, timeout_s, tls_ca, progress)
+        own = dataclasses.replace(spec, id_salt=spec.id_salt + i + 1) if distinct_ids else spec
+        runner = LoadRunner(build_plan(own), deployment, timeout_s, tls_ca, progress)
         results.append(await runner.run(warmup=warmup))
     return results
 
@@ -163,7 +172,8 @@ async def run_deployments(spec: LoadSpec, runs: Sequence[Deployment], timeout_s:
 def report(args: argparse.Namespace, argv: Sequence[str], spec: LoadSpec, slo: Slo,
            results: Sequence[RunResult], summaries: Sequence[Summary]) -> dict[str, Any]:
     params = {**vars(spec), "planned_arrivals": len(build_plan(spec).arrivals), "slo_ttft_ms": slo.ttft_ms,
-              "slo_itl_ms": slo.itl_ms, "request_timeout_s": args.request_timeout}
+              "slo_itl_ms": slo.itl_ms, "request_timeout_s": args.request_timeout,
+              "distinct_ids": bool(args.distinct_ids and args.compare)}
     runs = {}
     for result, summary in zip(results, summaries, strict=True):
         runs[summary["name"]] = dict(summary)
@@ -187,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
     try:
         results = run_event_loop(run_deployments(spec, runs, args.request_timeout, args.tls_ca,
-                                                 warmup=not args.no_warmup, progress=not args.no_progress))
+                                                 warmup=not args.no_warmup, progress=not args.no_progress,
+                                                 distinct_ids=args.distinct_ids and bool(args.compare)))
     except KeyboardInterrupt:
         print("interrupted: no summary", file=sys.stderr)
         return 130

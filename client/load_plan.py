@@ -5,10 +5,15 @@ depends on how fast the server is), each from its own stream spawned from the sa
 arrivals never shift when a background user manages one more request. With several turns an arrival
 starts a conversation: its later turns' user messages come from a stream of their own, so the
 arrivals are the same whatever the number of turns.
+
+An `id_salt` relabels every token id through a permutation of its own: the same lengths, times and
+turns, but prompts that share no prefix with another salt's, so runs that share a server's prefix
+cache (deployments in turn, or the rates of a sweep) do not find each other's prompts in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -73,6 +78,7 @@ class LoadSpec:
     seed: int = 0
     turns: int = 1
     turn_prompt_len: str | None = None
+    id_salt: int = 0  # not 0: every token id relabelled by a permutation drawn from (seed, id_salt)
 
     def __post_init__(self) -> None:
         if self.rate < 0 or self.duration <= 0:
@@ -129,6 +135,13 @@ class RequestSpec:
         return self.key, self.at, self.output_len, tuple(self.token_ids.tolist())
 
 
+def id_relabelling(spec: LoadSpec) -> np.ndarray:
+    """The map from drawn token ids to sent ones: the identity, or a permutation drawn from (seed, id_salt)."""
+    if not spec.id_salt:
+        return np.arange(PROMPT_ID_LIMIT, dtype=np.int32)
+    return np.random.default_rng([spec.seed, spec.id_salt]).permutation(PROMPT_ID_LIMIT).astype(np.int32)
+
+
 def _prompt(rng: np.random.Generator, length: int) -> np.ndarray:
     return rng.integers(0, PROMPT_ID_LIMIT, size=length, dtype=np.int32)
 
@@ -137,7 +150,7 @@ class BackgroundUser:
     """A user who decodes back to back: its n-th request is the same in every run with the same seed."""
 
     def __init__(self, index: int, spec: LoadSpec, seed: np.random.SeedSequence) -> None:
-        self.index, self.sent = index, 0
+        self.index, self.sent, self.relabel = index, 0, id_relabelling(spec)
         self.rng = np.random.default_rng(seed)
         self.prompt_len = Length.parse(spec.background_prompt_len or spec.prompt_len)
         self.output_len = Length.parse(spec.background_output_len or spec.output_len)
@@ -146,7 +159,7 @@ class BackgroundUser:
         key = f"bg{self.index}.{self.sent}"
         self.sent += 1
         prompt = _prompt(self.rng, self.prompt_len.sample(self.rng))
-        return RequestSpec(key, "background", 0.0, prompt, self.output_len.sample(self.rng))
+        return RequestSpec(key, "background", 0.0, self.relabel[prompt], self.output_len.sample(self.rng))
 
 
 @dataclass
@@ -196,4 +209,8 @@ def build_plan(spec: LoadSpec) -> LoadPlan:
     turns_seed = ids_seed.spawn(1)[0]  # a child stream: the arrivals' own draws stay as they were
     arrivals = plan_arrivals(spec, np.random.default_rng(times_seed), np.random.default_rng(ids_seed),
                              np.random.default_rng(turns_seed))
+    if spec.id_salt:
+        relabel = id_relabelling(spec)
+        arrivals = [dataclasses.replace(a, token_ids=relabel[a.token_ids], later_turns=tuple(
+                        Turn(relabel[t.message], t.output_len) for t in a.later_turns)) for a in arrivals]
     return LoadPlan(spec, arrivals, users)

@@ -140,9 +140,9 @@ class LoadRunner:
             return await collect_openai(self._session, self._urls[index], request, request_id, self.timeout_s)
         return await collect(self._stubs[index], request, self.timeout_s)
 
-    async def _send(self, spec: RequestSpec) -> tuple[Record, list[int]]:
-        """One request; its record and the tokens it got."""
-        index = next(self._next_target)
+    async def _send(self, spec: RequestSpec, index: int | None = None) -> tuple[Record, list[int]]:
+        """One request, to the target at `index` (default: the next in turn); its record and the tokens it got."""
+        index = next(self._next_target) if index is None else index
         target = self.deployment.targets[index]
         sent = time.perf_counter()
         request = self._prebuilt.pop(spec.key, None)
@@ -161,10 +161,12 @@ class LoadRunner:
 
     async def _conversation(self, spec: RequestSpec) -> None:
         """An arrival, then its later turns, each sent once the previous answer is complete; a failed
-        turn ends the conversation."""
+        turn ends the conversation. Its turns stay on one target (session affinity), where its history's
+        KV may still be cached."""
         turn: RequestSpec | None = spec
+        index = next(self._next_target)
         while turn is not None:
-            record, answer = await self._send(turn)
+            record, answer = await self._send(turn, index)
             turn = turn.follow_up(answer, time.perf_counter() - self.t0) if record.ok else None
 
     def _count(self, record: Record) -> None:

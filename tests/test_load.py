@@ -72,6 +72,28 @@ def test_conversations_keep_the_arrivals_and_resend_their_history() -> None:
         LoadSpec(turns=0)
 
 
+def test_an_id_salt_keeps_lengths_and_times_but_shares_no_prefix() -> None:
+    """Runs that share a prefix cache (deployments in turn, a sweep's rates) each get their own salt:
+    the same arrivals, lengths, turns and background users, with token ids relabelled."""
+    base = LoadSpec(**{**vars(SPEC), "turns": 2, "background_users": 2})
+    salted = LoadSpec(**{**vars(base), "id_salt": 101})
+    plain, other = build_plan(base), build_plan(salted)
+    assert plan_signature(build_plan(salted)) == plan_signature(other)  # still seeded
+    for a, b in zip(plain.arrivals, other.arrivals, strict=True):
+        assert (a.key, a.at, a.output_len, a.long, len(a.token_ids)) == (b.key, b.at, b.output_len, b.long,
+                                                                          len(b.token_ids))
+        assert [len(t.message) for t in a.later_turns] == [len(t.message) for t in b.later_turns]
+        assert a.token_ids[:16].tolist() != b.token_ids[:16].tolist()  # no shared first block
+        assert b.token_ids.min() >= 0 and b.token_ids.max() < 256
+    for u, v in zip(build_plan(base).users, build_plan(salted).users, strict=True):
+        x, y = u.next(), v.next()
+        assert len(x.token_ids) == len(y.token_ids) and x.token_ids.tolist() != y.token_ids.tolist()
+    # a permutation: the same multiset of ids relabelled, so equal ids stay equal
+    first_plain, first_salted = plain.arrivals[0].token_ids, other.arrivals[0].token_ids
+    mapping = dict(zip(first_plain.tolist(), first_salted.tolist(), strict=True))
+    assert all(mapping[p] == s for p, s in zip(first_plain.tolist(), first_salted.tolist(), strict=True))
+
+
 def test_length_distributions() -> None:
     import numpy as np
 
@@ -208,9 +230,13 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     doc = json.loads(out.read_text())
     runs = doc["runs"]
-    assert list(runs) == ["split", "colocated", "chunked-512", "chunked-2048", "layered"]
-    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "colocated", "chunked", "chunked", "layered"]
-    assert len(runs["split"]["targets"]) == 1 and all(len(runs[n]["targets"]) == 2 for n in list(runs)[1:])
+    assert list(runs) == ["split", "auto", "colocated", "chunked-512", "chunked-2048", "layered", "partitioned"]
+    assert [runs[n]["mode"] for n in runs] == ["disaggregated", "auto", "colocated", "chunked", "chunked", "layered",
+                                               "partitioned"]
+    assert runs["split"]["targets"] == runs["auto"]["targets"] and len(runs["split"]["targets"]) == 1
+    assert all(len(runs[n]["targets"]) == 2 for n in list(runs)[2:])
+    assert set(runs["auto"]["placement"]) <= {"local", "remote"} and sum(runs["auto"]["placement"].values()) > 0
+    assert doc["params"]["distinct_ids"] is True  # the servers keep their caches: no deployment sees another's
     for run in runs.values():
         assert run["completed"] > 0 and run["failed"] == 0, run["failure_examples"]
     assert doc["devices"] == ["cpu", "cpu"] and len(doc["servers"]) == 4 and doc["commit"]
@@ -243,3 +269,34 @@ def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> Non
         check_distribution(run["later_turn_ttft_ms"])
     assert cached["cached_prompt_frac"] > 0.3 and plain["cached_prompt_frac"] == 0
     assert "--no-prefix-cache" in " ".join(plain["recorded"]["servers"])
+
+
+def test_bench_load_rate_sweep_with_the_prediction_beside(tmp_path: Path) -> None:
+    """`bench.load --rates`: the servers start once, the load runs per rate (each with its own id salt), and
+    the JSON holds each deployment's points by rate beside the recorded prediction, plotted."""
+    out, prediction = tmp_path / "sweep.json", tmp_path / "prediction.json"
+    predicted = [{"rate": r, "goodput_rps": g, "ttft_ms": {"p50": 1.0}, "itl_ms": {"p99": 2.0}}
+                 for r, g in ((3.0, 2.0), (6.0, 4.0))]
+    prediction.write_text(json.dumps({"date": "then", "commit": "abc", "runs": {"colocated": {"sweep": predicted}}}))
+    load_args = "--duration 0.6 --prompt-len uniform:16:48 --output-len 4 --slo-ttft-ms 60000 --slo-itl-ms 6e4 --seed 5"
+    port = free_port_run(1)
+    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu",
+                           "--kv-cache-gb", "0.05", "--port", str(port), "--load-args", load_args, "--rates", "3", "6",
+                           "--compare", f"colocated=127.0.0.1:{port}@colocated", f"layered=127.0.0.1:{port}@layered",
+                           "--prediction", str(prediction), "--json", str(out), "--plot", str(tmp_path / "sweep.png"),
+                           "--logs", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["params"]["rates"] == [3.0, 6.0] and set(doc["runs_by_rate"]) == {"3.0", "6.0"}
+    assert list(doc["sweep"]) == ["colocated", "layered"]
+    for points in doc["sweep"].values():
+        assert [p["rate"] for p in points] == [3.0, 6.0]
+        assert all(p["completed"] > 0 and p["failed"] == 0 and p["goodput_rps"] > 0 for p in points)
+    assert doc["prediction"]["commit"] == "abc" and list(doc["prediction"]["runs"]) == ["colocated"]
+    rows = doc["prediction_compared"]
+    assert [(r["deployment"], r["rate"]) for r in rows] == [("colocated", 3.0), ("colocated", 6.0)]
+    first = rows[0]
+    assert first["rel_error"] == round((2.0 - first["measured_goodput_rps"]) / first["measured_goodput_rps"], 4)
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    assert doc["load_command"].count("--rate 6.0") == 1 and "--id-salt 200" in doc["load_command"]
