@@ -22,7 +22,7 @@ import torch
 from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout, KVPool
-from engine.kv_checksum import first_mismatch, layer_checksums
+from engine.kv_checksum import first_mismatch, layer_checksums_on_own_stream
 from engine.transport.base import KVReceiver, KVTransport
 from engine.transport.grpc_stream import ChunkError, GrpcKVReceiver
 from engine.transport.grpc_wire import KVView
@@ -135,7 +135,8 @@ class Handoff(ABC):
         return True
 
     def verify(self, expected: list[int]) -> None:
-        layer = first_mismatch(layer_checksums(self.pool, self.block_table, self.num_tokens, self.start), expected)
+        ours = layer_checksums_on_own_stream(self.pool, self.block_table, self.num_tokens, self.start)
+        layer = first_mismatch(ours, expected)
         if layer is not None:
             raise HandoffError(grpc.StatusCode.DATA_LOSS, f"the KV that arrived over {self.transport} differs from "
                                                           f"what the prefill server sent (layer {layer}'s checksum)")

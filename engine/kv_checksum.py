@@ -1,11 +1,16 @@
 """Per-layer checksums of a prompt's KV, computed where it lies (the GPU), to prove a handoff bit for bit.
 
 Both servers run the same reduction over the same tokens in wire order, whatever their block sizes
-and wherever the blocks sit: each layer's K and V rows (one per token) are read as 32-bit words and
-summed in 64 bits, and the row sums are added up weighted by their place (K rows 1..n, V rows
-n+1..2n), wrapping around at 2**64. A changed word changes its row's sum; a row in the wrong place
-(a block table off by one, K and V swapped, blocks freed and reused before they were read) moves its
-sum to another weight. One reduction reads the whole prompt's KV once; the host waits once.
+and wherever the blocks sit: each layer's K and V rows (one per token) are read as 64-bit words and
+summed, and the row sums are added up weighted by their place (K rows 1..n, V rows n+1..2n), all
+wrapping around at 2**64. A changed word changes its row's sum; a row in the wrong place (a block
+table off by one, K and V swapped, blocks freed and reused before they were read) moves its sum to
+another weight. One reduction reads the whole prompt's KV once, in place: words as wide as the sum
+need no widened copy (32-bit words summed in 64 bits made one, twice the KV's size, and took seven
+times as long); the host waits once.
+
+The decode side checks on a stream of its own (`verify_stream`): on the engine's stream the check
+would wait for the decode step under way, and the next step for it.
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ from engine.kv_cache import KVPool
 
 
 def _row_words(kv: torch.Tensor) -> torch.Tensor:
-    """`[..., tokens, heads, dim]` as `[..., tokens, words]` of int32 (a view where the rows are contiguous)."""
+    """`[..., tokens, heads, dim]` as `[..., tokens, words]` of int64 (a view where the rows are contiguous)."""
     rows = kv.flatten(-2)
-    if rows.shape[-1] * rows.element_size() % 4:
-        raise ValueError(f"a KV row of {rows.shape[-1]} x {rows.element_size()} bytes is not whole 32-bit words")
-    return rows.view(torch.int32) if rows.stride(-1) == 1 else rows.contiguous().view(torch.int32)
+    if rows.shape[-1] * rows.element_size() % 8:
+        raise ValueError(f"a KV row of {rows.shape[-1]} x {rows.element_size()} bytes is not whole 64-bit words")
+    return rows.view(torch.int64) if rows.stride(-1) == 1 else rows.contiguous().view(torch.int64)
 
 
 def _weights(num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -30,7 +35,7 @@ def _weights(num_tokens: int, device: torch.device) -> torch.Tensor:
 
 def layer_checksums_of(kv: torch.Tensor) -> torch.Tensor:
     """`[layers]` int64 on kv's device, from `[layers, 2, tokens, heads, dim]` KV in wire order."""
-    row_sums = _row_words(kv).sum(-1, dtype=torch.int64)  # [layers, 2, tokens]
+    row_sums = _row_words(kv).sum(-1)  # [layers, 2, tokens], int64 words summed as they are
     return (row_sums * _weights(kv.shape[2], kv.device)).sum((-2, -1))
 
 
@@ -45,6 +50,29 @@ def layer_checksums(pool: KVPool, block_table: list[int], num_tokens: int, start
         slots = pool.slots(block_table, start, num_tokens)
         sums = torch.cat([layer_checksums_of(layer.index_select(1, slots)[None]) for layer in pool.layers])
     return [s % (1 << 64) for s in sums.tolist()]
+
+
+_VERIFY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def verify_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the decode side checks a handoff on (one a device, high priority); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    if device not in _VERIFY_STREAMS:
+        _VERIFY_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _VERIFY_STREAMS[device]
+
+
+def layer_checksums_on_own_stream(pool: KVPool, block_table: list[int], num_tokens: int,
+                                  start: int = 0) -> list[int]:
+    """`layer_checksums` on `verify_stream`: for KV whose arrival the host has already seen complete
+    (the check needs nothing queued on the engine's stream, and must not wait behind it)."""
+    stream = verify_stream(pool.device)
+    if stream is None:
+        return layer_checksums(pool, block_table, num_tokens, start)
+    with torch.cuda.stream(stream):
+        return layer_checksums(pool, block_table, num_tokens, start)
 
 
 def first_mismatch(ours: list[int], theirs: list[int]) -> int | None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVLayout, KVPool
-from engine.kv_checksum import first_mismatch, layer_checksums, layer_checksums_of
+from engine.kv_checksum import first_mismatch, layer_checksums, layer_checksums_of, layer_checksums_on_own_stream
 
 LAYOUT = KVLayout("m", "bfloat16", 3, 2, 8, 4)
 TOKENS = 21
@@ -89,3 +89,6 @@ def test_the_gpu_gives_the_cpus_checksums(scattered: bool) -> None:
     gpu_pool = KVPool(cpu_pool.layout, 64, torch.device("cuda"), reserved_blocks=1)
     gpu_pool.storage.copy_(cpu_pool.storage)
     assert layer_checksums(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
+    # the decode side's check, on its own stream, while the engine's stream is busy
+    torch.cuda._sleep(50_000_000)
+    assert layer_checksums_on_own_stream(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
