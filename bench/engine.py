@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -57,8 +58,9 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) ->
             pool.allocator.free(table)
 
 
-def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
-    """Where a decode step's GPU time goes: kernels by total time over 10 steps."""
+def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> list[dict[str, Any]]:
+    """Where a decode step's GPU time goes: kernels by total time over `steps` steps, printed, and
+    returned per step (name, microseconds, launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     pool = runner.pool
@@ -68,10 +70,17 @@ def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
         runner.decode(seqs)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
+            for _ in range(steps):
                 runner.decode(seqs)[1].tolist()
-        print(f"--- decode step profile, batch {batch} (10 steps) ---")
+        print(f"--- decode step profile, batch {batch} ({steps} steps) ---")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        # kernels only: their self time on the device (the CPU-side ops that launched them hold their total too)
+        events = prof.key_averages()
+        kernels = ([e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+                   or [e for e in events if e.self_device_time_total > 0])
+        kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        return [{"kernel": e.key[:120], "us_per_step": round(e.self_device_time_total / steps, 2),
+                 "launches_per_step": round(e.count / steps, 2)} for e in kernels[:25]]
     finally:
         for t in tables:
             pool.allocator.free(t)
@@ -205,8 +214,7 @@ def main() -> None:
         print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%} {held_floor:>10.1f} {held_floor / ms:>7.0%}  "
               f"{describe(power.reading)}{energy(pj)}", flush=True)
     if args.profile:
-        for batch in (1, max(args.batches)):
-            profile_decode(runner, batch, args.context)
+        doc["decode_profile"] = {str(b): profile_decode(runner, b, args.context) for b in (1, max(args.batches))}
         profile_prefill(runner, max(args.prefill_lens))
     write_json(args.json, doc)
     print(f"wrote {args.json}")
