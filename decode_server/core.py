@@ -170,8 +170,11 @@ class DecodeCore:
         """Where the admitted sequence's prefill runs: mode auto picks here (--auto-local-mode) or a
         prefill server from its uncached tokens, who decodes here, and the remote prefills in flight."""
         if seq.mode == PrefillMode.AUTO:
-            inputs = PlacementInputs(len(seq.prompt) - seq.prefilled, len(self.scheduler.running),
-                                     self.remote_backlog_tokens, self.router is not None)
+            # our own remote prefills in flight, or what the prefill servers last said they hold (other decode
+            # servers' prompts too), whichever is more
+            backlog = max(self.remote_backlog_tokens, self.router.reported_backlog_tokens() if self.router else 0)
+            inputs = PlacementInputs(len(seq.prompt) - seq.prefilled, len(self.scheduler.running), backlog,
+                                     self.router is not None)
             remote = place(self.cfg.placement_thresholds, inputs) == REMOTE
             seq.mode = PrefillMode.DISAGGREGATED if remote else PrefillMode(self.cfg.auto_local_mode)
         seq.timing.placement = REMOTE if seq.mode == PrefillMode.DISAGGREGATED else LOCAL

@@ -25,7 +25,7 @@ class PlacementThresholds:
 class PlacementInputs:
     uncached_tokens: int       # prompt tokens this server's prefix cache does not hold
     decoding: int              # sequences in this server's decode batch now
-    remote_backlog_tokens: int  # uncached tokens of the remote prefills this server has in flight
+    remote_backlog_tokens: int  # uncached tokens the prefill servers hold: ours in flight, or their last report
     remote_ready: bool         # a prefill server is configured and reachable
 
 

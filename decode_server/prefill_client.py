@@ -43,6 +43,7 @@ DNS_REFRESH_S = 10.0
 HANDSHAKE_TIMEOUT_S = 3.0  # a tiny RPC: a peer that can't answer it in time is as good as down
 REJOIN_WAIT_S = 2 * PROBE_EVERY_S  # with no prefill server in the rotation, how long a request waits for one
 RELEASE_TIMEOUT_S = 1.0    # a Release's wait for an answer, and the pause before it is sent again
+BACKLOG_FRESH_S = 2.0      # a prefill server's backlog report older than this is not used (mode auto)
 RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lease (prefill_server.worker.LEASE_S)
 
 
@@ -68,8 +69,17 @@ class PrefillPeer:
         self.pairing: Pairing | None = None
         self.health = PeerHealth(address, self.channel)
         self.in_flight = 0
+        self.reported_backlog_tokens = 0  # the server's own figure, every decode server's prompts together
+        self.reported_at = -1e9           # time.monotonic() of that report
         self.peer_id = uuid.uuid4().hex[:12]
         self._handshake_lock = asyncio.Lock()
+
+    def report_backlog(self, tokens: int) -> None:
+        self.reported_backlog_tokens, self.reported_at = tokens, time.monotonic()
+
+    def backlog_tokens(self) -> int:
+        """Its last reported backlog, if recent (reports come with our own prefills: none lately, none known)."""
+        return self.reported_backlog_tokens if time.monotonic() - self.reported_at <= BACKLOG_FRESH_S else 0
 
     async def ensure_paired(self, timeout: float, writer: ThreadPoolExecutor) -> Pairing:
         async with self._handshake_lock:
@@ -209,6 +219,11 @@ class PrefillRouter:
         start = next(self._rr) % len(peers)
         return min(peers[start:] + peers[:start], key=lambda p: p.in_flight)
 
+    def reported_backlog_tokens(self) -> int:
+        """The smallest backlog a prefill server in the rotation last reported (where a prompt sent now would
+        wait least); 0 when none reported lately."""
+        return min((p.backlog_tokens() for p in self.peers.values() if p.health.up), default=0)
+
     async def prefill(self, request_id: str, prompt: TokenIds, sampling: decode_pb2.SamplingParams,
                       block_table: list[int], cached_tokens: int, timing: Timing) -> int:
         """Prefill remotely into `block_table`, whose first `cached_tokens` tokens' KV is here already
@@ -241,7 +256,10 @@ class PrefillRouter:
                     done = message.done
                     done_at = time.monotonic()
                     handoff.mark("done")
-                elif kind != "heartbeat":
+                    peer.report_backlog(done.backlog_tokens)
+                elif kind == "heartbeat":
+                    peer.report_backlog(message.heartbeat.backlog_tokens)
+                else:
                     await handoff.on_message(message, deadline)
             if done is None:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")

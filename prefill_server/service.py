@@ -8,6 +8,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -40,17 +41,16 @@ MAX_PAIRED_PEERS = 4096  # decode server instances remembered (oldest forgotten 
 # A quiet Prefill stream (queued, or prefilling with the KV going by NCCL) gets a Heartbeat this often, so the
 # decode side tells a slow prompt from a frozen or cut-off server in seconds, not at the HTTP/2 keepalive.
 HEARTBEAT_S = 0.5
-HEARTBEAT = prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat())
 
 
-async def next_or_heartbeat(out: asyncio.Queue[object]) -> object:
-    """The job's next item, or a Heartbeat once HEARTBEAT_S pass without one."""
+async def next_or_heartbeat(out: asyncio.Queue[object], backlog_tokens: Callable[[], int]) -> object:
+    """The job's next item, or a Heartbeat (with the server's backlog) once HEARTBEAT_S pass without one."""
     if not out.empty():  # no timer (a task and a handle with wait_for) for an item already there
         return out.get_nowait()
     try:
         return await asyncio.wait_for(out.get(), HEARTBEAT_S)
     except TimeoutError:
-        return HEARTBEAT
+        return prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat(backlog_tokens=backlog_tokens()))
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -180,7 +180,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.worker.submit(job)
         status = "OK"
         try:
-            while (item := await next_or_heartbeat(out)) is not None:
+            while (item := await next_or_heartbeat(out, lambda: self.worker.backlog_tokens)) is not None:
                 if isinstance(item, Exception):
                     status = "INTERNAL"
                     await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")

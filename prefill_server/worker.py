@@ -52,6 +52,10 @@ class PrefillJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
+    @property
+    def uncached_tokens(self) -> int:
+        return len(self.token_ids) - self.cached_tokens
+
     def send_start(self, pool: KVPool) -> int | None:
         """Where the KV it sends (tokens send_from on) starts in the pool, if one run of slots."""
         return pool.table_start(self.block_table, len(self.token_ids), self.send_from)
@@ -71,6 +75,8 @@ class PrefillWorker:
         self.failed = threading.Event()
         self._ready = threading.Event()
         self.busy = 0
+        self._backlog_lock = threading.Lock()
+        self.backlog_tokens = 0  # uncached prompt tokens submitted and not yet finished (waiting or running)
 
     def start(self) -> None:
         """Start the engine thread; returns once it is ready to run jobs."""
@@ -87,6 +93,8 @@ class PrefillWorker:
         return self._jobs.qsize()
 
     def submit(self, job: PrefillJob) -> None:
+        with self._backlog_lock:
+            self.backlog_tokens += job.uncached_tokens
         self._jobs.put(job)
         metrics.REQUESTS_WAITING.set(self._jobs.qsize())
 
@@ -114,9 +122,15 @@ class PrefillWorker:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
+                self._finished(job)
                 self.leases.hold(job.peer_id, job.request_id, job.block_table)
                 self.busy = 0
                 metrics.REQUESTS_RUNNING.set(0)
+
+    def _finished(self, job: PrefillJob) -> None:
+        """The job no longer counts towards the backlog (called once a job has run, whatever its outcome)."""
+        with self._backlog_lock:
+            self.backlog_tokens -= job.uncached_tokens
 
     def _sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         return job.make_sender(job, slots) if job.make_sender is not None else self.grpc_sender(job, slots)
@@ -164,7 +178,8 @@ class PrefillWorker:
         metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
         done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
                                        kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
-                                       checksum_s=checked - sent, cached_tokens=cached)
+                                       checksum_s=checked - sent, cached_tokens=cached,
+                                       backlog_tokens=max(0, self.backlog_tokens - job.uncached_tokens))
         job.emit(prefill_pb2.PrefillResponse(done=done))
         job.emit(None)
         request_log.info(json.dumps({

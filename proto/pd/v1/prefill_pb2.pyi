@@ -157,7 +157,7 @@ class TransferStart(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., src_block_table: _Optional[_Iterable[int]] = ..., src_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "queue_s", "checksum_s", "layer_checksums", "cached_tokens")
+    __slots__ = ("first_token_id", "prefill_s", "kv_send_s", "kv_bytes", "queue_s", "checksum_s", "layer_checksums", "cached_tokens", "backlog_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class PrefillDone(_message.Message):
     CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_s: float
     kv_send_s: float
@@ -174,11 +175,14 @@ class PrefillDone(_message.Message):
     checksum_s: float
     layer_checksums: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., layer_checksums: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    backlog_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., layer_checksums: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., backlog_tokens: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("backlog_tokens",)
+    BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    backlog_tokens: int
+    def __init__(self, backlog_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("kv", "layer_sent", "start", "done", "heartbeat")

@@ -1,0 +1,51 @@
+"""The prefill server's backlog, as mode `auto` sees it: the worker counts the uncached tokens of every
+job submitted and not finished, each PrefillDone reports what is left behind it, and the decode side
+uses a report only while it is fresh."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pd.v1 import prefill_pb2
+
+from decode_server import prefill_client
+from decode_server.prefill_client import PrefillPeer
+from engine.offline import make_runner
+from engine.prefix_cache import PrefixCache
+from engine.sampling import SamplingParams
+from prefill_server.worker import PrefillJob, PrefillWorker
+
+
+def job(worker: PrefillWorker, request_id: str, n: int, out: list[object]) -> PrefillJob:
+    table = worker.runner.pool.allocator.allocate(worker.runner.pool.blocks_needed(n))
+    ids = np.arange(n, dtype=np.int32) % 200
+    return PrefillJob(request_id, ids, SamplingParams(), table, "grpc", 64, out.append)
+
+
+def test_each_prefill_reports_the_backlog_behind_it() -> None:
+    runner = make_runner()
+    worker = PrefillWorker(runner, PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=False))
+    first_out: list[object] = []
+    first, second = job(worker, "first", 40, first_out), job(worker, "second", 70, [])
+    worker.submit(first)
+    worker.submit(second)  # the engine thread is not started: both wait
+    assert worker.backlog_tokens == 110
+    worker._run(first)  # as the engine thread would, then its bookkeeping
+    worker._finished(first)
+    done = next(m.done for m in first_out if isinstance(m, prefill_pb2.PrefillResponse) and m.HasField("done"))
+    assert done.backlog_tokens == 70 and worker.backlog_tokens == 70
+    worker._finished(second)
+    assert worker.backlog_tokens == 0
+
+
+def test_a_backlog_report_counts_only_while_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(prefill_client.time, "monotonic", lambda: now[0])
+    peer = PrefillPeer.__new__(PrefillPeer)  # the bookkeeping only: no channel
+    peer.reported_backlog_tokens, peer.reported_at = 0, -1e9
+    assert peer.backlog_tokens() == 0
+    peer.report_backlog(9000)
+    now[0] += prefill_client.BACKLOG_FRESH_S
+    assert peer.backlog_tokens() == 9000
+    now[0] += 0.01
+    assert peer.backlog_tokens() == 0  # stale: this server has sent it nothing lately
