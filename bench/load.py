@@ -93,6 +93,8 @@ def main() -> None:
                    help="the layout's deployments to run, in this order (e.g. auto split colocated)")
     p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
     p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\"")
+    p.add_argument("--decode-args", default="",
+                   help="extra flags for the decode servers only, e.g. \"--auto-local-mode partitioned\"")
     p.add_argument("--cache-compare", action="store_true",
                    help="one device: a decode server with its prefix cache against one without")
     p.add_argument("--merge", action="store_true",
@@ -111,6 +113,9 @@ def main() -> None:
     kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 or args.cache_compare else None)
     servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split(),
                               args.cache_compare)
+    for server in servers:
+        if server.module == "decode_server":
+            server.args += args.decode_args.split()
     if args.only:
         by_name = {item.split("=", 1)[0]: item for item in compare}
         if unknown := [n for n in args.only if n not in by_name]:
