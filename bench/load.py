@@ -139,6 +139,7 @@ def main() -> None:
                 sys.exit("error: the load run failed; server logs in " + str(logs))
             doc = json.loads(out.read_text())
             recorded = {**metadata(), "preset": args.preset, "devices": args.devices,
+                        "auto_thresholds": auto_thresholds(args),
                         "deployment": describe(args, servers),
                         "servers": [f"python -m {s.module} {' '.join(s.args)} --port {s.port}" for s in servers],
                         "load_command": " ".join(cmd[2:])}
@@ -152,6 +153,18 @@ def main() -> None:
         sys.exit(f"error: {e}")
     finally:
         stop_all(procs, timeout=60)
+
+
+def auto_thresholds(args: argparse.Namespace) -> dict[str, int]:
+    """The decode servers' mode-auto thresholds in this run: their defaults, as --decode-args leave them."""
+    from decode_server.config import DecodeConfig
+
+    words, cfg = args.decode_args.split(), DecodeConfig()
+    out = {}
+    for name in ("auto_local_tokens", "auto_idle_local_tokens", "auto_remote_backlog_tokens"):
+        flag = "--" + name.replace("_", "-")
+        out[name] = int(words[words.index(flag) + 1]) if flag in words else getattr(cfg, name)
+    return out
 
 
 def describe(args: argparse.Namespace, servers: list[Server]) -> str:

@@ -3,16 +3,19 @@ prompts are prefilled here (colocated) and on the prefill server (disaggregated)
 decoding and then with --background-users decoding on the decode server; each records its TTFT and,
 when busy, the longest gap it caused in the other users' token streams.
 
-The crossovers are the defaults to take: `--auto-idle-local-tokens`, the longest prompt a local
-prefill still answers sooner than a remote one with nobody decoding; `--auto-local-tokens`, the
-longest one whose local prefill, with users decoding, is still sooner and stalls them less than
---stall-ms. Prefill server on the first device, decode server on the last (one device: both on it).
+The crossovers are the defaults to take: `--auto-idle-local-tokens`, the longest prompt up to which
+a local prefill answers sooner than a remote one, by at least --margin-ms, at every length measured,
+with nobody decoding; `--auto-local-tokens`, the same with users decoding, where the local prefill
+must also stall them less than --stall-ms. A gain inside the margin (about one decode step) is
+noise, not a reason to stall anyone. Prefill server on the first device, decode server on the last
+(one device: both on it). `--from-json` re-derives the crossovers from recorded rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -94,19 +97,26 @@ async def measure(address: str, lengths: list[int], reps: int, users: int, outpu
     return rows
 
 
-def crossovers(rows: list[dict[str, Any]], stall_ms: float) -> dict[str, int | None]:
-    """The longest prompt length at which local still wins, idle and busy (None: not even the shortest)."""
+def crossovers(rows: list[dict[str, Any]], stall_ms: float, margin_ms: float = 0.0) -> dict[str, int | None]:
+    """The longest prompt length up to which local wins at every length, idle and busy (None: not even the
+    shortest)."""
     def row(busy: bool, length: int, mode: str) -> dict[str, Any]:
         return next(r for r in rows if r["busy"] == busy and r["prompt_tokens"] == length and r["mode"] == mode)
 
     def local_wins(busy: bool, n: int) -> bool:
         local, remote = row(busy, n, "colocated"), row(busy, n, "disaggregated")
-        return local["ttft_ms_p50"] <= remote["ttft_ms_p50"] and (not busy or local["stall_ms_p50"] <= stall_ms)
+        sooner = local["ttft_ms_p50"] + margin_ms <= remote["ttft_ms_p50"]
+        return sooner and (not busy or local["stall_ms_p50"] <= stall_ms)
 
-    lengths = sorted({r["prompt_tokens"] for r in rows})
-    idle = [n for n in lengths if local_wins(False, n)]
-    busy = [n for n in lengths if local_wins(True, n)]
-    return {"auto_idle_local_tokens": max(idle, default=None), "auto_local_tokens": max(busy, default=None)}
+    def longest(busy: bool) -> int | None:
+        last = None
+        for n in sorted({r["prompt_tokens"] for r in rows}):
+            if not local_wins(busy, n):
+                break
+            last = n
+        return last
+
+    return {"auto_idle_local_tokens": longest(False), "auto_local_tokens": longest(True)}
 
 
 def main() -> None:
@@ -120,13 +130,21 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="prompts per length and mode (default 5)")
     p.add_argument("--background-users", type=int, default=16)
     p.add_argument("--background-output-len", type=int, default=4096)
-    p.add_argument("--stall-ms", type=float, default=100.0,
-                   help="the longest stall of the other users a local prefill may cause (default 100)")
+    p.add_argument("--stall-ms", type=float, default=50.0,
+                   help="the longest stall of the other users a local prefill may cause (default: 50, the load's "
+                        "ITL limit for goodput)")
+    p.add_argument("--margin-ms", type=float, default=5.0,
+                   help="how much sooner a local prefill must answer to count as sooner (default: 5, a decode step)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="no measuring: re-derive the crossovers of the rows recorded in PATH and write them back")
     p.add_argument("--port", type=int, default=50081)
     p.add_argument("--server-args", default="", help="extra flags for both servers")
     p.add_argument("--json", default="bench/results/placement-2xh200.json")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
+    if args.from_json:
+        rederive(Path(args.from_json), args.stall_ms, args.margin_ms)
+        return
     if len(args.devices) not in (1, 2):
         p.error("--devices takes one or two devices")
     common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", args.preset, "--kv-cache-gb",
@@ -148,10 +166,21 @@ def main() -> None:
     finally:
         stop_all(servers, timeout=60)
     doc = {**metadata(), "preset": args.preset, "devices": args.devices, "kv_transport": args.kv_transport,
-           "stall_ms": args.stall_ms, "servers": [f"python -m {s.module} {' '.join(s.args)}" for s in servers],
-           "rows": rows, "suggested": crossovers(rows, args.stall_ms)}
+           "stall_ms": args.stall_ms, "margin_ms": args.margin_ms,
+           "servers": [f"python -m {s.module} {' '.join(s.args)}" for s in servers],
+           "rows": rows, "suggested": crossovers(rows, args.stall_ms, args.margin_ms)}
     write_json(args.json, doc)
     print(f"suggested thresholds: {doc['suggested']}; wrote {args.json}")
+
+
+def rederive(path: Path, stall_ms: float, margin_ms: float) -> None:
+    doc = json.loads(path.read_text())
+    suggested = crossovers(doc["rows"], stall_ms, margin_ms)
+    doc.update({"stall_ms": stall_ms, "margin_ms": margin_ms, "suggested": suggested,
+                "suggested_by": f"python -m bench.placement --from-json {path} --stall-ms {stall_ms:g} "
+                                f"--margin-ms {margin_ms:g} (commit {metadata()['commit']})"})
+    write_json(path, doc)
+    print(f"suggested thresholds: {suggested}; wrote {path}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from bench.sim_costs import KV_BYTES_PER_TOKEN, Costs, layered_slices
 from bench.sim_traffic import SimRequest, Traffic
+from decode_server.config import DecodeConfig
+from decode_server.placement import REMOTE, PlacementInputs, PlacementThresholds, place
 
 LOCAL_MODES = ("colocated", "chunked", "layered", "partitioned")
 MODES = ("disaggregated", *LOCAL_MODES, "auto")
@@ -34,8 +36,11 @@ class Deployment:
     chunk_size: int = 512
     layer_slice_tokens: int = 32_768
     partition_sms: int = 84              # SMs of 132 given to a local prefill in partitioned mode
-    auto_threshold: int = 4096           # auto: prefill locally below this many uncached tokens
-    auto_local: str = "layered"          # auto: the local mode
+    # auto: the decode server's own rule and defaults (decode_server.placement, DecodeConfig)
+    auto_local_tokens: int = DecodeConfig.auto_local_tokens
+    auto_idle_local_tokens: int = DecodeConfig.auto_idle_local_tokens
+    auto_remote_backlog_tokens: int = DecodeConfig.auto_remote_backlog_tokens
+    auto_local: str = DecodeConfig.auto_local_mode
     max_batch: int = 64
     kv_cache_gb: float = 30.0
 
@@ -105,13 +110,21 @@ class PrefillServer:
         self.queue: deque[tuple[SimRequest, Callable[[], None]]] = deque()
         self.busy_until = 0.0
         self.cache: dict[str, int] = {}
+        self.backlog_tokens = 0  # uncached tokens waiting or running, as the server reports them (mode auto)
 
     @property
     def backlog(self) -> int:
         return len(self.queue) + (self.busy_until > self.clock.now)
 
     def submit(self, request: SimRequest, on_kv: Callable[[], None]) -> None:
-        self.queue.append((request, on_kv))
+        uncached = request.prompt - min(request.history, self.cache.get(request.conversation or "", 0))
+        self.backlog_tokens += uncached
+
+        def landed() -> None:
+            self.backlog_tokens -= uncached
+            on_kv()
+
+        self.queue.append((request, landed))
         if self.busy_until <= self.clock.now and len(self.queue) == 1:
             self._start()
 
@@ -187,9 +200,10 @@ class DecodeServer:
         if d.mode != "auto":
             return d.mode
         uncached = request.prompt - min(request.history, self.cache.get(request.conversation or "", 0))
-        if uncached < d.auto_threshold or all(p.backlog > 1 for p in self.prefill_servers):
-            return d.auto_local
-        return "disaggregated"
+        thresholds = PlacementThresholds(d.auto_local_tokens, d.auto_idle_local_tokens, d.auto_remote_backlog_tokens)
+        backlog = min(p.backlog_tokens for p in self.prefill_servers)
+        where = place(thresholds, PlacementInputs(uncached, self.running, backlog, True))
+        return "disaggregated" if where == REMOTE else d.auto_local
 
     def _kv_arrived(self, request: SimRequest) -> None:
         request.first_token = self.clock.now
@@ -255,7 +269,7 @@ class DecodeServer:
             self.running -= 1
             self.reserved -= request.prompt + request.output
             self.context -= request.prompt + request.output
-            if request.where == "local" and request.conversation is not None:
+            if request.conversation is not None:  # prompt and answer stay cached here, however it was prefilled
                 self.cache[request.conversation] = request.prompt + request.output
             self.on_done(request)
         self.step += 1

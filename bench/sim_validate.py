@@ -19,6 +19,7 @@ import numpy as np
 from bench.sim_cluster import Deployment, Serving
 from bench.sim_costs import RESULTS, Costs, fit_costs, layered_slices
 from bench.sim_metrics import SimResult, simulate, summarize
+from bench.sim_traffic import Conversations
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
 
@@ -49,11 +50,26 @@ class RecordedRun:
 
 def _spec(params: dict[str, Any]) -> LoadSpec:
     fields = LoadSpec.__dataclass_fields__
-    return LoadSpec(**{k: v for k, v in params.items() if k in fields})
+    # the id salt relabels token ids, which the simulator never sees
+    return LoadSpec(**{k: v for k, v in params.items() if k in fields and k != "id_salt"})
 
 
-def _deployment(summary: dict[str, Any]) -> Deployment:
+def conversations(spec: LoadSpec) -> Conversations:
+    """client.load's turns as the simulator's: every later turn sent, past the duration too."""
+    if spec.turns <= 1:
+        return Conversations()
+    return Conversations(turns=str(spec.turns), new_tokens=spec.turn_prompt_len or spec.prompt_len, finish=True)
+
+
+# the decode server's auto thresholds a run used (its record's `auto_thresholds`), else the defaults before they
+# were measured (decode_server.config before 096a6de)
+AUTO_BEFORE = {"auto_local_tokens": 512, "auto_idle_local_tokens": 2048, "auto_remote_backlog_tokens": 32768}
+
+
+def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None) -> Deployment:
     mode, targets = summary["mode"], len(summary["targets"])
+    if mode == "auto":
+        return Deployment(prefill=targets, decode=targets, mode=mode, **(auto or AUTO_BEFORE))
     if mode == "disaggregated":
         return Deployment(prefill=targets, decode=targets, mode=mode)
     return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512)
@@ -65,12 +81,22 @@ def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
         for inner in record["runs"]:
             yield from _records(inner, file)
         return
+    if "runs_by_rate" in record:  # a rate sweep (bench.load --rates): one record a rate
+        for rate, runs in record["runs_by_rate"].items():
+            at_rate = {**record, "params": {**record["params"], "rate": float(rate)}, "runs": {
+                f"{name}@{float(rate):g}": run for name, run in runs.items()}}
+            del at_rate["runs_by_rate"]
+            yield from _records({k: v for k, v in at_rate.items() if k != "previous"}, file)
+        if isinstance(record.get("previous"), dict):
+            yield from _records(record["previous"], file)
+        return
     if "params" in record:
         spec, commit = _spec(record["params"]), str(record["commit"])
         slo = Slo(record["params"].get("slo_ttft_ms"), record["params"].get("slo_itl_ms"))
         transport = record.get("kv_transport") or _transport(record.get("command", ""))
         for name, summary in record["runs"].items():
-            yield RecordedRun(file, commit, name, spec, slo, _deployment(summary), transport, summary)
+            deployment = _deployment(summary, record.get("auto_thresholds"))
+            yield RecordedRun(file, commit, name, spec, slo, deployment, transport, summary)
     if isinstance(record.get("previous"), dict):
         yield from _records(record["previous"], file)
 
@@ -120,7 +146,7 @@ def calibrate(runs: list[RecordedRun], costs: dict[str, Costs], rounds: int = 10
     for _ in range(rounds):
         moves: dict[str, list[float]] = {name: [] for name in vars(serving)}
         for run in training:
-            result = simulate(run.deployment, costs[run.transport], run.spec, serving)
+            result = simulate(run.deployment, costs[run.transport], run.spec, serving, conversations(run.spec))
             done = [r for r in result.requests if r.finished]
             gaps = result.itl_s() * 1e3
             moves["step_host_ms_per_seq"].append(
@@ -163,7 +189,8 @@ def validate(results: Path = RESULTS, progress: bool = True) -> dict[str, Any]:
     serving = calibrate(runs, costs)
     rows, runs_out = [], []
     for run in tqdm(runs, desc="replaying load runs", disable=not progress):
-        simulated = summarize(simulate(run.deployment, costs[run.transport], run.spec, serving), run.slo)
+        simulated = summarize(simulate(run.deployment, costs[run.transport], run.spec, serving,
+                                       conversations(run.spec)), run.slo)
         in_model = modelled(run.commit, results)
         runs_out.append({"run": run.label, "deployment": run.deployment.label(), "transport": run.transport,
                          "training": (run.file, run.commit) == TRAINING, "modelled_serving_loop": in_model,

@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--mode", choices=MODES, default="disaggregated")
     cluster.add_argument("--chunk-size", type=int, default=dep.chunk_size)
     cluster.add_argument("--partition-sms", type=int, default=dep.partition_sms, help="partitioned: SMs for prefill")
-    cluster.add_argument("--auto-threshold", type=int, default=dep.auto_threshold,
-                         help="auto: prefill locally below this many uncached tokens")
+    cluster.add_argument("--auto-local-tokens", type=int, default=dep.auto_local_tokens,
+                         help="auto: as the decode server's flag")
+    cluster.add_argument("--auto-idle-local-tokens", type=int, default=dep.auto_idle_local_tokens,
+                         help="auto: as the decode server's flag")
+    cluster.add_argument("--auto-remote-backlog-tokens", type=int, default=dep.auto_remote_backlog_tokens,
+                         help="auto: as the decode server's flag")
     cluster.add_argument("--auto-local", default=dep.auto_local, help="auto: the local mode")
     cluster.add_argument("--kv-transport", default="nccl", choices=("nccl", "cuda-ipc"))
     load = p.add_argument_group("load (as client.load)")
@@ -111,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = LoadSpec(args.rate, args.duration, args.prompt_len, args.output_len, args.long_prompt_frac,
                         args.long_prompt_len, args.background_users, seed=args.seed)
         deployment = Deployment(args.prefill, args.decode, args.mode, args.chunk_size,
-                                partition_sms=args.partition_sms, auto_threshold=args.auto_threshold,
+                                partition_sms=args.partition_sms, auto_local_tokens=args.auto_local_tokens,
+                                auto_idle_local_tokens=args.auto_idle_local_tokens,
+                                auto_remote_backlog_tokens=args.auto_remote_backlog_tokens,
                                 auto_local=args.auto_local)
     except ValueError as e:
         parser.error(str(e))

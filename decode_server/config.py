@@ -86,16 +86,16 @@ class DecodeConfig(ServerConfig):
     kv_checksum: str = field(default="on", metadata=opt(
         "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
         "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
-    # mode auto; the defaults are provisional until measured (docs/prefix-cache.md)
+    # mode auto; the defaults come from bench.placement and the prefill rate on two H200s (docs/prefix-cache.md)
     auto_local_mode: str = field(default="colocated", metadata=opt(
         "mode auto: how a prompt kept here is prefilled", choices=LOCAL_MODES))
     auto_local_tokens: int = field(default=512, metadata=opt(
         "mode auto: a prompt with at most this many uncached tokens is prefilled here, even while others decode"))
-    auto_idle_local_tokens: int = field(default=2048, metadata=opt(
+    auto_idle_local_tokens: int = field(default=1024, metadata=opt(
         "mode auto: at most this many uncached tokens are prefilled here when nobody is decoding"))
-    auto_remote_backlog_tokens: int = field(default=32768, metadata=opt(
-        "mode auto: while this server's remote prefills in flight hold this many uncached tokens, new "
-        "ones are prefilled here"))
+    auto_remote_backlog_tokens: int = field(default=98304, metadata=opt(
+        "mode auto: while the prefill servers hold this many uncached tokens (their last report, or this "
+        "server's remote prefills in flight), new prompts are prefilled here"))
     http_port: int = field(default=8000, metadata=opt("OpenAI-compatible HTTP API port (/v1 on --host); 0 "
                                                        "turns it off"))
     served_model_name: str | None = field(default=None, metadata=opt(

@@ -28,6 +28,8 @@ def test_crossovers_take_the_longest_prompt_local_still_wins() -> None:
         "auto_idle_local_tokens": 512, "auto_local_tokens": 512}
     assert crossovers(rows([10, 20, 30], [40, 40, 40], [10, 60, 80]), stall_ms=50)["auto_local_tokens"] == 64
     assert crossovers(rows([50, 50, 50], [40, 40, 40], [1, 1, 1]), stall_ms=50)["auto_local_tokens"] is None
+    # a gain inside the margin does not count, and a win past a loss does not extend the crossover
+    assert crossovers(rows([10, 38, 30], [40, 40, 40], [1, 1, 1]), stall_ms=50, margin_ms=5)["auto_local_tokens"] == 64
 
 
 def test_bench_placement_on_the_cpu_pair(tmp_path: Path) -> None:

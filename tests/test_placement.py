@@ -31,6 +31,6 @@ def test_a_prefill_backlog_or_no_prefill_server_keeps_prefills_local() -> None:
 
 
 def test_thresholds_are_flags_and_not_negative() -> None:
-    assert DecodeConfig(auto_local_tokens=100).placement_thresholds == PlacementThresholds(100, 2048, 32768)
+    assert DecodeConfig(auto_local_tokens=100).placement_thresholds == PlacementThresholds(100, 1024, 98304)
     with pytest.raises(ValueError, match="--auto-local-tokens"):
         DecodeConfig(auto_idle_local_tokens=-1)

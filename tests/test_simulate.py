@@ -15,6 +15,7 @@ from bench.sim_traffic import Conversations, Traffic
 from bench.sim_validate import recorded_runs, validate
 from client.load_plan import LoadSpec, build_plan
 from client.load_stats import Slo
+from decode_server.config import DecodeConfig
 
 COSTS = fit_costs()
 SERVING = Serving(step_host_ms_per_seq=0.08, local_call_ms=2.0, remote_prefill_ms=4.0, join_local_ms=4.0,
@@ -97,13 +98,15 @@ def test_later_turns_hit_the_prefix_cache() -> None:
     assert all(r.prompt - r.cached == 32 for r in later)
 
 
-def test_auto_places_short_prompts_locally_and_long_ones_remotely() -> None:
-    deployment = Deployment(2, 2, "auto", auto_threshold=4096)
-    result = simulate(deployment, COSTS, dataclasses.replace(LOAD, rate=1.0, background_users=0), SERVING)
-    for r in result.requests:
-        if r.prompt < 4096:
-            assert r.where == "local"
-    assert any(r.where == "remote" for r in result.requests if r.prompt >= 4096)
+def test_auto_follows_the_decode_servers_rule() -> None:
+    """The decode server's own rule and defaults: a short prompt local, a long one remote while the
+    prefill servers' backlog is small."""
+    deployment = Deployment(2, 2, "auto")
+    assert deployment.auto_local_tokens == DecodeConfig().auto_local_tokens
+    result = simulate(deployment, COSTS, dataclasses.replace(LOAD, rate=1.0, background_users=2), SERVING)
+    assert all(r.where == "local" for r in result.requests if r.prompt <= deployment.auto_local_tokens)
+    long = [r for r in result.requests if r.prompt >= 4096]
+    assert long and all(r.where == "remote" for r in long)
 
 
 def test_slo_counts_like_client_load() -> None:
