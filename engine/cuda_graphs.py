@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.attention import DecodeMeta
-from engine.decode_batch import DecodeSeq, table_width, write_rows
+from engine.decode_batch import DecodeSeq, TableRows, table_width, write_meta
 from engine.kv_cache import KVPool
 from engine.model import DecoderModel
 
@@ -48,6 +48,7 @@ class DecodeGraphs:
         self.tables = self.staging[4 * n + 1:].view(n, nb)  # nominal shape; rows are `width` apart
         self._host = self.staging_host.numpy()
         self._meta_np = self._host[:4 * n].reshape(4, n)
+        self._table_rows = TableRows()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -88,7 +89,8 @@ class DecodeGraphs:
         off = 4 * self.max_batch
         self._host[off] = width
         tables = self._host[off + 1:off + 1 + b * width].reshape(b, width)
-        write_rows(seqs, self.block_size, meta, tables)
+        write_meta(seqs, self.block_size, meta)
+        self._table_rows.write(seqs, self.block_size, tables)
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
         tables[n:b, 0] = 0
