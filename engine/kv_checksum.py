@@ -52,6 +52,44 @@ def layer_checksums(pool: KVPool, block_table: list[int], num_tokens: int, start
     return [s % (1 << 64) for s in sums.tolist()]
 
 
+class LayerChecksums:
+    """The prefill side's checksums, taken layer by layer as the prefill finishes each layer's KV, on a
+    stream of their own: they run under the later layers' compute, and only the last layer's is left
+    when the prefill ends. Equal to `layer_checksums` over the same tokens once every layer is done."""
+
+    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, start: int = 0) -> None:
+        self.pool = pool
+        self.first, self.count = pool.table_start(block_table, num_tokens, start), num_tokens - start
+        self.slots = None if self.first is not None else pool.slots(block_table, start, num_tokens)
+        self.stream = verify_stream(pool.device)
+        self.sums: list[torch.Tensor] = []
+
+    def layer_done(self, layer: int) -> None:
+        """Layer `layer`'s KV is written (queued on the current stream): take its checksum after it."""
+        if self.stream is None:
+            self.sums.append(self._one(layer))
+            return
+        written = torch.cuda.Event()
+        written.record()
+        self.stream.wait_event(written)
+        with torch.cuda.stream(self.stream):
+            self.sums.append(self._one(layer))
+
+    def _one(self, layer: int) -> torch.Tensor:
+        if self.first is not None:  # one run of slots: read in place
+            return layer_checksums_of(self.pool.run(layer, self.first, self.count)[None])
+        assert self.slots is not None
+        return layer_checksums_of(self.pool.read(layer, self.slots)[None])
+
+    def result(self) -> list[int]:
+        """Every layer's checksum (the host waits for the last)."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+        if len(self.sums) != self.pool.layout.num_layers:
+            raise RuntimeError(f"checksums of {len(self.sums)} layers of {self.pool.layout.num_layers}")
+        return [s % (1 << 64) for s in torch.cat(self.sums).tolist()]
+
+
 _VERIFY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

@@ -197,7 +197,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def _faulty_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         """The usual gRPC sender, with the faults asked for (PrefillFaults): a pause before each layer's KV,
-        a bit flipped in the pool once the KV is sent."""
+        a bit flipped in the pool once the first layer's KV is sent (before its checksum is taken, so
+        what the decode side got differs from what the prefill server checksummed)."""
         sender = self.worker.grpc_sender(job, slots)
         faults, pool = self.faults, self.runner.pool
 
@@ -207,10 +208,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 if job.cancelled.is_set():
                     raise TransferCancelled
                 sender.layer_done(layer)
+                if faults.corrupt_kv and layer == 0:
+                    if pool.device.type == "cuda":
+                        torch.cuda.synchronize(pool.device)  # the layer's copy to the host is done
+                    pool.layers[0][0, slots[0]].view(torch.int16).view(-1)[0] ^= 1
 
             def finish(self) -> None:
                 sender.finish()
-                if faults.corrupt_kv:
-                    pool.layers[0][0, slots[0]].view(torch.int16).view(-1)[0] ^= 1
 
         return Faulty()

@@ -15,7 +15,7 @@ from pd.v1 import prefill_pb2
 
 from engine.host_read import TokenReader
 from engine.kv_cache import KVPool
-from engine.kv_checksum import layer_checksums
+from engine.kv_checksum import LayerChecksums
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
@@ -152,11 +152,14 @@ class PrefillWorker:
         runner = self.runner
         n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
         sender = self._sender(job, runner.pool.slots(job.block_table, skip, n))
+        checks = LayerChecksums(runner.pool, job.block_table, n, skip) if job.kv_checksums else None
 
         def layer_done(layer: int) -> None:
             if job.cancelled.is_set() and sender.cancellable:
                 raise TransferCancelled
             sender.layer_done(layer)
+            if checks is not None:  # under the next layers' compute, after the send is queued
+                checks.layer_done(layer)
 
         started = time.perf_counter()
         try:
@@ -171,7 +174,7 @@ class PrefillWorker:
         if job.cancelled.is_set():
             raise TransferCancelled
         kv_bytes = (n - skip) * runner.layout.bytes_per_token
-        checksums = layer_checksums(runner.pool, job.block_table, n, skip) if job.kv_checksums else []
+        checksums = checks.result() if checks is not None else []
         checked = time.perf_counter()
         metrics.PREFILL_SECONDS.observe(computed - started)
         metrics.KV_TRANSFER_SECONDS.observe(sent - computed)

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from engine.kv_cache import KVLayout, KVPool
-from engine.kv_checksum import first_mismatch, layer_checksums, layer_checksums_of, layer_checksums_on_own_stream
+from engine.kv_checksum import (
+    LayerChecksums,
+    first_mismatch,
+    layer_checksums,
+    layer_checksums_of,
+    layer_checksums_on_own_stream,
+)
 
 LAYOUT = KVLayout("m", "bfloat16", 3, 2, 8, 4)
 TOKENS = 21
@@ -92,3 +98,25 @@ def test_the_gpu_gives_the_cpus_checksums(scattered: bool) -> None:
     # the decode side's check, on its own stream, while the engine's stream is busy
     torch.cuda._sleep(50_000_000)
     assert layer_checksums_on_own_stream(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
+    # the prefill side's, layer by layer behind the engine's stream
+    checks = LayerChecksums(gpu_pool, cpu_table, TOKENS)
+    for layer in range(LAYOUT.num_layers):
+        torch.cuda._sleep(1_000_000)
+        checks.layer_done(layer)
+    assert checks.result() == layer_checksums(cpu_pool, cpu_table, TOKENS)
+
+
+@pytest.mark.parametrize("block_size,scattered,start", [(4, False, 0), (4, True, 0), (4, False, 5), (1, True, 3)])
+def test_layer_by_layer_checksums_equal_the_whole_prompts(block_size: int, scattered: bool, start: int) -> None:
+    """The prefill side takes each layer's checksum as that layer is done; together they are the
+    prompt's checksums, skipped tokens (the decode side's cached prefix) included."""
+    data = kv()
+    pool, table = pool_with(data, block_size, scattered)
+    checks = LayerChecksums(pool, table, TOKENS, start)
+    for layer in range(LAYOUT.num_layers):
+        checks.layer_done(layer)
+    assert checks.result() == layer_checksums(pool, table, TOKENS, start)
+    partial = LayerChecksums(pool, table, TOKENS, start)
+    partial.layer_done(0)
+    with pytest.raises(RuntimeError, match="checksums of 1 layers"):
+        partial.result()
