@@ -69,7 +69,10 @@ AUTO_BEFORE = {"auto_local_tokens": 512, "auto_idle_local_tokens": 2048, "auto_r
 def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None) -> Deployment:
     mode, targets = summary["mode"], len(summary["targets"])
     if mode == "auto":
-        return Deployment(prefill=targets, decode=targets, mode=mode, **(auto or AUTO_BEFORE))
+        t = auto or AUTO_BEFORE
+        return Deployment(prefill=targets, decode=targets, mode=mode, auto_local_tokens=t["auto_local_tokens"],
+                          auto_idle_local_tokens=t["auto_idle_local_tokens"],
+                          auto_remote_backlog_tokens=t["auto_remote_backlog_tokens"])
     if mode == "disaggregated":
         return Deployment(prefill=targets, decode=targets, mode=mode)
     return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512)

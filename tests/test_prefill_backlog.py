@@ -4,7 +4,6 @@ uses a report only while it is fresh."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from pd.v1 import prefill_pb2
 
@@ -18,7 +17,7 @@ from prefill_server.worker import PrefillJob, PrefillWorker
 
 def job(worker: PrefillWorker, request_id: str, n: int, out: list[object]) -> PrefillJob:
     table = worker.runner.pool.allocator.allocate(worker.runner.pool.blocks_needed(n))
-    ids = np.arange(n, dtype=np.int32) % 200
+    ids = [i % 200 for i in range(n)]
     return PrefillJob(request_id, ids, SamplingParams(), table, "grpc", 64, out.append)
 
 
