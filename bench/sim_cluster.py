@@ -101,6 +101,11 @@ class Clock:
             action()
 
 
+def cached_of(cache: dict[str, int], request: SimRequest) -> int:
+    """The leading tokens of `request` an engine whose cache is `cache` holds: its conversation's history."""
+    return min(request.history, cache.get(request.conversation or "", 0))
+
+
 class PrefillServer:
     """One prompt at a time, first come first served; the KV streams out layer by layer as it computes, and the
     next prompt starts once the last layer is sent."""
@@ -117,7 +122,7 @@ class PrefillServer:
         return len(self.queue) + (self.busy_until > self.clock.now)
 
     def submit(self, request: SimRequest, on_kv: Callable[[], None]) -> None:
-        uncached = request.prompt - min(request.history, self.cache.get(request.conversation or "", 0))
+        uncached = request.prompt - cached_of(self.cache, request)
         self.backlog_tokens += uncached
 
         def landed() -> None:
@@ -130,7 +135,7 @@ class PrefillServer:
 
     def _start(self) -> None:
         request, on_kv = self.queue.popleft()
-        request.cached = min(request.history, self.cache.get(request.conversation or "", 0))
+        request.cached = cached_of(self.cache, request)
         request.prefill_s = (self.costs.prefill_ms(request.prompt - request.cached, request.cached)
                              + self.serving.remote_prefill_ms) / 1e3
         end = self.clock.now + request.prefill_s
@@ -199,7 +204,7 @@ class DecodeServer:
         d = self.deployment
         if d.mode != "auto":
             return d.mode
-        uncached = request.prompt - min(request.history, self.cache.get(request.conversation or "", 0))
+        uncached = request.prompt - cached_of(self.cache, request)
         thresholds = PlacementThresholds(d.auto_local_tokens, d.auto_idle_local_tokens, d.auto_remote_backlog_tokens)
         backlog = min(p.backlog_tokens for p in self.prefill_servers)
         where = place(thresholds, PlacementInputs(uncached, self.running, backlog, True))
@@ -281,7 +286,7 @@ class DecodeServer:
         head = self.prefilling[0]
         request = head.request
         if head.done_tokens == 0 and head.slices_left == 0:
-            request.cached = min(request.history, self.cache.get(request.conversation or "", 0))
+            request.cached = cached_of(self.cache, request)
             head.done_tokens = request.cached
         new = request.prompt - request.cached
         if head.mode == "partitioned":

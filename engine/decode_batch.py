@@ -61,8 +61,7 @@ def write_rows(seqs: list[DecodeSeq], block_size: int, meta: np.ndarray, tables:
     """Row i of `meta` [4, >= n] gets sequence i's (token, position, new slot, context length), row
     i of `tables` [>= n, >= table_width] the blocks it uses; entries past those are left as they are
     (never read: the context length bounds them)."""
+    write_meta(seqs, block_size, meta)
     for row, s in enumerate(seqs):
         used = s.position // block_size + 1
-        meta[0, row], meta[1, row] = s.token, s.position
-        meta[2, row], meta[3, row] = s.block_table[used - 1] * block_size + s.position % block_size, s.position + 1
         tables[row, :used] = s.block_table[:used]

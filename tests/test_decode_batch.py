@@ -42,9 +42,13 @@ def test_incremental_rows_equal_a_fresh_write_at_every_step() -> None:
         write_meta(seqs, BS, meta)
         writer.write(seqs, BS, tables)
         tables[n:bucket, 0] = 0  # padding rows, as the graphs write them
+        slots = [s.block_table[s.position // BS] * BS + s.position % BS for s in seqs]
+        expected = [[s.token for s in seqs], [s.position for s in seqs], slots, [s.position + 1 for s in seqs]]
+        assert meta[:, :n].tolist() == expected, step
         fresh_meta, fresh_tables = np.zeros((4, n), dtype=np.int32), np.zeros((n, width), dtype=np.int32)
-        write_rows(seqs, BS, fresh_meta, fresh_tables)
-        assert np.array_equal(meta[:, :n], fresh_meta), step
+        write_rows(seqs, BS, fresh_meta, fresh_tables)  # the eager path's fresh arrays
+        assert fresh_meta.tolist() == expected, step
         for row, s in enumerate(seqs):
             used = s.position // BS + 1
-            assert np.array_equal(tables[row, :used], fresh_tables[row, :used]), (step, row)
+            assert tables[row, :used].tolist() == s.block_table[:used], (step, row)
+            assert fresh_tables[row, :used].tolist() == s.block_table[:used], (step, row)
