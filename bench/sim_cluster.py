@@ -36,6 +36,7 @@ class Deployment:
     chunk_size: int = 512
     layer_slice_tokens: int = 32_768
     partition_sms: int = 84              # SMs of 132 given to a local prefill in partitioned mode
+    prefix_cache: bool = True            # the servers keep conversations' KV (--no-prefix-cache: False)
     # auto: the decode server's own rule and defaults (decode_server.placement, DecodeConfig)
     auto_local_tokens: int = DecodeConfig.auto_local_tokens
     auto_idle_local_tokens: int = DecodeConfig.auto_idle_local_tokens
@@ -110,8 +111,8 @@ class PrefillServer:
     """One prompt at a time, first come first served; the KV streams out layer by layer as it computes, and the
     next prompt starts once the last layer is sent."""
 
-    def __init__(self, clock: Clock, costs: Costs, serving: Serving) -> None:
-        self.clock, self.costs, self.serving = clock, costs, serving
+    def __init__(self, clock: Clock, costs: Costs, serving: Serving, prefix_cache: bool = True) -> None:
+        self.clock, self.costs, self.serving, self.prefix_cache = clock, costs, serving, prefix_cache
         self.queue: deque[tuple[SimRequest, Callable[[], None]]] = deque()
         self.busy_until = 0.0
         self.cache: dict[str, int] = {}
@@ -139,7 +140,7 @@ class PrefillServer:
         request.prefill_s = (self.costs.prefill_ms(request.prompt - request.cached, request.cached)
                              + self.serving.remote_prefill_ms) / 1e3
         end = self.clock.now + request.prefill_s
-        if request.conversation is not None:
+        if request.conversation is not None and self.prefix_cache:
             self.cache[request.conversation] = request.prompt
         # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish())
         self.busy_until = end + self.costs.kv_handoff_ms(request.prompt) / 1e3
@@ -274,7 +275,7 @@ class DecodeServer:
             self.running -= 1
             self.reserved -= request.prompt + request.output
             self.context -= request.prompt + request.output
-            if request.conversation is not None:  # prompt and answer stay cached here, however it was prefilled
+            if request.conversation is not None and self.deployment.prefix_cache:  # however it was prefilled
                 self.cache[request.conversation] = request.prompt + request.output
             self.on_done(request)
         self.step += 1
@@ -333,7 +334,8 @@ class Cluster:
         self.deployment, self.traffic = deployment, traffic
         self.clock = Clock()
         serving = serving or Serving()
-        self.prefill = [PrefillServer(self.clock, costs, serving) for _ in range(deployment.prefill)]
+        self.prefill = [PrefillServer(self.clock, costs, serving, deployment.prefix_cache)
+                        for _ in range(deployment.prefill)]
         self.decode = [DecodeServer(i, self.clock, costs, deployment, serving, self.prefill, self._done)
                        for i in range(deployment.decode)]
         self.requests: list[SimRequest] = []

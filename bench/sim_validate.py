@@ -66,16 +66,25 @@ def conversations(spec: LoadSpec) -> Conversations:
 AUTO_BEFORE = {"auto_local_tokens": 512, "auto_idle_local_tokens": 2048, "auto_remote_backlog_tokens": 32768}
 
 
-def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None) -> Deployment:
+def _prefix_cache(summary: dict[str, Any], servers: list[str], name: str) -> bool:
+    """Whether the run's decode servers kept their prefix caches: from their recorded command lines, or, for a
+    run recorded without them, bench.load --cache-compare's name for the server without one."""
+    ports = {t.rsplit(":", 1)[-1] for t in summary["targets"]}
+    own = [s for s in servers if s.rsplit("--port ", 1)[-1].split()[0] in ports]
+    return not all("--no-prefix-cache" in s for s in own) if own else name != "no-prefix-cache"
+
+
+def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cache: bool = True) -> Deployment:
     mode, targets = summary["mode"], len(summary["targets"])
     if mode == "auto":
         t = auto or AUTO_BEFORE
         return Deployment(prefill=targets, decode=targets, mode=mode, auto_local_tokens=t["auto_local_tokens"],
                           auto_idle_local_tokens=t["auto_idle_local_tokens"],
-                          auto_remote_backlog_tokens=t["auto_remote_backlog_tokens"])
+                          auto_remote_backlog_tokens=t["auto_remote_backlog_tokens"], prefix_cache=cache)
     if mode == "disaggregated":
-        return Deployment(prefill=targets, decode=targets, mode=mode)
-    return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512)
+        return Deployment(prefill=targets, decode=targets, mode=mode, prefix_cache=cache)
+    return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512,
+                      prefix_cache=cache)
 
 
 def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
@@ -95,11 +104,18 @@ def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
         return
     if "params" in record:
         spec, commit = _spec(record["params"]), str(record["commit"])
-        slo = Slo(record["params"].get("slo_ttft_ms"), record["params"].get("slo_itl_ms"))
         transport = record.get("kv_transport") or _transport(record.get("command", ""))
         for name, summary in record["runs"].items():
-            deployment = _deployment(summary, record.get("auto_thresholds"))
-            yield RecordedRun(file, commit, name, spec, slo, deployment, transport, summary)
+            # a run merged into the file (bench.load --merge) carries its own parameters and provenance
+            own = summary.get("recorded", {})
+            params = summary.get("params", record["params"])
+            run_spec = _spec(params) if "params" in summary else spec
+            run_slo = Slo(params.get("slo_ttft_ms"), params.get("slo_itl_ms"))
+            servers = own.get("servers", []) if "recorded" in summary else record.get("servers", [])
+            cache = _prefix_cache(summary, servers, name)
+            deployment = _deployment(summary, record.get("auto_thresholds"), cache)
+            yield RecordedRun(file, str(own.get("commit", commit)), name, run_spec, run_slo, deployment, transport,
+                              summary)
     if isinstance(record.get("previous"), dict):
         yield from _records(record["previous"], file)
 

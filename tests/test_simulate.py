@@ -126,3 +126,21 @@ def test_validation_rows_cover_every_recorded_load_run() -> None:
     assert {r["metric"] for r in rows} == {"goodput_rps", "ttft_ms.p50", "itl_ms.p99"}
     for row in rows:
         assert row["rel_error"] == pytest.approx((row["simulated"] - row["measured"]) / row["measured"], abs=1e-4)
+
+
+def test_merged_runs_are_replayed_with_their_own_load_and_cache() -> None:
+    """bench.load --merge keeps each run's own parameters: the cache comparison replays as four-turn
+    conversations, one decode server with its prefix cache and one without."""
+    runs = {(r.name, r.commit): r for r in recorded_runs(RESULTS) if r.file == "load-h200.json"}
+    cached, plain = runs["prefix-cache", "1b5989d"], runs["no-prefix-cache", "1b5989d"]
+    assert cached.spec.turns == plain.spec.turns == 4
+    assert cached.deployment.prefix_cache and not plain.deployment.prefix_cache
+    assert not runs["colocated", "c40eebd"].deployment.prefix_cache  # its server had --no-prefix-cache
+
+
+def test_without_the_prefix_cache_later_turns_prefill_everything() -> None:
+    spec = dataclasses.replace(LOAD, rate=1.0, background_users=0)
+    off = simulate(Deployment(0, 1, "colocated", prefix_cache=False), COSTS, spec, SERVING, CHAT)
+    on = simulate(Deployment(0, 1, "colocated"), COSTS, spec, SERVING, CHAT)
+    assert all(r.cached == 0 for r in off.requests)
+    assert any(r.cached > 0 for r in on.requests if r.turn > 0)
