@@ -135,10 +135,10 @@ class RequestSpec:
         return self.key, self.at, self.output_len, tuple(self.token_ids.tolist())
 
 
-def id_relabelling(spec: LoadSpec) -> np.ndarray:
-    """The map from drawn token ids to sent ones: the identity, or a permutation drawn from (seed, id_salt)."""
+def id_relabelling(spec: LoadSpec) -> np.ndarray | None:
+    """The map from drawn token ids to sent ones: a permutation drawn from (seed, id_salt); None without a salt."""
     if not spec.id_salt:
-        return np.arange(PROMPT_ID_LIMIT, dtype=np.int32)
+        return None
     return np.random.default_rng([spec.seed, spec.id_salt]).permutation(PROMPT_ID_LIMIT).astype(np.int32)
 
 
@@ -159,7 +159,8 @@ class BackgroundUser:
         key = f"bg{self.index}.{self.sent}"
         self.sent += 1
         prompt = _prompt(self.rng, self.prompt_len.sample(self.rng))
-        return RequestSpec(key, "background", 0.0, self.relabel[prompt], self.output_len.sample(self.rng))
+        sent = prompt if self.relabel is None else self.relabel[prompt]
+        return RequestSpec(key, "background", 0.0, sent, self.output_len.sample(self.rng))
 
 
 @dataclass
@@ -209,8 +210,7 @@ def build_plan(spec: LoadSpec) -> LoadPlan:
     turns_seed = ids_seed.spawn(1)[0]  # a child stream: the arrivals' own draws stay as they were
     arrivals = plan_arrivals(spec, np.random.default_rng(times_seed), np.random.default_rng(ids_seed),
                              np.random.default_rng(turns_seed))
-    if spec.id_salt:
-        relabel = id_relabelling(spec)
+    if (relabel := id_relabelling(spec)) is not None:
         arrivals = [dataclasses.replace(a, token_ids=relabel[a.token_ids], later_turns=tuple(
                         Turn(relabel[t.message], t.output_len) for t in a.later_turns)) for a in arrivals]
     return LoadPlan(spec, arrivals, users)

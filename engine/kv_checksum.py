@@ -57,10 +57,10 @@ class LayerChecksums:
     stream of their own: they run under the later layers' compute, and only the last layer's is left
     when the prefill ends. Equal to `layer_checksums` over the same tokens once every layer is done."""
 
-    def __init__(self, pool: KVPool, block_table: list[int], num_tokens: int, start: int = 0) -> None:
-        self.pool = pool
-        self.first, self.count = pool.table_start(block_table, num_tokens, start), num_tokens - start
-        self.slots = None if self.first is not None else pool.slots(block_table, start, num_tokens)
+    def __init__(self, pool: KVPool, slots: torch.Tensor, first: int | None = None) -> None:
+        """`slots`: the sent tokens' slots in wire order (as the KV sender has them); `first`: where they start
+        in the pool when they are one run, read in place."""
+        self.pool, self.slots, self.first = pool, slots, first
         self.stream = verify_stream(pool.device)
         self.sums: list[torch.Tensor] = []
 
@@ -76,10 +76,7 @@ class LayerChecksums:
             self.sums.append(self._one(layer))
 
     def _one(self, layer: int) -> torch.Tensor:
-        if self.first is not None:  # one run of slots: read in place
-            return layer_checksums_of(self.pool.run(layer, self.first, self.count)[None])
-        assert self.slots is not None
-        return layer_checksums_of(self.pool.read(layer, self.slots)[None])
+        return layer_checksums_of(self.pool.read(layer, self.slots, self.first)[None])
 
     def result(self) -> list[int]:
         """Every layer's checksum (the host waits for the last)."""

@@ -151,8 +151,9 @@ class PrefillWorker:
             raise TransferCancelled
         runner = self.runner
         n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
-        sender = self._sender(job, runner.pool.slots(job.block_table, skip, n))
-        checks = LayerChecksums(runner.pool, job.block_table, n, skip) if job.kv_checksums else None
+        slots = runner.pool.slots(job.block_table, skip, n)
+        sender = self._sender(job, slots)
+        checks = LayerChecksums(runner.pool, slots, job.send_start(runner.pool)) if job.kv_checksums else None
 
         def layer_done(layer: int) -> None:
             if job.cancelled.is_set() and sender.cancellable:

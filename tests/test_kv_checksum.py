@@ -99,7 +99,7 @@ def test_the_gpu_gives_the_cpus_checksums(scattered: bool) -> None:
     torch.cuda._sleep(50_000_000)
     assert layer_checksums_on_own_stream(gpu_pool, cpu_table, TOKENS) == layer_checksums(cpu_pool, cpu_table, TOKENS)
     # the prefill side's, layer by layer behind the engine's stream
-    checks = LayerChecksums(gpu_pool, cpu_table, TOKENS)
+    checks = LayerChecksums(gpu_pool, gpu_pool.slots(cpu_table, 0, TOKENS), gpu_pool.table_start(cpu_table, TOKENS))
     for layer in range(LAYOUT.num_layers):
         torch.cuda._sleep(1_000_000)
         checks.layer_done(layer)
@@ -112,11 +112,12 @@ def test_layer_by_layer_checksums_equal_the_whole_prompts(block_size: int, scatt
     prompt's checksums, skipped tokens (the decode side's cached prefix) included."""
     data = kv()
     pool, table = pool_with(data, block_size, scattered)
-    checks = LayerChecksums(pool, table, TOKENS, start)
+    slots, first = pool.slots(table, start, TOKENS), pool.table_start(table, TOKENS, start)
+    checks = LayerChecksums(pool, slots, first)
     for layer in range(LAYOUT.num_layers):
         checks.layer_done(layer)
     assert checks.result() == layer_checksums(pool, table, TOKENS, start)
-    partial = LayerChecksums(pool, table, TOKENS, start)
+    partial = LayerChecksums(pool, slots, first)
     partial.layer_done(0)
     with pytest.raises(RuntimeError, match="checksums of 1 layers"):
         partial.result()
