@@ -20,6 +20,7 @@ the simulator's prediction (--prediction), plotted with --plot.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -156,15 +157,12 @@ def main() -> None:
 
 
 def auto_thresholds(args: argparse.Namespace) -> dict[str, int]:
-    """The decode servers' mode-auto thresholds in this run: their defaults, as --decode-args leave them."""
-    from decode_server.config import DecodeConfig
+    """The decode servers' mode-auto thresholds in this run, read from --decode-args by the decode server's own
+    parser."""
+    from decode_server.__main__ import parse_config
 
-    words, cfg = args.decode_args.split(), DecodeConfig()
-    out = {}
-    for name in ("auto_local_tokens", "auto_idle_local_tokens", "auto_remote_backlog_tokens"):
-        flag = "--" + name.replace("_", "-")
-        out[name] = int(words[words.index(flag) + 1]) if flag in words else getattr(cfg, name)
-    return out
+    thresholds = parse_config(args.decode_args.split())[0].placement_thresholds
+    return {f"auto_{name}": value for name, value in dataclasses.asdict(thresholds).items()}
 
 
 def describe(args: argparse.Namespace, servers: list[Server]) -> str:

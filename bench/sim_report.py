@@ -13,7 +13,7 @@ from bench.sim_costs import RESULTS, Costs
 from bench.sim_metrics import simulate, summarize
 from bench.sim_plan import MIXES, deployments, goodput, plan, prefill_counts
 from bench.sim_traffic import Conversations
-from bench.sim_validate import calibrate, recorded_runs
+from bench.sim_validate import calibrate, conversations, recorded_runs
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
 
@@ -123,8 +123,7 @@ def _predicted_load(load_args: str | None) -> tuple[LoadSpec, Conversations]:
     from client.load import build_parser, load_spec
 
     spec = load_spec(build_parser().parse_args(shlex.split(load_args)))
-    turns = Conversations(turns=str(spec.turns), new_tokens=spec.turn_prompt_len or spec.prompt_len, finish=True)
-    return spec, turns
+    return spec, conversations(spec)
 
 
 def _predict_mix() -> Any:
