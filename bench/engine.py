@@ -35,7 +35,8 @@ def weight_bytes(runner: ModelRunner) -> int:
     return sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if not n.startswith("embed"))
 
 
-def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> tuple[float, float | None]:
+    """The median host-timed step, and the GPU time of the step's graph alone (`graph_replay_ms`)."""
     pool = runner.pool
     tables = [pool.allocator.allocate(pool.blocks_needed(context + steps + 8)) for _ in range(batch)]
     try:
@@ -52,10 +53,27 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) ->
             logits, greedy = runner.decode(seqs)
             last = sample(logits, params, [step] * batch, greedy).tolist()
             times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[5:])
+        return statistics.median(times[5:]), graph_replay_ms(runner, batch)
     finally:
         for table in tables:
             pool.allocator.free(table)
+
+
+def graph_replay_ms(runner: ModelRunner, batch: int, replays: int = 20) -> float | None:
+    """The GPU time of one decode step alone: the batch's graph replayed back to back (each replay
+    redoes the last step's metadata), timed by device events. The step time less this is what the
+    host adds between steps. None without CUDA graphs."""
+    if runner.graphs is None:
+        return None
+    graph = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> list[dict[str, Any]]:
@@ -190,16 +208,20 @@ def main() -> None:
            "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up,
-           "decode_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {}, "prefill_ms": {}, "prefill_floor_ms": {},
+           "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
+           "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
-    print(f"{'decode batch':>12} {'step ms':>9} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
+    print(f"{'decode batch':>12} {'step ms':>9} {'GPU ms':>7} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
     for batch in args.batches:
-        ms = decode_step_ms(runner, batch, args.context, args.steps)
+        ms, gpu_ms = decode_step_ms(runner, batch, args.context, args.steps)
+        doc["decode_gpu_ms"][str(batch)] = rounded(gpu_ms)
         floor = (wbytes + batch * (args.context + 1) * runner.layout.bytes_per_token) / (hbm * 1e9) * 1e3
         doc["decode_ms"][str(batch)] = round(ms, 3)
         doc["decode_floor_ms"][str(batch)] = round(floor, 3)
         doc["decode_tok_per_s"][str(batch)] = round(batch / ms * 1e3, 1)
-        print(f"{batch:>12} {ms:>9.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}", flush=True)
+        gpu = float("nan") if gpu_ms is None else gpu_ms
+        print(f"{batch:>12} {ms:>9.3f} {gpu:>7.3f} {floor:>9.3f} {floor / ms:>6.0%} {batch / ms * 1e3:>9,.0f}",
+              flush=True)
     print(f"{'prefill len':>12} {'ms':>9} {'floor ms':>9} {'of peak':>7} {'held floor':>10} {'of held':>7}")
     for n in args.prefill_lens:
         ms, power = prefill_ms(runner, n, PREFILL_REPEATS)

@@ -58,8 +58,8 @@ def main() -> None:
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
     if args.sweep:
-        configs = [GemvConfig(n, k, w, s) for n, k, w, s in
-                   itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
+        configs = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in
+                   itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
     rows_out = []
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]
@@ -80,6 +80,8 @@ def main() -> None:
                 continue
             best: tuple[float, GemvConfig | None] | None = None
             for cfg in configs:
+                if cfg is not None and k % (cfg.split_k * cfg.block_k):
+                    continue
                 try:
                     got = gemv(x, weights[0], biases[0], cfg)
                     err = (got.float() - ref[0].float()).abs().max().item()

@@ -138,6 +138,47 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
 
 
+def test_split_k_gemv_is_deterministic_in_graphs_and_fuses_silu_mul() -> None:
+    """Split K: the partial sums are added in split order by whichever program comes last, so
+    every call (eager, graphed, replayed many times, beside another stream's calls) gives the same
+    bits; the counts are back at zero after each call. Gated: SiLU(gate) * up inside the kernel
+    equals silu_mul then the kernel, bit for bit."""
+    from engine.kernels import gemv as g
+    from engine.kernels.fused import silu_mul
+
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    down = torch.randn(3584, 18944, dtype=torch.bfloat16, device=dev) * 18944**-0.5
+    qkv = torch.randn(4608, 3584, dtype=torch.bfloat16, device=dev) * 3584**-0.5
+    bias = torch.randn(4608, dtype=torch.bfloat16, device=dev)
+    assert g.config_for(down).split_k > 1 and g.config_for(qkv).split_k > 1
+    x = torch.randn(16, 3584, dtype=torch.bfloat16, device=dev)
+    gu = torch.randn(16, 2 * 18944, dtype=torch.bfloat16, device=dev)
+    want_qkv, want_down = g.gemv(x, qkv, bias), g.gemv(silu_mul(gu), down)
+    ref = torch.nn.functional.linear(x.float(), qkv.float(), bias.float())
+    assert rel_err(want_qkv, ref) < 1e-2
+    assert torch.equal(g.gemv(gu, down, gated=True), want_down)
+    one = g.GemvConfig(g.config_for(qkv).block_n, g.config_for(qkv).block_k)  # the same tile, K unsplit
+    assert rel_err(g.gemv(x, qkv, bias, one), ref) < 1e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        g.gemv(x, qkv, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out_qkv = g.gemv(x[:3], qkv, bias)
+        out_down = g.gemv(gu[:3], down, gated=True)
+    side = torch.cuda.Stream()
+    for _ in range(50):
+        graph.replay()
+        with torch.cuda.stream(side):  # another stream's split-K calls at the same time
+            g.gemv(x, qkv, bias)
+        assert torch.equal(out_qkv, want_qkv[:3]) and torch.equal(out_down, want_down[:3])
+    torch.cuda.synchronize()
+    assert all(int(c.count_nonzero()) == 0 for c in g._counts.values())
+
+
 def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMM with SiLU·mul in its epilogue gives the unfused path's values (cuBLAS gate/up,
     then the SiLU·mul kernel) bit for bit, on ragged row and column counts where TMA pads loads and

@@ -2,9 +2,15 @@
 
 At batch 1-16 a decode step's projections are pure weight streaming. cuBLAS picks split-K
 kernels for the narrower ones (qkv, o_proj), reaching about two thirds of HBM bandwidth and
-adding a reduce kernel; this kernel gives each program a strip of output columns and the whole
-K loop, so one pass reads W once with no reduce. Rows past M are zero padding of the MMA tile,
-so a row's result does not depend on how many other rows ride along (tested).
+adding a reduce kernel. Here each program gives a strip of output columns a slice of the K loop;
+the narrow shapes split K so that every SM streams weights (qkv has 72 column strips for 132
+SMs). A split's partial sums go to a float32 workspace, and the strip's last program to finish
+(an atomic count) adds them in split order, so the result is deterministic with no second kernel.
+Rows past M are zero padding of the MMA tile, so a row's result does not depend on how many
+other rows ride along (tested).
+
+`gated`: x is a gate/up projection [M, 2K] and the operand is SiLU(gate) * up, rounded as
+`engine.kernels.fused.silu_mul` rounds it, so the MLP's down projection needs no separate kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16
+MAX_STRIPS = 1 << 14  # column strips a split-K call may have (N / block_n)
 
 
 @dataclass(frozen=True)
@@ -24,58 +31,113 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 6
+    split_k: int = 1  # programs along K per column strip
 
 
 # Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md). Chosen by the weight's
 # shape only, never by the row count, so a row's result is the same at every batch size.
-WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)  # gate_up, lm_head
-TALL = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)  # qkv: a few more columns than K
-SQUARE = GemvConfig()                                                  # o_proj, down
+WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)                # gate_up, lm_head
+TALL = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4)     # qkv: a few more columns than K
+SQUARE = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4)   # o_proj
+DEEP = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4)     # down: K several times N
 
 
 def config_for(weight: torch.Tensor) -> GemvConfig:
     n, k = weight.shape
-    return WIDE if n >= 4 * k else TALL if n > k else SQUARE
+    cfg = WIDE if n >= 4 * k else TALL if n > k else SQUARE if n == k else DEEP
+    if k % (cfg.split_k * cfg.block_k):  # a shape the split does not divide: one program per strip
+        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return cfg
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, M, N, K, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    strip = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    k_begin = split * K_SPLIT
+    x_ptrs = X + offs_m[:, None] * s_xm + k_begin + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (checked by the caller)
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
+        if GATED:
+            g = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+            u = tl.load(x_ptrs + K + k0, mask=m_ok[:, None], other=0.0)
+            gf = g.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    last = True
+    if SPLIT_K > 1:
+        mn_ok = m_ok[:, None] & n_ok[None, :]
+        part = PARTIAL + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + split * BLOCK_M * N, acc, mask=mn_ok)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        arrived = tl.atomic_add(COUNTS + strip, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        if last:  # the strip's other splits are in: sum all in split order, whoever came last
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+_counts: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _strip_counts(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counts of the current stream: zero between calls (each strip's last program
+    resets its own). One buffer per stream, since kernels on one stream never overlap, while a
+    partitioned prefill's on another stream may run beside the decode step's."""
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream)
+    counts = _counts.get(key)
+    if counts is None:
+        counts = _counts[key] = torch.zeros(MAX_STRIPS, dtype=torch.int32, device=device)
+    return counts
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """16-bit operands only: the tiles are sized for them (float32 ones overflow shared memory at
     the 7B shape), and Triton would round float32 through TF32 where cuBLAS does not."""
+    k = weight.shape[1]
+    cfg = config_for(weight)
     return (x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS and x.shape[1] % config_for(weight).block_k == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1)
+            and x.shape[0] <= MAX_ROWS and x.shape[1] == (2 * k if gated else k) and k % cfg.block_k == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1 and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_STRIPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
+         cfg: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype. With `gated`,
+    x is [M, 2K] (gate, up) and the product is SiLU(gate) * up times W^T."""
     cfg = cfg or config_for(weight)
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
+    assert k % (cfg.split_k * cfg.block_k) == 0, f"K={k} is not a multiple of split_k x block_k in {cfg}"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    strips = triton.cdiv(n, cfg.block_n)
+    partial = counts = out
+    if cfg.split_k > 1:
+        partial = torch.empty(cfg.split_k, MAX_ROWS, n, dtype=torch.float32, device=x.device)
+        counts = _strip_counts(x.device)
+    _gemv_kernel[(strips, cfg.split_k)](
+        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
