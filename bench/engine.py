@@ -6,7 +6,9 @@ run into its power limit (a 32k prefill takes a second and runs at that limit, w
 and SM clock it ran at printed beside it: `bench.gpu_power`).
 
 Decode: every sequence has a real 1,024-token prefilled context; a step is what the decode
-server runs (metadata upload, graph replay, greedy tokens read back), timed by the host clock.
+server runs (metadata upload, graph replay, greedy tokens read back, each step queued before the
+last one's tokens are read unless --no-overlap-steps), timed by the host clock; beside it, the
+step's graph alone timed on the device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine.decode_batch import DecodeSeq
+from engine.host_read import TokenReader
 from engine.offline import make_runner
 from engine.ops import KernelOptions
 from engine.runner import ModelRunner
@@ -35,8 +38,11 @@ def weight_bytes(runner: ModelRunner) -> int:
     return sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if not n.startswith("embed"))
 
 
-def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> tuple[float, float | None]:
-    """The median host-timed step, and the GPU time of the step's graph alone (`graph_replay_ms`)."""
+def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int,
+                   overlap: bool = True) -> tuple[float, float | None]:
+    """The median host-timed step, and the GPU time of the step's graph alone (`graph_replay_ms`).
+    `overlap`: as the decode server runs by default, each step is queued before the last one's
+    tokens are read back, its rows taking those tokens on the device."""
     pool = runner.pool
     tables = [pool.allocator.allocate(pool.blocks_needed(context + steps + 8)) for _ in range(batch)]
     try:
@@ -44,17 +50,29 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) ->
         prompts = [torch.randint(0, runner.config.vocab_size, (context,), generator=gen).tolist() for _ in tables]
         for prompt, table in zip(prompts, tables, strict=True):
             runner.prefill(prompt, table, 0)
+        readers = [TokenReader(runner.device, batch) for _ in range(2)]
         last = [1] * batch
+        previous: torch.Tensor | None = None
         times = []
         params = [SamplingParams()] * batch
         for step in range(steps + 5):
-            seqs = [DecodeSeq(last[i], context + step, tables[i]) for i in range(batch)]
             t0 = time.perf_counter()
-            logits, greedy = runner.decode(seqs)
-            last = sample(logits, params, [step] * batch, greedy).tolist()
+            if previous is None:
+                seqs = [DecodeSeq(last[i], context + step, tables[i]) for i in range(batch)]
+            else:
+                seqs = [DecodeSeq(0, context + step, tables[i], i) for i in range(batch)]
+            logits, greedy = runner.decode(seqs, previous)
+            tokens = sample(logits, params, [step] * batch, greedy)
+            readers[step % 2].start(tokens)
+            if not overlap:
+                last = readers[step % 2].take()
+            elif previous is not None:
+                last = readers[(step - 1) % 2].take()
+            previous = tokens if overlap else None
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times[5:]), graph_replay_ms(runner, batch)
     finally:
+        torch.cuda.synchronize()
         for table in tables:
             pool.allocator.free(table)
 
@@ -180,6 +198,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--min-decode-bucket", type=int, default=1)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-overlap-steps", action="store_true",
+                   help="read each step's tokens back before queuing the next (the decode server's --no-overlap-steps)")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
@@ -205,7 +225,8 @@ def main() -> None:
            "bf16_tflops_sustained": round(held, 1), "sustained_matmul_power": as_json(held_power),
            "sustained_matmul_pj_per_flop": rounded(held_pj),
            "weight_bytes": wbytes,
-           "cuda_graphs": not args.no_cuda_graphs, "min_decode_bucket": args.min_decode_bucket,
+           "cuda_graphs": not args.no_cuda_graphs, "overlap_steps": not args.no_overlap_steps,
+           "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up,
            "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
@@ -213,7 +234,7 @@ def main() -> None:
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
     print(f"{'decode batch':>12} {'step ms':>9} {'GPU ms':>7} {'floor ms':>9} {'of BW':>6} {'tok/s':>9}")
     for batch in args.batches:
-        ms, gpu_ms = decode_step_ms(runner, batch, args.context, args.steps)
+        ms, gpu_ms = decode_step_ms(runner, batch, args.context, args.steps, overlap=not args.no_overlap_steps)
         doc["decode_gpu_ms"][str(batch)] = rounded(gpu_ms)
         floor = (wbytes + batch * (args.context + 1) * runner.layout.bytes_per_token) / (hbm * 1e9) * 1e3
         doc["decode_ms"][str(batch)] = round(ms, 3)

@@ -16,13 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, write_json
-from engine.kernels.fused import silu_mul
 from engine.kernels.gemv import MAX_ROWS, GemvConfig, config_for, gemv
 
 SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
-          "down": (3584, 18944, False), "lm_head": (152064, 3584, False),
-          "down_gated": (3584, 18944, False)}  # the down projection taking the gate/up output (gemv's `gated`)
-GATED = {"down_gated"}
+          "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
 
 
 def graph_us(calls: list[Callable[[], torch.Tensor]], replays: int = 20) -> float:
@@ -70,13 +67,11 @@ def main() -> None:
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(copies)]
         biases = [torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None for _ in range(copies)]
         floor_us = n * k * 2 / (hbm * 1e9) * 1e6
-        gated = name in GATED
         for m in args.rows:
-            x = torch.randn(m, 2 * k if gated else k, dtype=torch.bfloat16, device=dev)
-            dense = silu_mul(x) if gated else x
-            ref = [F.linear(dense, w, b) for w, b in zip(weights, biases, strict=True)]
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            ref = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
             pairs = list(zip(weights, biases, strict=True))
-            cublas = graph_us([partial(F.linear, dense, w, b) for w, b in pairs])  # gated: the product alone
+            cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
             if m > MAX_ROWS:  # the engine sends these rows through cuBLAS only
                 print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
                       f"({floor_us / cublas:4.0%})", flush=True)
@@ -88,9 +83,9 @@ def main() -> None:
                 if cfg is not None and k % (cfg.split_k * cfg.block_k):
                     continue
                 try:
-                    got = gemv(x, weights[0], biases[0], cfg, gated)
+                    got = gemv(x, weights[0], biases[0], cfg)
                     err = (got.float() - ref[0].float()).abs().max().item()
-                    us = graph_us([partial(gemv, x, w, b, cfg, gated) for w, b in pairs])
+                    us = graph_us([partial(gemv, x, w, b, cfg) for w, b in pairs])
                 except Exception as e:  # a tile that does not fit this GPU's shared memory
                     print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
                     continue

@@ -70,7 +70,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     partitions, prefill_sms = open_partitions(cfg, runner.device)
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
                                die_after_steps=faults.engine_die_after_steps, partitions=partitions,
-                               prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type))
+                               prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type),
+                               overlap_steps=cfg.overlap_steps)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None

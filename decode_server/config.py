@@ -72,6 +72,9 @@ class DecodeConfig(ServerConfig):
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
     cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
+    overlap_steps: bool = field(default=True, metadata=opt(
+        "queue each decode step before the last one's tokens are read back, so the GPU does not wait for the "
+        "host between steps"))
     prefill_timeout_s: float = field(default=120.0, metadata=opt(
         "longest a remote prefill + KV transfer may take before the request fails UNAVAILABLE"))
     tls_ca: str | None = field(default=None, metadata=opt("PEM CA bundle that signed the prefill servers' TLS "

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -57,6 +57,18 @@ class LayeredPrefill:
 
 
 @dataclass
+class _StepInFlight:
+    """A decode step queued on the device whose tokens are not yet read back (overlapped steps)."""
+
+    seqs: list[Sequence]          # its rows, in order
+    tokens: torch.Tensor          # its sampled tokens on the device: the next step's inputs
+    reader: TokenReader
+    started: float
+    rows: dict[int, int] = field(default_factory=dict)          # id(seq) -> row
+    release_after: list[Sequence] = field(default_factory=list)  # blocks it still writes: freed once it is done
+
+
+@dataclass
 class _Arrival:
     seq: Sequence
     first_token: int | None  # sampled by a prefill server; None: prefill here
@@ -65,10 +77,12 @@ class _Arrival:
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
                  layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
-                 partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False) -> None:
+                 partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False,
+                 overlap_steps: bool = True) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
         steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
-        local prefill path once before `start` returns (engine.warmup)."""
+        local prefill path once before `start` returns (engine.warmup). `overlap_steps`: queue each
+        decode step before the last one's tokens are read back (see `_decode_step`)."""
         self.runner = runner
         self.warm_up = warm_up
         self.admission = admission
@@ -94,7 +108,13 @@ class BatchScheduler:
         self.steps = 0
         self._handovers = 0  # remote prefills whose first token may be handed over (expect_handover)
         self._handover_lock = threading.Lock()
-        self._tokens = TokenReader(runner.device, max(1, max_batch_size))  # used on the engine thread only
+        # used on the engine thread only: first tokens, and two for decode steps (one may be in flight)
+        self._tokens = TokenReader(runner.device, max(1, max_batch_size))
+        self._step_readers = [TokenReader(runner.device, max(1, max_batch_size)) for _ in range(2)]
+        self.overlap_steps = overlap_steps
+        self._in_flight: _StepInFlight | None = None
+        self._launched = 0
+        self._tokens_at = 0.0  # when the last decode step's tokens were read back
 
     # --- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
@@ -146,6 +166,11 @@ class BatchScheduler:
         return None if self.partitioned is None else self.partitioned.partitions.check(num_sms)
 
     @property
+    def step_in_flight(self) -> bool:
+        """An overlapped decode step is queued whose tokens (and held blocks) the loop has yet to take."""
+        return self._in_flight is not None
+
+    @property
     def num_waiting(self) -> int:
         return self._inbox.qsize() + len(self.prefilling) + len(self.ready) + len(self.in_partition)
 
@@ -165,6 +190,9 @@ class BatchScheduler:
             self._wake_readers()  # tokens already out, a last one among them
             with self._submit_lock:
                 self.failed = e
+            if self._in_flight is not None:
+                for seq in self._in_flight.release_after:
+                    self.admission.release(seq)
             stranded = [*self.prefilling, *self.ready, *self.running]
             self.prefilling.clear()
             self.ready.clear()
@@ -243,9 +271,18 @@ class BatchScheduler:
             if self.admission.cache.enabled:
                 written = seq.written_tokens()
                 self.admission.cache.publish(written, seq.block_table, len(written))
-            self.admission.release(seq)
+            self._release(seq)
             return True
         return False
+
+    def _release(self, seq: Sequence) -> None:
+        """A running sequence leaves: its blocks go back, once no queued step writes them any more (an
+        overlapped step in flight writes one more token of it, which nobody reads)."""
+        step = self._in_flight
+        if step is not None and id(seq) in step.rows:
+            step.release_after.append(seq)
+        else:
+            self.admission.release(seq)
 
     def _prompt_done(self, seq: Sequence, token: int, step_s: float, now: float) -> None:
         """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve
@@ -263,11 +300,11 @@ class BatchScheduler:
                 self.admission.release(seq)
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self.running.remove(seq)
-            self.admission.release(seq)
+            self._release(seq)
 
     def step(self) -> None:
         # schedule
-        idle = not (self.prefilling or self.ready or self.running)
+        idle = not (self.prefilling or self.ready or self.running or self._in_flight)
         self._take_inbox(wait_s=0.5 if idle else 0.0)
         self._drop_cancelled()
         while self.ready and len(self.running) < self.max_batch_size:
@@ -280,7 +317,7 @@ class BatchScheduler:
             else:
                 self._prefill_piece(head)
             self._wake_readers()  # the first token leaves before the decode step runs
-        if self.running:
+        if self.running or self._in_flight is not None:
             self._decode_step()
             self._wake_readers()
         if self.die_after_steps is not None and self.steps >= self.die_after_steps:
@@ -367,18 +404,57 @@ class BatchScheduler:
         self._prompt_done(seq, token, elapsed, now)
 
     def _decode_step(self) -> None:
-        seqs = self.running
+        """One decode step for the running sequences. Overlapped: the step is queued before the
+        previous step's tokens are read back, its rows taking those tokens on the device, so the GPU
+        never waits while the host reads tokens and prepares the next step's metadata (vLLM's
+        async scheduling, SGLang's overlap scheduler). The cost: a sequence that ends on a stop or
+        EOS token has one more row computed in the step queued meanwhile, which nobody reads."""
+        previous, self._in_flight = self._in_flight, None
+        if not self.overlap_steps:
+            if self.running:
+                self._read_step(self._launch(self.running, None))
+            return
+        # a sequence whose length ends it with the previous step's token has no next step
+        seqs = [s for s in self.running
+                if previous is None or id(s) not in previous.rows or len(s.tokens) + 1 < s.max_new_tokens]
+        if seqs:
+            self._in_flight = self._launch(seqs, previous)
+        if previous is not None:
+            self._read_step(previous)
+
+    def _launch(self, seqs: list[Sequence], previous: _StepInFlight | None) -> _StepInFlight:
+        """Queue a decode step of `seqs` and the read-back of its tokens; a sequence in `previous`
+        takes its input token from that step's tokens, still on the device."""
         t0 = time.perf_counter()
-        batch = [DecodeSeq(s.tokens[-1], len(s.prompt) + len(s.tokens) - 1, s.block_table) for s in seqs]
-        logits, greedy = self.runner.decode(batch)
-        self._tokens.start(sample(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs], greedy))
-        while self._handovers and not self._tokens.ready():
+        rows = previous.rows if previous is not None else {}
+        batch, indices = [], []
+        for s in seqs:
+            row = rows.get(id(s), -1)
+            produced = len(s.tokens) + (row >= 0)  # its tokens once `previous` is read
+            batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
+            indices.append(produced)
+        logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
+        tokens = sample(logits, [s.params for s in seqs], indices, greedy)
+        self._launched += 1
+        reader = self._step_readers[self._launched % 2]  # the other may hold the step in flight
+        reader.start(tokens)
+        return _StepInFlight(seqs, tokens, reader, t0, {id(s): i for i, s in enumerate(seqs)})
+
+    def _read_step(self, step: _StepInFlight) -> None:
+        """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it
+        ended on the step before, or was cancelled) is dropped."""
+        while self._handovers and not step.reader.ready():
             self._take_inbox(wait_s=HANDOVER_POLL_S)  # a handed-over first token leaves now, not after the step
-        tokens = self._tokens.take()
+        tokens = step.reader.take()
         now = time.perf_counter()
-        elapsed = now - t0
+        elapsed = now - max(step.started, self._tokens_at)  # from the later of its launch and the last tokens out
+        self._tokens_at = now
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)
-        finished = [seq for seq, token in zip(seqs, tokens, strict=True) if self._append(seq, token, elapsed, now)]
-        for seq in finished:
-            self.running.remove(seq)
+        for seq in step.release_after:
+            self.admission.release(seq)
+        live = {id(s) for s in self.running}
+        finished = {id(seq) for seq, token in zip(step.seqs, tokens, strict=True)
+                    if id(seq) in live and not seq.finish_reason and self._append(seq, token, elapsed, now)}
+        if finished:
+            self.running = [s for s in self.running if id(s) not in finished]

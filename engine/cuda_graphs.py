@@ -14,8 +14,9 @@ import time
 
 import torch
 
+from engine import ops
 from engine.attention import DecodeMeta
-from engine.decode_batch import DecodeSeq, TableRows, table_width, write_meta
+from engine.decode_batch import DecodeSeq, TableRows, sources, table_width, write_meta
 from engine.kv_cache import KVPool
 from engine.model import DecoderModel
 
@@ -36,19 +37,21 @@ class DecodeGraphs:
         self.block_size = pool.layout.block_size
         self.buckets = bucket_sizes(max_batch, min(min_bucket, max_batch))
         dev, n, nb = pool.device, max_batch, -(-max_model_len // self.block_size)
-        # One int32 buffer: ids, positions, new slots, context lengths [4, n], the tables' row
+        # One int32 buffer: ids, positions, new slots, context lengths, source rows [5, n], the tables' row
         # length `width`, then the block tables packed row-major [b, width], width being the longest
         # table of the step. A step uploads one contiguous prefix of its pinned twin (a strided or
         # pageable copy would stage through the driver and cost tens of microseconds of host time);
         # the attention kernel reads the row stride from the device.
-        self.staging = torch.zeros(4 * n + 1 + n * nb, dtype=torch.int32, device=dev)
-        self.staging_host = torch.zeros(4 * n + 1 + n * nb, dtype=torch.int32, pin_memory=True)
-        self.ids, self.positions, self.slots, self.lens = self.staging[:4 * n].view(4, n).unbind(0)
-        self.width = self.staging[4 * n:4 * n + 1]
-        self.tables = self.staging[4 * n + 1:].view(n, nb)  # nominal shape; rows are `width` apart
+        self.staging = torch.zeros(5 * n + 1 + n * nb, dtype=torch.int32, device=dev)
+        self.staging_host = torch.zeros(5 * n + 1 + n * nb, dtype=torch.int32, pin_memory=True)
+        self.ids, self.positions, self.slots, self.lens, self.sources = self.staging[:5 * n].view(5, n).unbind(0)
+        self.width = self.staging[5 * n:5 * n + 1]
+        self.tables = self.staging[5 * n + 1:].view(n, nb)  # nominal shape; rows are `width` apart
         self._host = self.staging_host.numpy()
         self._meta_np = self._host[:4 * n].reshape(4, n)
+        self._sources_np = self._host[4 * n:5 * n]
         self._table_rows = TableRows()
+        self._uploaded = torch.cuda.Event()  # the last step's staging copy is done: the pinned buffer is free
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -80,13 +83,18 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, V] and greedy tokens [n] of one decode step (device tensors)."""
+    def run(self, seqs: list[DecodeSeq], previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] and greedy tokens [n] of one decode step (device tensors); rows with a
+        `source_row` take their token from `previous`, the last step's tokens on the device."""
         n = len(seqs)
         b = self.bucket_for(n)
+        self._uploaded.synchronize()  # at once in practice: that copy ran before the step whose tokens were read
         meta = self._meta_np
         width = table_width(seqs, self.block_size)
-        off = 4 * self.max_batch
+        off = 5 * self.max_batch
+        rows = sources(seqs)
+        if rows is not None:
+            self._sources_np[:n] = rows
         self._host[off] = width
         tables = self._host[off + 1:off + 1 + b * width].reshape(b, width)
         write_meta(seqs, self.block_size, meta)
@@ -94,8 +102,11 @@ class DecodeGraphs:
         meta[:, n:b] = 0  # padding rows: reserved block 0, one token
         meta[3, n:b] = 1
         tables[n:b, 0] = 0
-        # the previous step's copy finished: its tokens were read back before this step began
         upload = off + 1 + b * width
         self.staging[:upload].copy_(self.staging_host[:upload], non_blocking=True)
+        self._uploaded.record()
+        if rows is not None:
+            assert previous is not None, "a row takes its token from the previous step: pass that step's tokens"
+            ops.feed_tokens(self.ids[:n], self.sources[:n], previous)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]

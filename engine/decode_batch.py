@@ -14,6 +14,14 @@ class DecodeSeq:
     token: int              # the last sampled token, whose KV this step writes
     position: int           # its position in the sequence
     block_table: list[int]
+    source_row: int = -1    # >= 0: the token is that row of the previous step's tokens, still on the
+    #                         device (the step was launched before they were read back); `token` unused
+
+
+def sources(seqs: list[DecodeSeq]) -> np.ndarray | None:
+    """Each row's `source_row`, or None when every token is given."""
+    rows = np.fromiter((s.source_row for s in seqs), dtype=np.int64, count=len(seqs))
+    return rows if (rows >= 0).any() else None
 
 
 def table_width(seqs: list[DecodeSeq], block_size: int) -> int:

@@ -62,17 +62,6 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> t
     return F.linear(x, layer.weight, layer.bias)
 
 
-def mlp(x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
-    """down(SiLU(x W_gate^T) * (x W_up^T)). Decode-sized rows apply the SiLU·mul inside the skinny
-    down projection (one kernel fewer a layer; the same rounding as `silu_mul`)."""
-    if kernels.skinny_gemv and _fast(x) and x.shape[0] <= _gemv.MAX_ROWS:
-        gu = linear(x, gate_up, kernels)
-        if _gemv.supports(gu, down.weight, gated=True):
-            return _gemv.gemv(gu, down.weight, down.bias, gated=True)
-        return linear(silu_mul(gu), down, kernels)
-    return linear(gate_up_silu(x, gate_up, kernels), down, kernels)
-
-
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
     if (kernels.fused_gate_up and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
@@ -123,3 +112,13 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if rows is not None and rows > t:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, rows - t)) for x in (q, k, v))
     return q, k, v
+
+
+def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
+    """A decode step's input tokens taken from the previous step's sampled ones on the device:
+    ids[i] = previous[sources[i]] where sources[i] >= 0 (the rest were given by the host)."""
+    if _fast(ids):
+        _fused.feed_tokens(ids, sources, previous)
+        return
+    fed = previous[sources.clamp(min=0)].to(ids.dtype)
+    ids.copy_(torch.where(sources >= 0, fed, ids))

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from engine import ops
 from engine.attention import DecodeMeta, PrefillMeta, prepare_prefill_plans
 from engine.cuda_graphs import DecodeGraphs
-from engine.decode_batch import DecodeSeq, table_width, write_rows
+from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 
@@ -107,11 +108,13 @@ class ModelRunner:
         ids = long_tensor(token_ids).to(self.device, non_blocking=True)
         return ids, torch.arange(start, end, device=self.device), meta
 
-    def decode(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B]."""
+    def decode(self, seqs: list[DecodeSeq], previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for every sequence: float32 logits [B, V] and greedy tokens [B].
+        `previous`: the last step's sampled tokens on the device, which rows with a `source_row`
+        take as their input (the step is queued before those tokens are read back)."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self.graphs.run(seqs)
-        return self.decode_eager(seqs)
+            return self.graphs.run(seqs, previous)
+        return self.decode_eager(seqs, previous)
 
     def decode_meta_tensors(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, ...]:
         """Host-built (ids, positions, new_slots, block_tables, context_lens) for `seqs`; the block
@@ -123,9 +126,14 @@ class ModelRunner:
         out = (ids, positions, slots, torch.from_numpy(tables), lens.to(torch.int32))
         return tuple(t.pin_memory() for t in out) if self.device.type == "cuda" else out
 
-    def decode_eager(self, seqs: list[DecodeSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_eager(self, seqs: list[DecodeSeq], previous: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         ids, positions, slots, tables, lens = (t.to(self.device, non_blocking=True)
                                                for t in self.decode_meta_tensors(seqs))
+        rows = sources(seqs)
+        if rows is not None:
+            assert previous is not None, "a row takes its token from the previous step: pass that step's tokens"
+            ops.feed_tokens(ids, torch.from_numpy(rows).to(self.device, non_blocking=True), previous)
         max_context = max(s.position for s in seqs) + 1
         meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
         logits = self.model(ids, positions, self.pool, meta)

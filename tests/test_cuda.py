@@ -138,13 +138,11 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
 
 
-def test_split_k_gemv_is_deterministic_in_graphs_and_fuses_silu_mul() -> None:
+def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     """Split K: the partial sums are added in split order by whichever program comes last, so
     every call (eager, graphed, replayed many times, beside another stream's calls) gives the same
-    bits; the counts are back at zero after each call. Gated: SiLU(gate) * up inside the kernel
-    equals silu_mul then the kernel, bit for bit."""
+    bits; the counts are back at zero after each call."""
     from engine.kernels import gemv as g
-    from engine.kernels.fused import silu_mul
 
     torch.manual_seed(3)
     dev = torch.device("cuda")
@@ -153,11 +151,11 @@ def test_split_k_gemv_is_deterministic_in_graphs_and_fuses_silu_mul() -> None:
     bias = torch.randn(4608, dtype=torch.bfloat16, device=dev)
     assert g.config_for(down).split_k > 1 and g.config_for(qkv).split_k > 1
     x = torch.randn(16, 3584, dtype=torch.bfloat16, device=dev)
-    gu = torch.randn(16, 2 * 18944, dtype=torch.bfloat16, device=dev)
-    want_qkv, want_down = g.gemv(x, qkv, bias), g.gemv(silu_mul(gu), down)
+    xd = torch.randn(16, 18944, dtype=torch.bfloat16, device=dev)
+    want_qkv, want_down = g.gemv(x, qkv, bias), g.gemv(xd, down)
     ref = torch.nn.functional.linear(x.float(), qkv.float(), bias.float())
     assert rel_err(want_qkv, ref) < 1e-2
-    assert torch.equal(g.gemv(gu, down, gated=True), want_down)
+    assert rel_err(want_down, torch.nn.functional.linear(xd.float(), down.float())) < 1e-2
     one = g.GemvConfig(g.config_for(qkv).block_n, g.config_for(qkv).block_k)  # the same tile, K unsplit
     assert rel_err(g.gemv(x, qkv, bias, one), ref) < 1e-2
     stream = torch.cuda.Stream()
@@ -168,7 +166,7 @@ def test_split_k_gemv_is_deterministic_in_graphs_and_fuses_silu_mul() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         out_qkv = g.gemv(x[:3], qkv, bias)
-        out_down = g.gemv(gu[:3], down, gated=True)
+        out_down = g.gemv(xd[:3], down)
     side = torch.cuda.Stream()
     for _ in range(50):
         graph.replay()
@@ -407,7 +405,8 @@ def test_layered_prefill_between_graph_steps_keeps_every_token() -> None:
     submit("a", a_prompt, 40, PrefillMode.COLOCATED)
     scheduler.step()
     submit("b", b_prompt, 10, PrefillMode.LAYERED)
-    while scheduler.running or scheduler.ready or scheduler.prefilling or scheduler.num_waiting:
+    while (scheduler.running or scheduler.ready or scheduler.prefilling or scheduler.num_waiting
+           or scheduler.step_in_flight):
         scheduler.step()
     loop.close()
     events = {name: [o.token_id for o in seq.out.taken() if isinstance(o, TokenOutput)] for name, seq in seqs.items()}

@@ -32,7 +32,8 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 def scheduler(runner: ModelRunner, loop: asyncio.AbstractEventLoop, layer_slice_tokens: int) -> BatchScheduler:
     return BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4,
-                          layer_slice_tokens=layer_slice_tokens)
+                          layer_slice_tokens=layer_slice_tokens,
+                          overlap_steps=False)  # each step's token counted as it is sampled
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -60,7 +61,7 @@ class Seen:
 
 
 def busy(s: BatchScheduler) -> bool:
-    return bool(s.running or s.prefilling or s.ready or s.num_waiting)
+    return bool(s.running or s.prefilling or s.ready or s.num_waiting or s.step_in_flight)
 
 
 @pytest.mark.parametrize("layers_per_slice", [1, 3])

@@ -56,7 +56,7 @@ class Gated(Unconfined):
 def started(runner: ModelRunner, loop: asyncio.AbstractEventLoop, gate: Gated) -> BatchScheduler:
     """A scheduler with its partitioned-prefill thread running (the test drives `step` itself)."""
     s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=gate,
-                       prefill_sms=64)
+                       prefill_sms=64, overlap_steps=False)  # each step's token counted as it is sampled
     assert s.partitioned is not None
     gate.go.set()  # the thread's start-up enters the partition once
     s.partitioned.start()

@@ -139,8 +139,9 @@ def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runne
     async def main() -> tuple[list[int], int, int]:
         core = core_for(runner)
         scheduler = core.scheduler
-        reader = HeldReader(runner)
-        scheduler._tokens = reader
+        reader, twin = HeldReader(runner), HeldReader(runner)  # decode steps alternate two readers
+        twin.armed, twin.held, twin.released = reader.armed, reader.held, reader.released
+        scheduler._step_readers = [reader, twin]
         b = Sequence("b", b_prompt, 5, SamplingParams(), frozenset(), frozenset(), PrefillMode.DISAGGREGATED, 64)
         await core.admission.reserve(b)
         runner.prefill(b_prompt, b.block_table, 0)  # as a transfer would

@@ -130,3 +130,18 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4)
     return q, k, v
+
+
+@triton.jit
+def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    live = offs < N
+    src = tl.load(SOURCES + offs, mask=live, other=-1)
+    fed = tl.load(PREVIOUS + src, mask=live & (src >= 0), other=0)
+    tl.store(IDS + offs, fed.to(IDS.dtype.element_ty), mask=live & (src >= 0))
+
+
+def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
+    """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch."""
+    n = ids.shape[0]
+    _feed_tokens_kernel[(1,)](ids, sources, previous, n, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)

@@ -8,9 +8,6 @@ SMs). A split's partial sums go to a float32 workspace, and the strip's last pro
 (an atomic count) adds them in split order, so the result is deterministic with no second kernel.
 Rows past M are zero padding of the MMA tile, so a row's result does not depend on how many
 other rows ride along (tested).
-
-`gated`: x is a gate/up projection [M, 2K] and the operand is SiLU(gate) * up, rounded as
-`engine.kernels.fused.silu_mul` rounds it, so the MLP's down projection needs no separate kernel.
 """
 
 from __future__ import annotations
@@ -37,9 +34,9 @@ class GemvConfig:
 # Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md). Chosen by the weight's
 # shape only, never by the row count, so a row's result is the same at every batch size.
 WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)                # gate_up, lm_head
-TALL = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4)     # qkv: a few more columns than K
-SQUARE = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4)   # o_proj
-DEEP = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4)     # down: K several times N
+TALL = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=4)     # qkv: 12.0 us, 12.5 unsplit
+SQUARE = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)              # o_proj: splitting K is slower
+DEEP = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2)     # down: 35.8 us, 39.4 unsplit
 
 
 def config_for(weight: torch.Tensor) -> GemvConfig:
@@ -52,7 +49,7 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     strip = tl.program_id(0)
     split = tl.program_id(1)
@@ -66,14 +63,7 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
-        if GATED:
-            g = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            u = tl.load(x_ptrs + K + k0, mask=m_ok[:, None], other=0.0)
-            gf = g.to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-            x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-        else:
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
     last = True
@@ -111,20 +101,19 @@ def _strip_counts(device: torch.device) -> torch.Tensor:
     return counts
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """16-bit operands only: the tiles are sized for them (float32 ones overflow shared memory at
     the 7B shape), and Triton would round float32 through TF32 where cuBLAS does not."""
     k = weight.shape[1]
     cfg = config_for(weight)
     return (x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS and x.shape[1] == (2 * k if gated else k) and k % cfg.block_k == 0
+            and x.shape[0] <= MAX_ROWS and x.shape[1] == k and k % cfg.block_k == 0
             and x.stride(1) == 1 and weight.stride(1) == 1 and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_STRIPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype. With `gated`,
-    x is [M, 2K] (gate, up) and the product is SiLU(gate) * up times W^T."""
+         cfg: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
     cfg = cfg or config_for(weight)
     m = x.shape[0]
     n, k = weight.shape
@@ -138,6 +127,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(strips, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -86,14 +86,15 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
-                           table_stride: torch.Tensor | None = None) -> torch.Tensor:
+                           table_stride: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
     stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
-    overrides the tables' row stride. Shapes only, no host sync: safe inside a CUDA graph."""
+    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks. Shapes
+    only, no host sync: safe inside a CUDA graph."""
     batch, heads, dim = q.shape
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
-    splits = num_splits_for(batch, kv_heads)
+    splits = splits or num_splits_for(batch, kv_heads)
     partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)

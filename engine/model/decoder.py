@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
         else:
             attn = decode_attention(q, pool, layer, meta)
         h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
-        return x, ops.mlp(h, self.gate_up, self.down, kernels)
+        return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """q_norm and k_norm over each head of the fused projection, in place."""

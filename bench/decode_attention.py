@@ -1,0 +1,59 @@
+"""`python -m bench.decode_attention`: the paged decode attention kernel (`engine.kernels.paged_decode`)
+at Qwen2.5-7B's shape (28 query heads, 4 KV heads, head dim 128, blocks of 16 tokens), per batch
+size and context length, for each number of context splits, against HBM bandwidth; the split count
+the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over one KV
+layer per model layer (so nothing is served from L2), divided by the layer count."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from bench.common import measure_hbm_gbps, metadata, write_json
+from bench.gemv import graph_us
+from engine.kernels.paged_decode import num_splits_for, paged_decode_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_attention", description=__doc__)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--layers", type=int, default=8, help="KV layers cycled through (more than L2 holds)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda:0")
+    hbm = measure_hbm_gbps(dev)
+    print(f"HBM copy {hbm:.0f} GB/s")
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            blocks = -(-ctx // BLOCK)
+            layers = [torch.randn(2, batch * blocks * BLOCK + BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                                  device=dev) for _ in range(args.layers)]
+            tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            floor_us = batch * ctx * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
+            chosen = num_splits_for(batch, KV_HEADS)
+            for splits in args.splits:
+                us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits)
+                               for kv in layers])
+                mark = " <- engine" if splits == chosen else ""
+                print(f"ctx {ctx:>6} batch {batch:>3} splits {splits:>3}: {us:8.1f} us  floor {floor_us:7.1f} "
+                      f"({floor_us / us:4.0%}){mark}", flush=True)
+                rows.append({"context": ctx, "batch": batch, "splits": splits, "us": round(us, 2),
+                             "floor_us": round(floor_us, 2), "engine_choice": splits == chosen})
+            del layers
+            torch.cuda.empty_cache()
+    if args.json:
+        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
+                               "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
