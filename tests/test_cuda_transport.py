@@ -62,10 +62,12 @@ def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> No
 
 @pytest.mark.parametrize("transport", ["nccl", "cuda-ipc"])
 def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs: Path) -> None:
+    """Without the prefix cache, for the reason above: the disaggregated request after the restart
+    would find the colocated one's blocks."""
     needs(transport)
     metrics_port = free_port()
     prefill, decode = gpu_pair(transport, server_logs, ["--prefill-timeout-s", "20", "--metrics-port",
-                                                        str(metrics_port)])
+                                                        str(metrics_port)], prefix_cache=False)
 
     def decode_kv_idle() -> bool:
         m = scrape(metrics_port)
