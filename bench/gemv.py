@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, write_json
-from engine.kernels.gemv import MAX_ROWS, GemvConfig, config_for, gemv
+from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gemv
 
 SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
           "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
@@ -47,7 +47,7 @@ def graph_us(calls: list[Callable[[], torch.Tensor]], replays: int = 20) -> floa
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gemv", description=__doc__)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--layers", type=int, default=28, help="weight copies cycled through (lm_head: 4)")
     p.add_argument("--sweep", action="store_true", help="try every tile configuration, not only the default")
@@ -56,10 +56,10 @@ def main() -> None:
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
-    configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
-    if args.sweep:
-        configs = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in
-                   itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
+    narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
+              itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
+    wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
+            itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (1, 2))]
     rows_out = []
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]
@@ -72,7 +72,13 @@ def main() -> None:
             ref = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
             pairs = list(zip(weights, biases, strict=True))
             cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
-            if m > MAX_ROWS:  # the engine sends these rows through cuBLAS only
+            engine_cfg = config_for(weights[0], m)
+            configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
+            if args.sweep:
+                configs = list(narrow if m <= MAX_ROWS else wide)
+            elif engine_cfg is None:
+                configs = []
+            if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
                 print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
                       f"({floor_us / cublas:4.0%})", flush=True)
                 rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
@@ -94,7 +100,8 @@ def main() -> None:
                 if args.sweep:
                     print(f"  {name} m={m} {cfg}: {us:7.1f} us  max err {err:.3g}")
             assert best is not None
-            chosen = best[1] or config_for(weights[0])
+            chosen = best[1] or engine_cfg
+            assert chosen is not None
             print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
                   f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),

@@ -33,7 +33,7 @@ class KernelOptions:
     """Which of our own CUDA kernels replace cuBLAS where they apply; fixed when the model is built.
     The CPU path ignores them."""
 
-    skinny_gemv: bool = True     # decode-sized matmuls (at most 16 rows) through the Triton skinny kernel
+    skinny_gemv: bool = True     # decode-sized matmuls (up to 16 rows; 64 where tuned) through the Triton skinny kernel
     fused_gate_up: bool = True   # prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel
 
 

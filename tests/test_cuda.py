@@ -136,6 +136,14 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
         assert rel_err(full, ref) < 1e-2
         for m in (1, 2, 5, 15):
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
+    from engine.kernels.gemv import GemvConfig
+    w = torch.randn(3584, 18944, dtype=torch.bfloat16, device=dev) * 18944**-0.5
+    x = torch.randn(64, 18944, dtype=torch.bfloat16, device=dev)
+    for cfg in (GemvConfig(64, 128, 4, 3), GemvConfig(128, 64, 8, 4, 2)):  # the 64-row tile, K whole and split
+        full = gemv(x, w, None, cfg)
+        assert rel_err(full, torch.nn.functional.linear(x.float(), w.float())) < 1e-2
+        for m in (17, 33, 63):
+            assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
 
 
 def test_split_k_gemv_is_deterministic_in_graphs() -> None:
@@ -149,14 +157,15 @@ def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     down = torch.randn(3584, 18944, dtype=torch.bfloat16, device=dev) * 18944**-0.5
     qkv = torch.randn(4608, 3584, dtype=torch.bfloat16, device=dev) * 3584**-0.5
     bias = torch.randn(4608, dtype=torch.bfloat16, device=dev)
-    assert g.config_for(down).split_k > 1 and g.config_for(qkv).split_k > 1
+    down_cfg, qkv_cfg = g.config_for(down), g.config_for(qkv)
+    assert down_cfg is not None and qkv_cfg is not None and down_cfg.split_k > 1 and qkv_cfg.split_k > 1
     x = torch.randn(16, 3584, dtype=torch.bfloat16, device=dev)
     xd = torch.randn(16, 18944, dtype=torch.bfloat16, device=dev)
     want_qkv, want_down = g.gemv(x, qkv, bias), g.gemv(xd, down)
     ref = torch.nn.functional.linear(x.float(), qkv.float(), bias.float())
     assert rel_err(want_qkv, ref) < 1e-2
     assert rel_err(want_down, torch.nn.functional.linear(xd.float(), down.float())) < 1e-2
-    one = g.GemvConfig(g.config_for(qkv).block_n, g.config_for(qkv).block_k)  # the same tile, K unsplit
+    one = g.GemvConfig(qkv_cfg.block_n, qkv_cfg.block_k)  # the same tile, K unsplit
     assert rel_err(g.gemv(x, qkv, bias, one), ref) < 1e-2
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
+WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
 MAX_STRIPS = 1 << 14  # column strips a split-K call may have (N / block_n)
 
 
@@ -39,9 +40,26 @@ SQUARE = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)         
 DEEP = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2)     # down: 35.8 us, 39.4 unsplit
 
 
-def config_for(weight: torch.Tensor) -> GemvConfig:
+# Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.gemv --sweep --rows 64`);
+# a shape absent here stays with cuBLAS.
+WIDE_ROW_TILES: dict[str, GemvConfig] = {}
+
+
+def _shape_class(n: int, k: int) -> str:
+    return "wide" if n >= 4 * k else "tall" if n > k else "square" if n == k else "deep"
+
+
+def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
+    """The tile for `weight` at `rows` rows; None where cuBLAS does it better (or rows > WIDE_ROWS)."""
     n, k = weight.shape
-    cfg = WIDE if n >= 4 * k else TALL if n > k else SQUARE if n == k else DEEP
+    shape = _shape_class(n, k)
+    if rows > MAX_ROWS:
+        found = WIDE_ROW_TILES.get(shape) if rows <= WIDE_ROWS else None
+        if found is None:
+            return None
+        cfg = found
+    else:
+        cfg = {"wide": WIDE, "tall": TALL, "square": SQUARE, "deep": DEEP}[shape]
     if k % (cfg.split_k * cfg.block_k):  # a shape the split does not divide: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
@@ -105,28 +123,32 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """16-bit operands only: the tiles are sized for them (float32 ones overflow shared memory at
     the 7B shape), and Triton would round float32 through TF32 where cuBLAS does not."""
     k = weight.shape[1]
-    cfg = config_for(weight)
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS and x.shape[1] == k and k % cfg.block_k == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1 and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_STRIPS)
+    cfg = config_for(weight, x.shape[0]) if x.dim() == 2 else None
+    return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
+            and x.shape[1] == k and k % cfg.block_k == 0 and x.stride(1) == 1 and weight.stride(1) == 1
+            and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_STRIPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
-    cfg = cfg or config_for(weight)
+    """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype. Rows 1-16 run
+    in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class."""
     m = x.shape[0]
+    assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
+    cfg = cfg or config_for(weight, m)
+    assert cfg is not None, f"no tile for {tuple(weight.shape)} at {m} rows: cuBLAS does these"
     n, k = weight.shape
     assert k % (cfg.split_k * cfg.block_k) == 0, f"K={k} is not a multiple of split_k x block_k in {cfg}"
+    block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
     partial = counts = out
     if cfg.split_k > 1:
-        partial = torch.empty(cfg.split_k, MAX_ROWS, n, dtype=torch.float32, device=x.device)
+        partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
         counts = _strip_counts(x.device)
     _gemv_kernel[(strips, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
