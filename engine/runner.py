@@ -56,11 +56,21 @@ class ModelRunner:
                              "--max-model-len")
         self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
         self.use_kernel = device.type == "cuda"
+        if device.type == "cuda":  # compiled now, not at a request's second token
+            self._warm_feed_tokens()
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
+
+    def _warm_feed_tokens(self) -> None:
+        """Compile `ops.feed_tokens` for the CUDA graphs' int32 staging and the eager path's int64 rows."""
+        with torch.cuda.device(self.device):  # Triton launches on the thread's current device
+            previous = torch.zeros(2, dtype=torch.long, device=self.device)
+            for dtype in (torch.int32, torch.long):
+                ops.feed_tokens(torch.zeros(2, dtype=dtype, device=self.device),
+                                torch.tensor([-1, 0], dtype=dtype, device=self.device), previous)
 
     def bind_thread(self) -> None:
         """Make this thread's current CUDA device the runner's (Triton launches on the current one)."""

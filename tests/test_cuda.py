@@ -146,6 +146,20 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
 
 
+def test_feed_tokens_takes_the_previous_steps_tokens_at_every_batch_size() -> None:
+    from engine.kernels.fused import feed_tokens
+
+    dev = torch.device("cuda")
+    previous = torch.arange(1000, 1300, dtype=torch.long, device=dev)
+    for dtype in (torch.int32, torch.long):
+        for n in (1, 2, 17, 300):
+            ids = torch.full((n,), 7, dtype=dtype, device=dev)
+            sources = torch.tensor([-1 if i % 3 == 0 else (i * 7) % 300 for i in range(n)], dtype=dtype, device=dev)
+            feed_tokens(ids, sources, previous)
+            want = torch.where(sources >= 0, previous[sources.clamp(min=0)].to(dtype), 7)
+            assert torch.equal(ids, want)
+
+
 def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     """Split K: the partial sums are added in split order by whichever program comes last, so
     every call (eager, graphed, replayed many times, beside another stream's calls) gives the same

@@ -132,16 +132,22 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return q, k, v
 
 
-@triton.jit
+FEED_BLOCK = 128
+
+
+# N is not specialized (Triton would compile apart for N == 1): a batch growing from one sequence
+# to two must not stop the engine thread for a compile.
+@triton.jit(do_not_specialize=["N"])
 def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    live = offs < N
-    src = tl.load(SOURCES + offs, mask=live, other=-1)
-    fed = tl.load(PREVIOUS + src, mask=live & (src >= 0), other=0)
-    tl.store(IDS + offs, fed.to(IDS.dtype.element_ty), mask=live & (src >= 0))
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        live = offs < N
+        src = tl.load(SOURCES + offs, mask=live, other=-1)
+        fed = tl.load(PREVIOUS + src, mask=live & (src >= 0), other=0)
+        tl.store(IDS + offs, fed.to(IDS.dtype.element_ty), mask=live & (src >= 0))
 
 
 def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
-    """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch."""
-    n = ids.shape[0]
-    _feed_tokens_kernel[(1,)](ids, sources, previous, n, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)
+    """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch; one compiled kernel for
+    every batch size (per dtype of ids and sources)."""
+    _feed_tokens_kernel[(1,)](ids, sources, previous, ids.shape[0], BLOCK=FEED_BLOCK, num_warps=4)
