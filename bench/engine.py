@@ -201,6 +201,7 @@ def main() -> None:
     p.add_argument("--no-overlap-steps", action="store_true",
                    help="read each step's tokens back before queuing the next (the decode server's --no-overlap-steps)")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
+    p.add_argument("--no-pdl", action="store_true", help="our kernels without programmatic dependent launch")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
     p.add_argument("--json", default="bench/results/engine-h200.json")
@@ -210,7 +211,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
-    kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up)
+    kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
+                            pdl=not args.no_pdl)
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
@@ -228,7 +230,7 @@ def main() -> None:
            "cuda_graphs": not args.no_cuda_graphs, "overlap_steps": not args.no_overlap_steps,
            "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
-           "fused_gate_up": kernels.fused_gate_up,
+           "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
            "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
            "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}

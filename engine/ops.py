@@ -14,9 +14,11 @@ import torch.nn.functional as F
 try:
     from engine.kernels import fused as _fused
     from engine.kernels import gemv as _gemv
+    from engine.kernels import launch as _launch
 except ImportError:  # no Triton: CPU-only installs
     _fused = None  # type: ignore[assignment]
     _gemv = None  # type: ignore[assignment]
+    _launch = None  # type: ignore[assignment]
 try:
     from engine.kernels import gate_up_silu as _gate_up
 except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hopper language
@@ -35,9 +37,16 @@ class KernelOptions:
 
     skinny_gemv: bool = True     # decode-sized matmuls (up to 16 rows; 64 where tuned) through the Triton skinny kernel
     fused_gate_up: bool = True   # prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel
+    pdl: bool = True             # our kernels with programmatic dependent launch on Hopper (engine.kernels.launch)
 
 
 ALL_KERNELS = KernelOptions()
+
+
+def apply_launch_options(kernels: KernelOptions) -> None:
+    """Launch options that hold for the process (one model in it): programmatic dependent launch."""
+    if _launch is not None:
+        _launch.set_enabled(kernels.pdl)
 
 
 def _fast(t: torch.Tensor) -> bool:

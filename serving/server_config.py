@@ -73,11 +73,13 @@ class ServerConfig:
         "run every path a request can take once before serving (kernel compiles, attention plans, the "
         "allocator's largest blocks), each stage timed in the log; auto: on with a GPU, off on the CPU",
         choices=("auto", "on", "off")))
-    skinny_gemv: bool = field(default=True, metadata=opt("decode-sized matmuls (at most 16 rows) through our "
+    skinny_gemv: bool = field(default=True, metadata=opt("decode-sized matmuls (16 rows, 64 where tuned) through our "
                                                           "Triton kernel rather than cuBLAS (GPU only)"))
     fused_gate_up: bool = field(default=True, metadata=opt("prefill-sized MLPs as one Gluon kernel (gate/up "
                                                             "GEMM with SiLU·mul) rather than cuBLAS then "
                                                             "SiLU·mul (Hopper GPUs only)"))
+    pdl: bool = field(default=True, metadata=opt("launch our kernels with programmatic dependent launch, each "
+                                                 "scheduled while the one before drains (Hopper GPUs only)"))
 
     def warms_up(self, device_type: str) -> bool:
         return self.warm_up == "on" or (self.warm_up == "auto" and device_type == "cuda")

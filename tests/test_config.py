@@ -19,7 +19,8 @@ def test_kernel_flags_reach_every_layer() -> None:
 
     for flags, expected in (([], KernelOptions()),
                             (["--no-skinny-gemv"], KernelOptions(skinny_gemv=False)),
-                            (["--no-fused-gate-up"], KernelOptions(fused_gate_up=False))):
+                            (["--no-fused-gate-up"], KernelOptions(fused_gate_up=False)),
+                            (["--no-pdl"], KernelOptions(pdl=False))):
         cfg, _ = parse_config(["--device", "cpu", "--preset", "tiny", *flags])
         model = build_runner(cfg, "decode", 1, False, 0.0).model
         assert model.kernels == expected

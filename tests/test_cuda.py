@@ -320,6 +320,23 @@ def test_graph_tokens_equal_eager(batch: int) -> None:
     assert graphed == eager
 
 
+def test_programmatic_dependent_launch_changes_no_token() -> None:
+    """Our kernels launched with PDL (each waits for the one before it) give the tokens of plain
+    stream order, graphed and eager; on a GPU before Hopper both runs are plain."""
+    from engine.kernels import launch
+    from engine.offline import generate, make_runner
+    from engine.ops import KernelOptions
+
+    prompts = [[(i * 7 + j * 13) % 256 for i in range(20 + 15 * j)] for j in range(20)]
+    kwargs = dict(preset="tiny", device="cuda:0", dtype=torch.bfloat16, max_batch_size=32, max_model_len=1024)
+    try:
+        runs = {pdl: [generate(make_runner(cuda_graphs=graphs, kernels=KernelOptions(pdl=pdl), **kwargs),  # type: ignore[arg-type]
+                               prompts, 30) for graphs in (True, False)] for pdl in (True, False)}
+    finally:
+        launch.set_enabled(True)
+    assert runs[True] == runs[False] and runs[True][0] == runs[True][1]
+
+
 def test_batch_invariant_buckets() -> None:
     """With the smallest graph bucket at 8, a sequence's tokens don't depend on its batch-mates."""
     from engine.offline import generate, make_runner

@@ -7,10 +7,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels import launch
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -30,12 +37,16 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     rows, n = x.shape
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                                  PDL=launch.enabled(), launch_pdl=launch.enabled())
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, INTER, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -51,7 +62,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
+                                                         PDL=launch.enabled(), launch_pdl=launch.enabled())
     return out
 
 
@@ -62,12 +74,15 @@ ROPE_BLOCK_T = 16  # tokens a program for prefills (`python -m bench.rope`)
 def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
                        s_qkv, s_kv_kind, s_kv_slot, s_kv_head, s_cos,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       WRITE_V: tl.constexpr, BLOCK_T: tl.constexpr):
+                       WRITE_V: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """One head of BLOCK_T tokens per program (one token's head alone is too little work: at 32k
     tokens a program per (token, head) ran at a quarter of the memory bandwidth). The head is the
     fastest-moving program id, so the programs of one token block run together and read its cos
     and sin rows from L2 after the first; only the tables' first halves are read, as the second
     halves repeat them (`RotaryTable`: cat(freqs, freqs))."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -128,7 +143,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     _rope_store_kernel[(num_heads + 2 * num_kv_heads, triton.cdiv(tokens, block_t))](
         qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
         kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4)
+        HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4,
+        PDL=launch.enabled(), launch_pdl=launch.enabled())
     return q, k, v
 
 
@@ -138,7 +154,10 @@ FEED_BLOCK = 128
 # N is not specialized (Triton would compile apart for N == 1): a batch growing from one sequence
 # to two must not stop the engine thread for a compile.
 @triton.jit(do_not_specialize=["N"])
-def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr):
+def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     for start in range(0, N, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         live = offs < N
@@ -150,4 +169,5 @@ def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr):
 def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
     """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch; one compiled kernel for
     every batch size (per dtype of ids and sources)."""
-    _feed_tokens_kernel[(1,)](ids, sources, previous, ids.shape[0], BLOCK=FEED_BLOCK, num_warps=4)
+    _feed_tokens_kernel[(1,)](ids, sources, previous, ids.shape[0], BLOCK=FEED_BLOCK, num_warps=4,
+                              PDL=launch.enabled(), launch_pdl=launch.enabled())

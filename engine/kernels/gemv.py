@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels import launch
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -72,7 +75,9 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 @triton.jit
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
     strip = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,6 +93,8 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
+    if PDL:
+        gdc_launch_dependents()
     last = True
     if SPLIT_K > 1:
         mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -154,5 +161,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, PDL=launch.enabled(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=launch.enabled())
     return out

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels import launch
 
 BLOCK_N = 64      # context tokens per inner step
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
@@ -23,7 +26,9 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
                   scale_log2,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr):
+                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     if STRIDE_ON_DEVICE:  # packed tables whose row length changes step to step (CUDA graphs)
@@ -57,6 +62,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if PDL:
+        gdc_launch_dependents()
     out_ptr = OUT + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
     tl.store(out_ptr, acc, mask=gmask[:, None])
     ml_ptr = ML + b * s_mb + heads * s_mh + split * s_ms
@@ -66,7 +73,10 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
 
 @triton.jit
 def _merge_kernel(OUT, ML, RESULT, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -109,8 +119,9 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, PDL=launch.enabled(), launch_pdl=launch.enabled())
     _merge_kernel[(batch, heads)](
         partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
-        ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4)
+        ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4,
+        PDL=launch.enabled(), launch_pdl=launch.enabled())
     return out

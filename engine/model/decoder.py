@@ -124,6 +124,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.kernels = kernels
+        ops.apply_launch_options(kernels)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

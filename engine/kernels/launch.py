@@ -1,0 +1,39 @@
+"""Programmatic dependent launch (Hopper and later) for the decode step's own kernels.
+
+A decode step at batch 1 is about 170 kernels of 2-70 µs; between two of them the GPU drains one
+grid, then launches and ramps up the next. Launched with PDL, a kernel's programs may be scheduled
+while the kernel before it on the stream finishes: each waits (`griddepcontrol.wait`: the previous
+grid complete, its writes visible) before it reads or writes anything, and lets the next kernel be
+scheduled once its own main loop is done. The wait makes the order what the stream's would be, so
+results do not change. CUDA graphs keep these edges when captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_enabled: bool | None = None
+
+
+def supported() -> bool:
+    """A Hopper (or later) GPU, and a Triton that launches with PDL."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return ("launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def enabled() -> bool:
+    """Whether kernels launch with PDL: on by default where it is supported."""
+    global _enabled
+    if _enabled is None:
+        _enabled = supported()
+    return _enabled
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn PDL off (or back on where supported) for kernels launched, or graphs captured, from now on."""
+    global _enabled
+    _enabled = flag and supported()
