@@ -183,6 +183,9 @@ class DecodeServer:
     busy: bool = False
     partition_until: float = 0.0
     join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
+    # running sequences by context less the step they joined at (the longest is on top; finished ones are
+    # dropped when they reach the top): the attention's cost follows the longest context
+    by_context: list[tuple[int, int, SimRequest]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.capacity = int(self.deployment.kv_cache_gb * 1e9 // KV_BYTES_PER_TOKEN)
@@ -242,6 +245,7 @@ class DecodeServer:
             request.join_step = self.step
             self.running += 1
             self.context += request.prompt + 1
+            heapq.heappush(self.by_context, (self.step - request.prompt - 1, id(request), request))
             self.finishing[self.step + request.output - 2].append(request)
             remote = request.where == "remote"
             steps = self.serving.remote_join_steps if remote else 1
@@ -256,9 +260,8 @@ class DecodeServer:
         admitted = self._admit()
         t = now + self._prefill_piece(now)
         if self.running:
-            step_ms = self.costs.decode_ms(self.running, self.context)
-            if self.partition_until > now:
-                step_ms *= self.slowdown
+            slowdown = self.slowdown if self.partition_until > now else 1.0
+            step_ms = self.costs.decode_ms(self.running, self.context, self._longest(), slowdown)
             host_ms = self.serving.step_host_ms_per_seq * self.running + admitted
             t += (step_ms + host_ms) / 1e3
             self._end_step(t)
@@ -266,6 +269,12 @@ class DecodeServer:
             self.busy = False  # idle until a request arrives or a prefill/handoff ends
             return
         self.clock.at(t, self._iteration)
+
+    def _longest(self) -> int:
+        """The longest running sequence's context at this step."""
+        while self.by_context[0][2].finished:
+            heapq.heappop(self.by_context)
+        return self.step - self.by_context[0][0]
 
     def _end_step(self, t: float) -> None:
         self.step_ends.append(t)
