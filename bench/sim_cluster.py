@@ -183,6 +183,7 @@ class DecodeServer:
     busy: bool = False
     partition_until: float = 0.0
     join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
+    inbox: deque[SimRequest] = field(default_factory=deque)  # prompts prefilled elsewhere, for the next iteration
     # running sequences by context less the step they joined at (the longest is on top; finished ones are
     # dropped when they reach the top): the attention's cost follows the longest context
     by_context: list[tuple[int, int, SimRequest]] = field(default_factory=list)
@@ -215,8 +216,21 @@ class DecodeServer:
         return "disaggregated" if where == REMOTE else d.auto_local
 
     def _kv_arrived(self, request: SimRequest) -> None:
-        request.first_token = self.clock.now
-        self._ready(request)
+        self._handover(request)
+
+    def _handover(self, request: SimRequest) -> None:
+        """A prompt prefilled off the engine thread (a prefill server's KV landed, or a partitioned prefill is
+        done) reaches the engine thread through its inbox, which it reads when an iteration begins: its first
+        token goes out then, after whatever prefill piece and decode step were under way."""
+        self.inbox.append(request)
+        self._wake()
+
+    def _take_inbox(self) -> None:
+        now = self.clock.now
+        while self.inbox:
+            request = self.inbox.popleft()
+            request.first_token = now
+            self._ready(request)
 
     def _ready(self, request: SimRequest) -> None:
         if request.output <= 1:
@@ -257,6 +271,7 @@ class DecodeServer:
 
     def _iteration(self) -> None:
         now = self.clock.now
+        self._take_inbox()
         admitted = self._admit()
         t = now + self._prefill_piece(now)
         if self.running:
@@ -300,12 +315,7 @@ class DecodeServer:
             head.done_tokens = request.cached
         new = request.prompt - request.cached
         if head.mode == "partitioned":
-            if self.partition_until <= now:
-                seconds = self._local_ms(new, request.cached) / self.partition_rate / 1e3
-                request.prefill_s = seconds
-                self.partition_until = now + seconds
-                self.prefilling.popleft()
-                self.clock.at(now + seconds, lambda: self._first_token(request))
+            self._to_partition(now)
             return 0.0
         if head.mode == "chunked":
             size = min(self.deployment.chunk_size, request.prompt - head.done_tokens)
@@ -327,6 +337,17 @@ class DecodeServer:
             self.prefilling.popleft()
             self.clock.at(now + ms / 1e3, lambda: self._first_token(request))
         return ms / 1e3
+
+    def _to_partition(self, now: float) -> None:
+        """Partitioned mode: the engine thread hands every waiting prompt to the prefill thread, which runs one
+        at a time on its share of the SMs, each as soon as the one before it is done."""
+        while self.prefilling:
+            request = self.prefilling.popleft().request
+            request.cached = cached_of(self.cache, request)
+            seconds = self._local_ms(request.prompt - request.cached, request.cached) / self.partition_rate / 1e3
+            request.prefill_s = seconds
+            self.partition_until = max(now, self.partition_until) + seconds
+            self.clock.at(self.partition_until, lambda r=request: self._handover(r))  # type: ignore[misc]
 
     def _local_ms(self, new: int, cached: int) -> float:
         return self.costs.local_prefill_ms(new, cached) + self.serving.local_call_ms

@@ -98,6 +98,19 @@ def test_a_long_history_slows_every_step_it_is_in() -> None:
     assert gaps[:19].min() > 1.4 * gaps[19:].max()  # all 16k tokens at HBM bandwidth would add 0.2 ms
 
 
+@pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "partitioned")],
+                         ids=lambda d: d.label())
+def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: Deployment) -> None:
+    """The engine thread reads its inbox when an iteration begins: a prompt prefilled off it (a prefill
+    server's KV, a partitioned prefill) has its first token go out at the end of the decode step that was
+    running when it was done, never in the middle of one."""
+    load = dataclasses.replace(LOAD, background_users=8, long_prompt_frac=0.0)
+    result = simulate(deployment, COSTS, load, SERVING)
+    ends = set(result.step_ends[0].tolist())
+    later = [r for r in result.requests if r.finished and r.first_token > 1.0]  # once the batch runs
+    assert later and sum(r.first_token in ends for r in later) >= 0.9 * len(later)
+
+
 def test_missing_results_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="restore bench/results"):
         fit_costs(tmp_path)
