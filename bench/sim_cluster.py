@@ -274,16 +274,20 @@ class DecodeServer:
         self._take_inbox()
         admitted = self._admit()
         t = now + self._prefill_piece(now)
-        if self.running:
+        stepped = self.running > 0
+        if stepped:
             slowdown = self.slowdown if self.partition_until > now else 1.0
             step_ms = self.costs.decode_ms(self.running, self.context, self._longest(), slowdown)
             host_ms = self.serving.step_host_ms_per_seq * self.running + admitted
             t += (step_ms + host_ms) / 1e3
-            self._end_step(t)
         if t == now:
             self.busy = False  # idle until a request arrives or a prefill/handoff ends
             return
+        # the next iteration is scheduled before the step's finished requests are reported at t: the engine
+        # thread goes straight on, and what a client sends in answer to a last token finds it under way
         self.clock.at(t, self._iteration)
+        if stepped:
+            self._end_step(t)
 
     def _longest(self) -> int:
         """The longest running sequence's context at this step."""
@@ -301,7 +305,7 @@ class DecodeServer:
             self.context -= request.prompt + request.output
             if request.conversation is not None and self.deployment.prefix_cache:  # however it was prefilled
                 self.cache[request.conversation] = request.prompt + request.output
-            self.on_done(request)
+            self.clock.at(t, lambda r=request: self.on_done(r))  # type: ignore[misc]  # when its last token is out
         self.step += 1
 
     def _prefill_piece(self, now: float) -> float:

@@ -111,6 +111,21 @@ def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: D
     assert later and sum(r.first_token in ends for r in later) >= 0.9 * len(later)
 
 
+def test_a_clients_next_request_finds_the_engine_under_way() -> None:
+    """A background user's next request leaves when its last one is done (its last token out), not before;
+    and a conversation's next turn, sent in answer to a last token, waits for the iteration the engine
+    began meanwhile: on a busy server its TTFT is longer than its prefill."""
+    spec = dataclasses.replace(LOAD, background_users=4)
+    result = simulate(Deployment(0, 1, "colocated"), COSTS, spec, SERVING, Conversations(turns="3", new_tokens="64"))
+    by_user: dict[int, list[SimRequest]] = {}
+    for r in result.requests:
+        if r.user is not None:
+            by_user.setdefault(r.user, []).append(r)
+    assert by_user and all(b.sent == a.done for rs in by_user.values() for a, b in zip(rs, rs[1:], strict=False))
+    later = [r for r in result.requests if r.turn > 0 and r.sent < spec.duration]
+    assert later and all(r.ttft > r.prefill_s for r in later)
+
+
 def test_missing_results_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="restore bench/results"):
         fit_costs(tmp_path)
