@@ -183,6 +183,10 @@ class DecodeServer:
     busy: bool = False
     partition_until: float = 0.0
     join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
+    inbox: deque[SimRequest] = field(default_factory=deque)  # prompts prefilled elsewhere, for the next iteration
+    # running sequences by context less the step they joined at (the longest is on top; finished ones are
+    # dropped when they reach the top): the attention's cost follows the longest context
+    by_context: list[tuple[int, int, SimRequest]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.capacity = int(self.deployment.kv_cache_gb * 1e9 // KV_BYTES_PER_TOKEN)
@@ -212,8 +216,21 @@ class DecodeServer:
         return "disaggregated" if where == REMOTE else d.auto_local
 
     def _kv_arrived(self, request: SimRequest) -> None:
-        request.first_token = self.clock.now
-        self._ready(request)
+        self._handover(request)
+
+    def _handover(self, request: SimRequest) -> None:
+        """A prompt prefilled off the engine thread (a prefill server's KV landed, or a partitioned prefill is
+        done) reaches the engine thread through its inbox, which it reads when an iteration begins: its first
+        token goes out then, after whatever prefill piece and decode step were under way."""
+        self.inbox.append(request)
+        self._wake()
+
+    def _take_inbox(self) -> None:
+        now = self.clock.now
+        while self.inbox:
+            request = self.inbox.popleft()
+            request.first_token = now
+            self._ready(request)
 
     def _ready(self, request: SimRequest) -> None:
         if request.output <= 1:
@@ -242,6 +259,7 @@ class DecodeServer:
             request.join_step = self.step
             self.running += 1
             self.context += request.prompt + 1
+            heapq.heappush(self.by_context, (self.step - request.prompt - 1, id(request), request))
             self.finishing[self.step + request.output - 2].append(request)
             remote = request.where == "remote"
             steps = self.serving.remote_join_steps if remote else 1
@@ -253,19 +271,29 @@ class DecodeServer:
 
     def _iteration(self) -> None:
         now = self.clock.now
+        self._take_inbox()
         admitted = self._admit()
         t = now + self._prefill_piece(now)
-        if self.running:
-            step_ms = self.costs.decode_ms(self.running, self.context)
-            if self.partition_until > now:
-                step_ms *= self.slowdown
+        stepped = self.running > 0
+        if stepped:
+            slowdown = self.slowdown if self.partition_until > now else 1.0
+            step_ms = self.costs.decode_ms(self.running, self.context, self._longest(), slowdown)
             host_ms = self.serving.step_host_ms_per_seq * self.running + admitted
             t += (step_ms + host_ms) / 1e3
-            self._end_step(t)
         if t == now:
             self.busy = False  # idle until a request arrives or a prefill/handoff ends
             return
+        # the next iteration is scheduled before the step's finished requests are reported at t: the engine
+        # thread goes straight on, and what a client sends in answer to a last token finds it under way
         self.clock.at(t, self._iteration)
+        if stepped:
+            self._end_step(t)
+
+    def _longest(self) -> int:
+        """The longest running sequence's context at this step."""
+        while self.by_context[0][2].finished:
+            heapq.heappop(self.by_context)
+        return self.step - self.by_context[0][0]
 
     def _end_step(self, t: float) -> None:
         self.step_ends.append(t)
@@ -277,7 +305,7 @@ class DecodeServer:
             self.context -= request.prompt + request.output
             if request.conversation is not None and self.deployment.prefix_cache:  # however it was prefilled
                 self.cache[request.conversation] = request.prompt + request.output
-            self.on_done(request)
+            self.clock.at(t, lambda r=request: self.on_done(r))  # type: ignore[misc]  # when its last token is out
         self.step += 1
 
     def _prefill_piece(self, now: float) -> float:
@@ -291,12 +319,7 @@ class DecodeServer:
             head.done_tokens = request.cached
         new = request.prompt - request.cached
         if head.mode == "partitioned":
-            if self.partition_until <= now:
-                seconds = self._local_ms(new, request.cached) / self.partition_rate / 1e3
-                request.prefill_s = seconds
-                self.partition_until = now + seconds
-                self.prefilling.popleft()
-                self.clock.at(now + seconds, lambda: self._first_token(request))
+            self._to_partition(now)
             return 0.0
         if head.mode == "chunked":
             size = min(self.deployment.chunk_size, request.prompt - head.done_tokens)
@@ -318,6 +341,17 @@ class DecodeServer:
             self.prefilling.popleft()
             self.clock.at(now + ms / 1e3, lambda: self._first_token(request))
         return ms / 1e3
+
+    def _to_partition(self, now: float) -> None:
+        """Partitioned mode: the engine thread hands every waiting prompt to the prefill thread, which runs one
+        at a time on its share of the SMs, each as soon as the one before it is done."""
+        while self.prefilling:
+            request = self.prefilling.popleft().request
+            request.cached = cached_of(self.cache, request)
+            seconds = self._local_ms(request.prompt - request.cached, request.cached) / self.partition_rate / 1e3
+            request.prefill_s = seconds
+            self.partition_until = max(now, self.partition_until) + seconds
+            self.clock.at(self.partition_until, lambda r=request: self._handover(r))  # type: ignore[misc]
 
     def _local_ms(self, new: int, cached: int) -> float:
         return self.costs.local_prefill_ms(new, cached) + self.serving.local_call_ms

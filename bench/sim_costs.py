@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from bench.sim_attention import ENGINE_CONTEXT, AttentionModel, attention_points
+
 RESULTS = Path(__file__).parent / "results"
 LAYERS = 28                      # Qwen2.5-7B, the preset every recorded run used
 KV_BYTES_PER_TOKEN = 57_344      # 28 layers x K and V x 4 KV heads x 128 x 2 bytes
-ENGINE_CONTEXT = 1024            # bench.engine's decode steps run at this context per sequence
 # Lab figures on one H200 (prefill matmuls confined to a share of the SMs beside decode steps):
 # SMs given to the prefill -> (decode step beside it, ms; prefill matmul rate as a share of the whole GPU's).
 PARTITION_ALONE_STEP_MS = 3.71
@@ -62,22 +63,25 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 
 def _engine_runs(results: Path) -> Iterator[dict[str, Any]]:
-    """Every recorded bench.engine run on one H200: the newest, its history, and each card of the two-GPU machine."""
+    """Every recorded bench.engine run on one H200 of the engine the recorded load runs were served by (its
+    history, and each card of the two-GPU machine). Runs with `overlap_steps` time a later engine (overlapped
+    steps, other kernels and attention splits) that served none of them, so the simulator leaves them out."""
     run: dict[str, Any] | None = _load("engine-h200.json", results)
     while run is not None:
-        yield run
+        if not run.get("overlap_steps"):
+            yield run
         run = run.get("previous")
     yield from _load("engine-2xh200.json", results)["runs"]
+
+
+def profiled_engine(results: Path = RESULTS) -> dict[str, Any]:
+    """The newest of those runs with a kernel profile (`bench.engine --profile`)."""
+    return next(run for run in _engine_runs(results) if "decode_profile" in run)
 
 
 def _scenario_rows(results: Path) -> Iterator[dict[str, Any]]:
     for name in ("scenario-h200.json", "scenario-2xh200.json", "scenario-layered-2xh200.json"):
         yield from _load(name, results)["rows"]
-
-
-def kv_read_ms(context_tokens: float, hbm_gbps: float) -> float:
-    """A decode step's attention reads every running sequence's whole KV once."""
-    return context_tokens * KV_BYTES_PER_TOKEN / (hbm_gbps * 1e9) * 1e3
 
 
 def layered_slices(tokens: int, slice_tokens: int = 32_768) -> int:
@@ -90,7 +94,8 @@ def layered_slices(tokens: int, slice_tokens: int = 32_768) -> int:
 class Costs:
     """Every duration the simulator charges, in milliseconds."""
 
-    decode: Fit        # step - KV read = d0 + d1 * batch
+    attention: Fit     # the split kernel, a layer: a0 us + the longest program's bytes * a1 us/byte
+    decode: Fit        # step - attention = d0 + d1 * batch
     prefill: Fit       # whole prompt: p0 + p1 * T + p2 * T^2
     chunk: Fit         # one chunk of c tokens after P cached/prefilled ones: k0 + k1 * c + k2 * c * (P + c / 2)
     layered: Fit       # a layered prefill: the whole prefill + l0 per slice
@@ -101,11 +106,22 @@ class Costs:
     hbm_gbps: float
 
     def fits(self) -> list[Fit]:
-        return [self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition, self.kv]
+        return [self.attention, self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition,
+                self.kv]
 
-    def decode_ms(self, batch: int, context_tokens: float) -> float:
+    @property
+    def attention_model(self) -> AttentionModel:
+        launch_us, us_per_byte = self.attention.params
+        return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), self.hbm_gbps)
+
+    def decode_ms(self, batch: int, context_tokens: float, longest: int, slowdown: float = 1.0) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` in all, the longest `longest`.
+
+        `slowdown` (a prefill beside the step on a share of the SMs) stretches the weight reads, which it
+        was measured on; the attention's longest program is bound by its own memory latency on one SM and
+        is left as it is."""
         d0, d1 = self.decode.params
-        return d0 + d1 * batch + kv_read_ms(context_tokens, self.hbm_gbps)
+        return slowdown * (d0 + d1 * batch) + self.attention_model.step_ms(batch, longest, context_tokens)
 
     def prefill_ms(self, tokens: int, cached: int = 0) -> float:
         """The engine's prefill of `tokens` new tokens; after a cached prefix it is priced as one chunk."""
@@ -140,12 +156,21 @@ class Costs:
         return max(0.0, self.kv_tail_ms - full_layer_ms) + per_layer_ms
 
 
-def fit_decode(results: Path, hbm_gbps: float) -> Fit:
-    rows = [(int(b), ms) for run in _engine_runs(results) for b, ms in run["decode_ms"].items()]
-    x = np.array([[1.0, b] for b, _ in rows])
-    y = np.array([ms - kv_read_ms(b * ENGINE_CONTEXT, hbm_gbps) for b, ms in rows])
-    fit = least_squares("decode step (d0 + d1*batch + KV read)", x, y)
-    return _requality(fit, x, y, offset=np.array([kv_read_ms(b * ENGINE_CONTEXT, hbm_gbps) for b, _ in rows]))
+def fit_attention(results: Path) -> Fit:
+    """The split kernel's time a layer against its longest program's bytes (bench.engine's profile)."""
+    x, y = attention_points(profiled_engine(results))
+    return least_squares("decode attention a layer (a0 + a1*bytes)", x, y)
+
+
+def fit_decode(results: Path, attention: AttentionModel) -> Fit:
+    """The step beyond its attention, over every engine run's batches (each run's graphs go up to its largest)."""
+    rows = [(int(b), ms, max(map(int, run["decode_ms"]))) for run in _engine_runs(results)
+            for b, ms in run["decode_ms"].items()]
+    attn = np.array([attention.step_ms(b, ENGINE_CONTEXT, b * ENGINE_CONTEXT, top) for b, _, top in rows])
+    x = np.array([[1.0, b] for b, _, _ in rows])
+    y = np.array([ms for _, ms, _ in rows]) - attn
+    fit = least_squares("decode step (d0 + d1*batch + attention)", x, y)
+    return _requality(fit, x, y, offset=attn)
 
 
 def _requality(fit: Fit, x: np.ndarray, y: np.ndarray, offset: np.ndarray) -> Fit:
@@ -162,9 +187,8 @@ def fit_prefill(results: Path) -> Fit:
     return least_squares("prefill (p0 + p1*T + p2*T^2)", x, np.array([ms for _, ms in rows]))
 
 
-def fit_chunk(results: Path, decode: Fit) -> Fit:
+def fit_chunk(results: Path, step_ms: float) -> Fit:
     """From the scenario: B's TTFT with chunks of c = its chunks plus A's one-sequence decode step after each."""
-    step_ms = decode.params[0] + decode.params[1]
     xs, ys = [], []
     for row in _scenario_rows(results):
         if row["mode"] != "chunked" or row["b_ttft_ms"] is None:
@@ -238,11 +262,15 @@ def fit_kv(results: Path, transport: str) -> tuple[Fit, float]:
 
 
 def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
-    engine = _load("engine-h200.json", results)
+    engine = profiled_engine(results)
     hbm = float(engine["hbm_gbps_measured"])
-    prefill, decode = fit_prefill(results), fit_decode(results, hbm)
+    attention = fit_attention(results)
+    launch_us, us_per_byte = attention.params
+    model = AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm)
+    prefill, decode = fit_prefill(results), fit_decode(results, model)
+    a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
     kv, tail = fit_kv(results, transport)
-    return Costs(decode=decode, prefill=prefill, chunk=fit_chunk(results, decode),
+    return Costs(attention=attention, decode=decode, prefill=prefill, chunk=fit_chunk(results, a_step_ms),
                  layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
                  partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm)
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.sim_cluster import LOCAL_MODES, Deployment, Serving
-from bench.sim_costs import RESULTS, fit_costs
+from bench import sim_attention as attn
+from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, Serving
+from bench.sim_costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
 from bench.sim_metrics import met, simulate, summarize
-from bench.sim_traffic import Conversations, Traffic
+from bench.sim_traffic import Conversations, SimRequest, Traffic
 from bench.sim_validate import recorded_runs, validate
 from client.load_plan import LoadSpec, build_plan
 from client.load_stats import Slo
@@ -34,9 +36,93 @@ def test_fits_load_from_the_recorded_results() -> None:
     assert COSTS.decode.r2 > 0.95 and COSTS.prefill.r2 > 0.99
     # the fitted costs grow as the work does
     assert COSTS.prefill_ms(32768) > COSTS.prefill_ms(4096) > COSTS.prefill_ms(512) > 0
-    assert COSTS.decode_ms(64, 64 * 2048) > COSTS.decode_ms(1, 1024)
+    assert COSTS.decode_ms(64, 64 * 2048, 2048) > COSTS.decode_ms(1, 1024, 1024)
     slow, rate = COSTS.partition_factors(100)
     assert slow > COSTS.partition_factors(68)[0] > 1 and 0 < COSTS.partition_factors(68)[1] < rate < 1
+
+
+def test_the_attention_model_is_the_engines_kernel() -> None:
+    """The split kernel's geometry as the engine has it: the model's shape, the kernel's constants, the graphs'
+    buckets and the number of splits each gets."""
+    from engine.cuda_graphs import bucket_sizes
+    from engine.presets import PRESETS
+
+    shape = PRESETS["qwen2.5-7b"]
+    assert (shape.num_layers, shape.num_kv_heads) == (attn.LAYERS, attn.KV_HEADS)
+    assert 2 * shape.head_dim * 2 == attn.HEAD_BYTES_PER_TOKEN  # K and V, bf16
+    assert attn.HEAD_BYTES_PER_TOKEN * attn.KV_HEADS * attn.LAYERS == KV_BYTES_PER_TOKEN
+    source = (Path(__file__).parents[1] / "engine/kernels/paged_decode.py").read_text()
+    constants = dict(re.findall(r"^(BLOCK_N|TARGET_PROGRAMS) = (\d+)", source, re.MULTILINE))
+    assert constants == {"BLOCK_N": str(attn.BLOCK_N), "TARGET_PROGRAMS": str(attn.ENGINE_TARGET_PROGRAMS_NOW)}
+    for top in (1, 8, 40, 64, 256):
+        graphs = bucket_sizes(top, 1)
+        assert [attn.bucket_for(n, top) for n in range(1, top + 1)] == [min(b for b in graphs if b >= n)
+                                                                       for n in range(1, top + 1)]
+    # 264 programs over bucket x 4 KV heads, up to a power of two (paged_decode.num_splits_for)
+    assert [attn.num_splits(b) for b in (1, 2, 4, 8, 16, 24, 32, 48, 64)] == [64, 64, 16, 8, 4, 2, 2, 1, 1]
+
+
+def test_attention_follows_the_longest_context() -> None:
+    """The same tokens cost more in one long history than spread evenly, and more in a larger batch's bucket
+    (fewer splits, so a longer program); the fit reproduces the profile it came from."""
+    model = COSTS.attention_model
+    even = model.step_ms(32, 1024, 32 * 1024)
+    one_long = model.step_ms(32, 16384 + 64, 32 * 1024)
+    assert one_long > 5 * even
+    assert model.step_ms(48, 16384, 48 * 1024) > 1.8 * model.step_ms(16, 16384, 16 * 1024)
+    profile = profiled_engine(RESULTS)["decode_profile"]
+    for batch, kernels in profile.items():
+        measured = next(k["us_per_step"] for k in kernels if k["kernel"] == "_split_kernel") / 1e3
+        b = int(batch)
+        assert model.step_ms(b, attn.ENGINE_CONTEXT, b * attn.ENGINE_CONTEXT) == pytest.approx(measured, rel=0.05)
+    assert 8 < model.program_gbps < 20  # one program's loop is latency-bound, far below HBM's 4,200 GB/s
+
+
+def test_a_long_history_slows_every_step_it_is_in() -> None:
+    """A decode server's step is priced by its longest running context: 8 sequences decode together, one of
+    them a 16k history; while it runs every step takes what the model gives for it, and after it is done
+    the others' steps are short again."""
+    clock, done = Clock(), list[SimRequest]()
+    server = DecodeServer(0, clock, COSTS, Deployment(0, 1, "colocated"), Serving(), [], done.append)
+    lengths = [(1024, 40)] * 7 + [(16384, 20)]
+    for i, (prompt, output) in enumerate(lengths):
+        server._ready(SimRequest(f"r{i}", "arrival", 0.0, prompt, output, first_token=0.0))
+    clock.run()
+    gaps = np.diff([0.0, *server.step_ends]) * 1e3
+    assert len(done) == 8 and len(gaps) == 39
+    context = 7 * 1025 + 16385
+    assert gaps[0] == pytest.approx(COSTS.decode_ms(8, context, 16385))
+    assert gaps[18] == pytest.approx(COSTS.decode_ms(8, context + 18 * 8, 16385 + 18))
+    assert gaps[19] == pytest.approx(COSTS.decode_ms(7, 7 * (1025 + 19), 1025 + 19))
+    assert gaps[:19].min() > 1.4 * gaps[19:].max()  # all 16k tokens at HBM bandwidth would add 0.2 ms
+
+
+@pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "partitioned")],
+                         ids=lambda d: d.label())
+def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: Deployment) -> None:
+    """The engine thread reads its inbox when an iteration begins: a prompt prefilled off it (a prefill
+    server's KV, a partitioned prefill) has its first token go out at the end of the decode step that was
+    running when it was done, never in the middle of one."""
+    load = dataclasses.replace(LOAD, background_users=8, long_prompt_frac=0.0)
+    result = simulate(deployment, COSTS, load, SERVING)
+    ends = set(result.step_ends[0].tolist())
+    later = [r for r in result.requests if r.finished and r.first_token > 1.0]  # once the batch runs
+    assert later and sum(r.first_token in ends for r in later) >= 0.9 * len(later)
+
+
+def test_a_clients_next_request_finds_the_engine_under_way() -> None:
+    """A background user's next request leaves when its last one is done (its last token out), not before;
+    and a conversation's next turn, sent in answer to a last token, waits for the iteration the engine
+    began meanwhile: on a busy server its TTFT is longer than its prefill."""
+    spec = dataclasses.replace(LOAD, background_users=4)
+    result = simulate(Deployment(0, 1, "colocated"), COSTS, spec, SERVING, Conversations(turns="3", new_tokens="64"))
+    by_user: dict[int, list[SimRequest]] = {}
+    for r in result.requests:
+        if r.user is not None:
+            by_user.setdefault(r.user, []).append(r)
+    assert by_user and all(b.sent == a.done for rs in by_user.values() for a, b in zip(rs, rs[1:], strict=False))
+    later = [r for r in result.requests if r.turn > 0 and r.sent < spec.duration]
+    assert later and all(r.ttft > r.prefill_s for r in later)
 
 
 def test_missing_results_say_what_to_do(tmp_path: Path) -> None:
