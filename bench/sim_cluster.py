@@ -109,11 +109,12 @@ def cached_of(cache: dict[str, int], request: SimRequest) -> int:
 
 class PrefillServer:
     """One prompt at a time, first come first served; the KV streams out layer by layer as it computes, and the
-    next prompt starts once the last layer is sent."""
+    next prompt starts once the last layer's sends are done (the decode side's completion of the handoff
+    overlaps it)."""
 
     def __init__(self, clock: Clock, costs: Costs, serving: Serving, prefix_cache: bool = True) -> None:
         self.clock, self.costs, self.serving, self.prefix_cache = clock, costs, serving, prefix_cache
-        self.queue: deque[tuple[SimRequest, Callable[[], None]]] = deque()
+        self.queue: deque[tuple[SimRequest, Callable[[], None], int]] = deque()
         self.busy_until = 0.0
         self.cache: dict[str, int] = {}
         self.backlog_tokens = 0  # uncached tokens waiting or running, as the server reports them (mode auto)
@@ -125,27 +126,29 @@ class PrefillServer:
     def submit(self, request: SimRequest, on_kv: Callable[[], None]) -> None:
         uncached = request.prompt - cached_of(self.cache, request)
         self.backlog_tokens += uncached
-
-        def landed() -> None:
-            self.backlog_tokens -= uncached
-            on_kv()
-
-        self.queue.append((request, landed))
+        self.queue.append((request, on_kv, uncached))
         if self.busy_until <= self.clock.now and len(self.queue) == 1:
             self._start()
 
     def _start(self) -> None:
-        request, on_kv = self.queue.popleft()
+        request, on_kv, uncached = self.queue.popleft()
         request.cached = cached_of(self.cache, request)
         request.prefill_s = (self.costs.prefill_ms(request.prompt - request.cached, request.cached)
                              + self.serving.remote_prefill_ms) / 1e3
         end = self.clock.now + request.prefill_s
         if request.conversation is not None and self.prefix_cache:
             self.cache[request.conversation] = request.prompt
-        # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish())
-        self.busy_until = end + self.costs.kv_handoff_ms(request.prompt) / 1e3
-        self.clock.at(self.busy_until, on_kv)
-        self.clock.at(self.busy_until, self._next)
+        # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish());
+        # the rest of the handoff (the decode side's receive completing, the result message) overlaps the next
+        # prompt's compute
+        self.busy_until = end + self.costs.prefill_server_hold_ms(request.prompt) / 1e3
+        self.clock.at(end + self.costs.kv_handoff_ms(request.prompt) / 1e3, on_kv)
+        self.clock.at(self.busy_until, lambda: self._finished(uncached))
+
+    def _finished(self, uncached: int) -> None:
+        """The job has run: it leaves the backlog the server reports (the worker's `_finished`); the next starts."""
+        self.backlog_tokens -= uncached
+        self._next()
 
     def _next(self) -> None:
         if self.queue:

@@ -104,6 +104,7 @@ class Costs:
     kv: Fit            # the handoff's bytes / bandwidth, from the endpoint rows: constant GB/s
     kv_tail_ms: float  # the handoff beyond the prefill in the servers (control messages, last layer), at 32k
     hbm_gbps: float
+    kv_send_ms: float = 0.0  # of that tail, what the prefill worker waits for (its last sends) before the next prompt
 
     def fits(self) -> list[Fit]:
         return [self.attention, self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition,
@@ -154,6 +155,12 @@ class Costs:
         per_layer_ms = tokens * KV_BYTES_PER_TOKEN / LAYERS / (gbps * 1e9) * 1e3
         full_layer_ms = 32_768 * KV_BYTES_PER_TOKEN / LAYERS / (gbps * 1e9) * 1e3
         return max(0.0, self.kv_tail_ms - full_layer_ms) + per_layer_ms
+
+    def prefill_server_hold_ms(self, tokens: int) -> float:
+        """How long a prefill server stays with a prompt after its compute: `sender.finish()`, its last sends. The
+        rest of the handoff (the decode side's receive completing, the result message) happens on the decode
+        server while the prefill server computes its next prompt."""
+        return min(self.kv_send_ms, self.kv_handoff_ms(tokens))
 
 
 def fit_attention(results: Path) -> Fit:
@@ -243,7 +250,7 @@ def fit_partition() -> Fit:
     return least_squares("partition (slowdown, rate) ~ SMs", x, np.concatenate([slow, rate]))
 
 
-def fit_kv(results: Path, transport: str) -> tuple[Fit, float]:
+def fit_kv(results: Path, transport: str) -> tuple[Fit, float, float]:
     rows = _load("kv_transfer-2xh200.json", results)["rows"]
     ends = [r for r in rows if r["transport"] == transport and r["mode"] == "endpoints"
             and r.get("blocks", "contiguous") == "contiguous"]
@@ -256,9 +263,13 @@ def fit_kv(results: Path, transport: str) -> tuple[Fit, float]:
     predicted = np.array([r["bytes"] / 1e9 / gbps for r in ends])
     fit = Fit(f"KV handoff {transport} (GB/s)", (gbps,), seconds_per_gb.r2,
               float(np.max(np.abs(predicted - times) / times)), len(ends))
-    servers = [r["seconds"] for r in rows if r["transport"] == transport and r["mode"] == "servers"]
-    tail_ms = float(np.median(servers)) * 1e3 if servers else float(np.median(times)) * 1e3
-    return fit, tail_ms
+    servers = [r for r in rows if r["transport"] == transport and r["mode"] == "servers"]
+    tail_ms = float(np.median([r["seconds"] for r in servers])) * 1e3 if servers else float(np.median(times)) * 1e3
+    # what of that tail is exposed after the prefill's last layer (the prefill worker's last sends, and the decode
+    # side's completion after the result): the most the prefill worker can wait for its sends
+    exposed = [r["exposed_ms"] for r in servers if r.get("exposed_ms") is not None]
+    send_ms = float(np.median(exposed)) if exposed else tail_ms
+    return fit, tail_ms, send_ms
 
 
 def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
@@ -269,11 +280,13 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     model = AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm)
     prefill, decode = fit_prefill(results), fit_decode(results, model)
     a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
-    kv, tail = fit_kv(results, transport)
+    kv, tail, send = fit_kv(results, transport)
     return Costs(attention=attention, decode=decode, prefill=prefill, chunk=fit_chunk(results, a_step_ms),
                  layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
-                 partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm)
+                 partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm, kv_send_ms=send)
 
 
 def describe(costs: Costs) -> Sequence[str]:
-    return [f.line() for f in costs.fits()]
+    handoff = (f"KV handoff beyond the prefill: {costs.kv_tail_ms:.2f} ms at 32k (servers' median), of which the "
+               f"prefill worker waits {costs.kv_send_ms:.2f} ms for its sends (median exposed)")
+    return [*(f.line() for f in costs.fits()), handoff]

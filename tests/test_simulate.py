@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import sim_attention as attn
-from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, Serving
+from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, PrefillServer, Serving
 from bench.sim_costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
 from bench.sim_metrics import met, simulate, summarize
 from bench.sim_traffic import Conversations, SimRequest, Traffic
@@ -108,6 +108,24 @@ def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: D
     ends = set(result.step_ends[0].tolist())
     later = [r for r in result.requests if r.finished and r.first_token > 1.0]  # once the batch runs
     assert later and sum(r.first_token in ends for r in later) >= 0.9 * len(later)
+
+
+def test_a_prefill_server_takes_the_next_prompt_once_its_sends_are_done() -> None:
+    """The prefill worker waits for its last sends (`sender.finish()`), not for the decode side to finish the
+    handoff: the next prompt's compute overlaps the rest of the last one's handoff, so two prompts queued
+    together land one prefill plus that wait apart, and the backlog the server reports empties as jobs end."""
+    assert 0 < COSTS.prefill_server_hold_ms(2048) < COSTS.kv_handoff_ms(2048)
+    clock = Clock()
+    server = PrefillServer(clock, COSTS, SERVING)
+    landed: dict[str, float] = {}
+    first, second = (SimRequest(key, "arrival", 0.0, 2048, 8) for key in ("a", "b"))
+    for request in (first, second):
+        server.submit(request, lambda r=request: landed.__setitem__(r.key, clock.now))  # type: ignore[misc]
+    assert server.backlog_tokens == 2 * 2048
+    clock.run()
+    assert landed["a"] == pytest.approx(first.prefill_s + COSTS.kv_handoff_ms(2048) / 1e3)
+    assert landed["b"] - landed["a"] == pytest.approx(second.prefill_s + COSTS.prefill_server_hold_ms(2048) / 1e3)
+    assert server.backlog_tokens == 0 and server.backlog == 0
 
 
 def test_a_clients_next_request_finds_the_engine_under_way() -> None:
