@@ -51,6 +51,19 @@ def time_cuda(fn: Any, iters: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """Milliseconds per replay of a captured CUDA graph, back to back, timed by device events (after
+    one replay that is not timed)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def measure_hbm_gbps(device: torch.device, gib: float = 4.0) -> float:
     """Device-to-device copy, counting bytes read plus written."""
     n = int(gib * (1 << 30)) // 2

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, write_json
+from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine.decode_batch import DecodeSeq
 from engine.host_read import TokenReader
@@ -83,15 +83,7 @@ def graph_replay_ms(runner: ModelRunner, batch: int, replays: int = 20) -> float
     host adds between steps. None without CUDA graphs."""
     if runner.graphs is None:
         return None
-    graph = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    return replay_ms(runner.graphs.graphs[runner.graphs.bucket_for(batch)], replays)
 
 
 def profile_decode(runner: ModelRunner, batch: int, context: int, steps: int = 10) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.common import measure_hbm_gbps, metadata, write_json
+from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
 from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gemv
 
 SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
@@ -34,15 +34,7 @@ def graph_us(calls: list[Callable[[], torch.Tensor]], replays: int = 20) -> floa
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / len(calls)
+    return replay_ms(graph, replays) * 1e3 / len(calls)
 
 
 def main() -> None:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop for a scheduler's readers, where the test reads the outputs itself."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
 
 # Tests never reach the hub: every model and tokenizer they load is a folder they wrote.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,9 +5,7 @@ reason the server would log."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -46,12 +44,6 @@ def runner():  # type: ignore[no-untyped-def]
     return make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_batch_size=4,
                        max_model_len=20000, kv_gb=4.0, cuda_graphs=True)
 
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def test_confined_work_runs_on_the_green_stream_and_computes_the_same(partitions) -> None:  # type: ignore[no-untyped-def]

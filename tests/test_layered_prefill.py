@@ -4,7 +4,6 @@ at a time, one decode step for the running batch between two slices."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,13 +20,6 @@ from engine.sampling import SamplingParams
 def runner() -> ModelRunner:
     return make_runner(preset="tiny", max_model_len=1024)  # 4 layers
 
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """The loop the scheduler's readers would run on; here the test reads the outputs itself."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def scheduler(runner: ModelRunner, loop: asyncio.AbstractEventLoop, layer_slice_tokens: int) -> BatchScheduler:

@@ -7,7 +7,6 @@ read; and every block goes back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,12 +24,6 @@ from engine.sampling import SamplingParams
 def runner() -> ModelRunner:
     return make_runner(preset="tiny", max_model_len=1024)
 
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def prompt(n: int, salt: int) -> list[int]:

@@ -26,12 +26,6 @@ def runner() -> ModelRunner:
     return make_runner(preset="tiny", max_model_len=1024)
 
 
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
 
 class Gated(Unconfined):
     """Holds each prefill at the door of its partition until the test lets it in; records the SM
