@@ -38,7 +38,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
                                   HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
-                                  PDL=launch.enabled(), launch_pdl=launch.enabled())
+                                  **launch.options())
     return out
 
 
@@ -63,7 +63,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
-                                                         PDL=launch.enabled(), launch_pdl=launch.enabled())
+                                                         **launch.options())
     return out
 
 
@@ -144,7 +144,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         qkv, positions, cos, sin, q, k, v, kv_layer, slots, tokens, qkv.stride(0), kv_layer.stride(0),
         kv_layer.stride(1), kv_layer.stride(2), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, WRITE_V=rows is not None, BLOCK_T=block_t, num_warps=1 if block_t == 1 else 4,
-        PDL=launch.enabled(), launch_pdl=launch.enabled())
+        **launch.options())
     return q, k, v
 
 
@@ -170,4 +170,4 @@ def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor
     """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch; one compiled kernel for
     every batch size (per dtype of ids and sources)."""
     _feed_tokens_kernel[(1,)](ids, sources, previous, ids.shape[0], BLOCK=FEED_BLOCK, num_warps=4,
-                              PDL=launch.enabled(), launch_pdl=launch.enabled())
+                              **launch.options())

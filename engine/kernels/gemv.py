@@ -161,6 +161,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PDL=launch.enabled(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=launch.enabled())
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
     return out

@@ -37,3 +37,10 @@ def set_enabled(flag: bool) -> None:
     """Turn PDL off (or back on where supported) for kernels launched, or graphs captured, from now on."""
     global _enabled
     _enabled = flag and supported()
+
+
+def options() -> dict[str, bool]:
+    """A launch's PDL arguments: the kernel's `PDL` constexpr (wait, then let the next be scheduled) and
+    Triton's `launch_pdl`, always set together."""
+    flag = enabled()
+    return {"PDL": flag, "launch_pdl": flag}

@@ -119,9 +119,9 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
-        num_warps=4, num_stages=2, PDL=launch.enabled(), launch_pdl=launch.enabled())
+        num_warps=4, num_stages=2, **launch.options())
     _merge_kernel[(batch, heads)](
         partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
         ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4,
-        PDL=launch.enabled(), launch_pdl=launch.enabled())
+        **launch.options())
     return out
