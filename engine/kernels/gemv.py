@@ -35,12 +35,14 @@ class GemvConfig:
     split_k: int = 1  # programs along K per column strip
 
 
-# Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md). Chosen by the weight's
-# shape only, never by the row count, so a row's result is the same at every batch size.
-WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)                # gate_up, lm_head
-TALL = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=4)     # qkv: 12.0 us, 12.5 unsplit
-SQUARE = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)              # o_proj: splitting K is slower
-DEEP = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2)     # down: 35.8 us, 39.4 unsplit
+# Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md), by the weight's shape
+# class: one tile for every batch of 1-16 rows, so a row's result is the same at each of them.
+NARROW_ROW_TILES: dict[str, GemvConfig] = {
+    "wide": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),               # gate_up, lm_head
+    "tall": GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=4),    # qkv: 12.0 us, 12.5 unsplit
+    "square": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),             # o_proj: a split is slower
+    "deep": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2),    # down: 35.8 us, 39.4 unsplit
+}
 
 
 # Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.gemv --sweep --rows 64`,
@@ -58,15 +60,12 @@ def _shape_class(n: int, k: int) -> str:
 
 def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     """The tile for `weight` at `rows` rows; None where cuBLAS does it better (or rows > WIDE_ROWS)."""
+    if rows > WIDE_ROWS:
+        return None
     n, k = weight.shape
-    shape = _shape_class(n, k)
-    if rows > MAX_ROWS:
-        found = WIDE_ROW_TILES.get(shape) if rows <= WIDE_ROWS else None
-        if found is None:
-            return None
-        cfg = found
-    else:
-        cfg = {"wide": WIDE, "tall": TALL, "square": SQUARE, "deep": DEEP}[shape]
+    cfg = (NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES).get(_shape_class(n, k))
+    if cfg is None:
+        return None
     if k % (cfg.split_k * cfg.block_k):  # a shape the split does not divide: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
