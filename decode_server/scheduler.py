@@ -64,8 +64,11 @@ class _StepInFlight:
     tokens: torch.Tensor          # its sampled tokens on the device: the next step's inputs
     reader: TokenReader
     started: float
-    rows: dict[int, int] = field(default_factory=dict)          # id(seq) -> row
+    rows: dict[int, int] = field(init=False)                     # id(seq) -> row
     release_after: list[Sequence] = field(default_factory=list)  # blocks it still writes: freed once it is done
+
+    def __post_init__(self) -> None:
+        self.rows = {id(s): i for i, s in enumerate(self.seqs)}
 
 
 @dataclass
@@ -438,7 +441,7 @@ class BatchScheduler:
         self._launched += 1
         reader = self._step_readers[self._launched % 2]  # the other may hold the step in flight
         reader.start(tokens)
-        return _StepInFlight(seqs, tokens, reader, t0, {id(s): i for i, s in enumerate(seqs)})
+        return _StepInFlight(seqs, tokens, reader, t0)
 
     def _read_step(self, step: _StepInFlight) -> None:
         """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it
@@ -455,6 +458,6 @@ class BatchScheduler:
             self.admission.release(seq)
         live = {id(s) for s in self.running}
         finished = {id(seq) for seq, token in zip(step.seqs, tokens, strict=True)
-                    if id(seq) in live and not seq.finish_reason and self._append(seq, token, elapsed, now)}
+                    if id(seq) in live and self._append(seq, token, elapsed, now)}
         if finished:
             self.running = [s for s in self.running if id(s) not in finished]
