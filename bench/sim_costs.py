@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +111,9 @@ class Costs:
         return [self.attention, self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition,
                 self.kv]
 
-    @property
-    def attention_model(self) -> AttentionModel:
-        launch_us, us_per_byte = self.attention.params
-        return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), self.hbm_gbps)
+    @cached_property
+    def attention_model(self) -> AttentionModel:  # built once: every simulated decode step prices with it
+        return attention_model_of(self.attention, self.hbm_gbps)
 
     def decode_ms(self, batch: int, context_tokens: float, longest: int, slowdown: float = 1.0) -> float:
         """One decode step of `batch` sequences holding `context_tokens` in all, the longest `longest`.
@@ -161,6 +161,12 @@ class Costs:
         rest of the handoff (the decode side's receive completing, the result message) happens on the decode
         server while the prefill server computes its next prompt."""
         return min(self.kv_send_ms, self.kv_handoff_ms(tokens))
+
+
+def attention_model_of(fit: Fit, hbm_gbps: float) -> AttentionModel:
+    """The split kernel's model from its fit: a0 µs a layer, a1 µs a byte of the longest program (its rate 1/a1)."""
+    launch_us, us_per_byte = fit.params
+    return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm_gbps)
 
 
 def fit_attention(results: Path) -> Fit:
@@ -276,8 +282,7 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     engine = profiled_engine(results)
     hbm = float(engine["hbm_gbps_measured"])
     attention = fit_attention(results)
-    launch_us, us_per_byte = attention.params
-    model = AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm)
+    model = attention_model_of(attention, hbm)
     prefill, decode = fit_prefill(results), fit_decode(results, model)
     a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
     kv, tail, send = fit_kv(results, transport)
