@@ -49,6 +49,11 @@ def layer_checksums(pool: KVPool, block_table: list[int], num_tokens: int, start
     else:  # gathered a layer at a time: a copy of every layer at once could be gigabytes
         slots = pool.slots(block_table, start, num_tokens)
         sums = torch.cat([layer_checksums_of(layer.index_select(1, slots)[None]) for layer in pool.layers])
+    return as_uint64(sums)
+
+
+def as_uint64(sums: torch.Tensor) -> list[int]:
+    """int64 checksums (wrapped sums) as the unsigned 64-bit integers the proto carries."""
     return [s % (1 << 64) for s in sums.tolist()]
 
 
@@ -84,7 +89,7 @@ class LayerChecksums:
             torch.cuda.current_stream().wait_stream(self.stream)
         if len(self.sums) != self.pool.layout.num_layers:
             raise RuntimeError(f"checksums of {len(self.sums)} layers of {self.pool.layout.num_layers}")
-        return [s % (1 << 64) for s in torch.cat(self.sums).tolist()]
+        return as_uint64(torch.cat(self.sums))
 
 
 _VERIFY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
