@@ -1,6 +1,7 @@
 """Decode attention straight from the paged KV pool (no gather copy), split over the context
 ("flash-decoding"): each program takes one sequence, one KV head (with its group of query heads)
-and one slice of the context; a second kernel merges the slices with their softmax statistics.
+and one slice of the context, and the last of a head's programs to finish merges the slices with
+their softmax statistics in slice order (`engine.kernels.arrivals`): one kernel, deterministic.
 
 Pool layer layout: [2 (K, V), num_slots, num_kv_heads, head_dim]; slot = block * block_size + offset.
 """
@@ -13,6 +14,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
+from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 BLOCK_N = 64      # context tokens per inner step
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
@@ -21,9 +23,9 @@ TARGET_PROGRAMS = 528
 
 
 @triton.jit
-def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
-                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
-                  scale_log2,
+def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, PARTIAL, ML, COUNTS, RESULT,
+                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_pb, s_ph, s_ps, s_mb, s_mh, s_ms,
+                  s_rb, s_rh, scale_log2,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -64,31 +66,31 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML,
         m_i = m_new
     if PDL:
         gdc_launch_dependents()
-    out_ptr = OUT + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
-    tl.store(out_ptr, acc, mask=gmask[:, None])
-    ml_ptr = ML + b * s_mb + heads * s_mh + split * s_ms
-    tl.store(ml_ptr, m_i, mask=gmask)
-    tl.store(ml_ptr + 1, l_i, mask=gmask)
-
-
-@triton.jit
-def _merge_kernel(OUT, ML, RESULT, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ml = ML + b * s_mb + h * s_mh + offs_s * s_ms
-    m = tl.load(ml)
-    lsum = tl.load(ml + 1)
-    m_max = tl.max(m, 0)
-    w = tl.where(lsum > 0, tl.exp2(m - m_max), 0.0)
-    parts = tl.load(OUT + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :])
-    o = tl.sum(parts * w[:, None], 0) / tl.sum(lsum * w, 0)
-    tl.store(RESULT + b * s_Ob + h * s_Oh + offs_d, o.to(RESULT.dtype.element_ty))
+    result = RESULT + b * s_rb + heads[:, None] * s_rh + offs_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(result, (acc / l_i[:, None]).to(RESULT.dtype.element_ty), mask=gmask[:, None])
+    else:
+        part = PARTIAL + b * s_pb + heads[:, None] * s_ph + offs_d[None, :]
+        ml = ML + b * s_mb + heads * s_mh
+        tl.store(part + split * s_ps, acc, mask=gmask[:, None])
+        tl.store(ml + split * s_ms, m_i, mask=gmask)
+        tl.store(ml + split * s_ms + 1, l_i, mask=gmask)
+        tl.debug_barrier()  # every thread's share is written before the count says so
+        count = COUNTS + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            # The head's last program: merge the slices that hold tokens, in slice order.
+            used = tl.cdiv(ctx, split_len)
+            m_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+            for i in range(0, used):
+                m_max = tl.maximum(m_max, tl.load(ml + i * s_ms, mask=gmask, other=0.0, cache_modifier=".cg"))
+            out = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+            total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+            for i in range(0, used):
+                w = tl.exp2(tl.load(ml + i * s_ms, mask=gmask, other=0.0, cache_modifier=".cg") - m_max)
+                total += w * tl.load(ml + i * s_ms + 1, mask=gmask, other=0.0, cache_modifier=".cg")
+                out += w[:, None] * tl.load(part + i * s_ps, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(result, (out / total[:, None]).to(RESULT.dtype.element_ty), mask=gmask[:, None])
+            tl.atomic_xchg(count, 0)  # ready for the next launch on this stream
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
@@ -100,28 +102,29 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
                            context_lens: torch.Tensor, block_size: int,
                            table_stride: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
-    stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
-    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks. Shapes
-    only, no host sync: safe inside a CUDA graph."""
+    stride; context_lens [B] int32 (each at least 1) -> [B, H, D]. `table_stride` (a device int32
+    scalar), when given, overrides the tables' row stride; `splits` the context splits
+    `num_splits_for` picks. Shapes only, no host sync: safe inside a CUDA graph."""
     batch, heads, dim = q.shape
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
     splits = splits or num_splits_for(batch, kv_heads)
-    partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-    ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    assert splits == 1 or batch * kv_heads <= MAX_COUNTS, f"{batch} x {kv_heads} heads: split them over launches"
     out = torch.empty_like(q)
+    partial = ml = counts = out
+    if splits > 1:
+        partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+        counts = arrival_counts(q.device)
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
     _split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, block_tables, table_stride if table_stride is not None else context_lens, context_lens,
-        partial, ml,
+        partial, ml, counts, out,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
+        partial.stride(0), partial.stride(1), partial.stride(2) if splits > 1 else 0,
+        ml.stride(0), ml.stride(1), ml.stride(2) if splits > 1 else 0, out.stride(0), out.stride(1),
         scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         num_warps=4, num_stages=2, **launch.options())
-    _merge_kernel[(batch, heads)](
-        partial, ml, out, partial.stride(0), partial.stride(1), partial.stride(2), ml.stride(0), ml.stride(1),
-        ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, num_warps=4,
-        **launch.options())
     return out
