@@ -76,6 +76,9 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions
     if (kernels.fused_gate_up and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
         return _gate_up.gate_up_silu(x, layer.weight)
+    if (kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight)
+            and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
+        return _gemv.gemv_silu(x, layer.weight)  # decode: SiLU·mul in the matmul's epilogue
     return silu_mul(linear(x, layer, kernels))
 
 

@@ -16,6 +16,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_paged_decode_kernel_matches_gather() -> None:
     from engine.attention import DecodeMeta, gather_decode_attention
+    from engine.kernels import arrivals
     from engine.kernels.paged_decode import paged_decode_attention
     from engine.kv_cache import KVLayout, KVPool
 
@@ -35,9 +36,16 @@ def test_paged_decode_kernel_matches_gather() -> None:
         q = torch.randn(batch, 28, 128, dtype=torch.bfloat16, device=dev)
         meta = DecodeMeta(torch.zeros(batch, dtype=torch.long, device=dev), tables.to(dev), lens.to(dev),
                           int(lens.max()))
-        out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16)
         ref = gather_decode_attention(q.float(), _as_float(pool), 0, meta)
-        assert rel_err(out, ref) < 1e-2
+        for splits in (None, 1, 2, 64):  # the engine's choice; one slice; the last program merging 2 or 64
+            out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16, None, splits)
+            assert rel_err(out, ref) < 1e-2
+            for _ in range(3):  # the merge adds the slices in order, whichever program arrives last
+                again = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16, None,
+                                               splits)
+                assert torch.equal(again, out)
+        torch.cuda.synchronize()
+        assert all(int(c.count_nonzero()) == 0 for c in arrivals._counts.values())
         for blocks in owned:
             pool.allocator.free(blocks)
 
@@ -146,6 +154,24 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
             assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
 
 
+def test_gated_gemv_is_gemv_then_silu_mul() -> None:
+    """The decode MLP's SiLU·mul in the gate/up matmul's epilogue gives the bits of the matmul
+    followed by the SiLU·mul kernel, at both tiles, and a row's result ignores its batch mates."""
+    from engine.kernels.fused import silu_mul
+    from engine.kernels.gemv import gated_config_for, gemv, gemv_silu
+
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    w = torch.randn(2 * 18944, 3584, dtype=torch.bfloat16, device=dev) * 3584**-0.5
+    for rows in (16, 64):
+        assert gated_config_for(w, rows) is not None
+        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device=dev)
+        full = gemv_silu(x, w)
+        assert torch.equal(full, silu_mul(gemv(x, w)))
+        for m in ((1, 2, 9) if rows == 16 else (17, 40)):
+            assert torch.equal(gemv_silu(x[:m], w), full[:m])
+
+
 def test_feed_tokens_takes_the_previous_steps_tokens_at_every_batch_size() -> None:
     from engine.kernels.fused import feed_tokens
 
@@ -164,6 +190,7 @@ def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     """Split K: the partial sums are added in split order by whichever program comes last, so
     every call (eager, graphed, replayed many times, beside another stream's calls) gives the same
     bits; the counts are back at zero after each call."""
+    from engine.kernels import arrivals
     from engine.kernels import gemv as g
 
     torch.manual_seed(3)
@@ -197,7 +224,7 @@ def test_split_k_gemv_is_deterministic_in_graphs() -> None:
             g.gemv(x, qkv, bias)
         assert torch.equal(out_qkv, want_qkv[:3]) and torch.equal(out_down, want_down[:3])
     torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in g._counts.values())
+    assert all(int(c.count_nonzero()) == 0 for c in arrivals._counts.values())
 
 
 def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
+from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
-MAX_STRIPS = 1 << 14  # column strips a split-K call may have (N / block_n)
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,17 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` without waiting for them (no registers filled)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the kernel before has finished (engine.kernels.launch)
-        gdc_wait()
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH_TILES: tl.constexpr, PDL: tl.constexpr):
     strip = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,13 +91,28 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     n_ok = offs_n < N
     m_ok = offs_m < M
     k_begin = split * K_SPLIT
+    w_rows = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin
+    if PDL:
+        # The weights depend on no kernel: start them towards L2 while the kernel before drains,
+        # then wait for it (engine.kernels.launch) before reading the activations.
+        lines = tl.arange(0, BLOCK_K // 64)[None, :] * 64  # a line is 64 16-bit elements
+        first = tl.where(n_ok[:, None], w_rows, W)
+        for t in tl.static_range(PREFETCH_TILES):
+            _prefetch_l2(first + t * BLOCK_K + lines)
+            if GATED:
+                _prefetch_l2(first + N * s_wn + t * BLOCK_K + lines)
+        gdc_wait()
     x_ptrs = X + offs_m[:, None] * s_xm + k_begin + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
+    w_ptrs = w_rows + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -110,23 +131,13 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     if last:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(OUT.dtype.element_ty)
+        if GATED:  # SiLU(gate) * up, rounded where the unfused path rounds (each projection, then SiLU)
+            gate = out.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
+            out = (silu * acc_up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-_counts: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _strip_counts(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counts of the current stream: zero between calls (each strip's last program
-    resets its own). One buffer per stream, since kernels on one stream never overlap, while a
-    partitioned prefill's on another stream may run beside the decode step's."""
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
-    counts = _counts.get(key)
-    if counts is None:
-        counts = _counts[key] = torch.zeros(MAX_STRIPS, dtype=torch.int32, device=device)
-    return counts
+        tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -136,18 +147,42 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     cfg = config_for(weight, x.shape[0]) if x.dim() == 2 else None
     return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
             and x.shape[1] == k and k % cfg.block_k == 0 and x.stride(1) == 1 and weight.stride(1) == 1
-            and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_STRIPS)
+            and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype. Rows 1-16 run
     in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class."""
+    cfg = cfg or config_for(weight, x.shape[0])
+    assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
+    return _launch(x, weight, bias, cfg, gated=False)
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) for weight [2I, K] = [gate; up] -> [M, I], with the same rounding
+    as `gemv` followed by SiLU·mul: each program streams a strip of gate rows and the matching up rows."""
+    cfg = cfg or gated_config_for(weight, x.shape[0])
+    assert cfg is not None, f"no gated tile for {tuple(weight.shape)} at {x.shape[0]} rows"
+    return _launch(x, weight, None, cfg, gated=True)
+
+
+def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
+    """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
+    cfg = config_for(weight, rows)
+    if cfg is None or cfg.split_k > 1 or weight.shape[0] % 2:
+        return None
+    return GemvConfig(cfg.block_n // 2, cfg.block_k, cfg.num_warps, cfg.num_stages)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+            gated: bool) -> torch.Tensor:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
-    cfg = cfg or config_for(weight, m)
-    assert cfg is not None, f"no tile for {tuple(weight.shape)} at {m} rows: cuBLAS does these"
     n, k = weight.shape
+    if gated:
+        n //= 2
+        assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
     assert k % (cfg.split_k * cfg.block_k) == 0, f"K={k} is not a multiple of split_k x block_k in {cfg}"
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -155,10 +190,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     partial = counts = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
-        counts = _strip_counts(x.device)
+        counts = arrival_counts(x.device)
+    k_split = k // cfg.split_k
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
+        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, PREFETCH_TILES=min(cfg.num_stages, k_split // cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
     return out
