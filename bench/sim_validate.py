@@ -243,7 +243,9 @@ def validate(results: Path = RESULTS, progress: bool = True) -> dict[str, Any]:
         simulated = summarize(simulate(run.deployment, costs[run.transport], run.spec, serving,
                                        conversations(run.spec)), run.slo)
         in_model = modelled(run.commit, results)
-        runs_out.append({"run": run.label, "deployment": run.deployment.label(), "transport": run.transport,
+        # a partitioned run's prefill SMs, as its decode server picked them (see prefill_sms)
+        sms = {"prefill_sms": run.deployment.partition_sms} if run.deployment.mode == "partitioned" else {}
+        runs_out.append({"run": run.label, "deployment": run.deployment.label(), **sms, "transport": run.transport,
                          "training": (run.file, run.commit) == TRAINING, "modelled_serving_loop": in_model,
                          "simulated": simulated})
         for metric, path in METRICS:

@@ -262,3 +262,5 @@ def test_partitioned_runs_replay_the_servers_sm_split() -> None:
     assert prefill_sms([server + " --prefill-sms 96"]) == 96
     runs = [r for r in recorded_runs(RESULTS) if r.deployment.mode == "partitioned"]
     assert runs and all(r.deployment.partition_sms == table.pick(None)[0] != Deployment.partition_sms for r in runs)
+    replayed = [r for r in validate(RESULTS, progress=False)["runs"] if r["deployment"].startswith("partitioned")]
+    assert len(replayed) == len(runs) and all(r["prefill_sms"] == table.pick(None)[0] for r in replayed)
