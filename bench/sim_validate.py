@@ -8,6 +8,7 @@ other run is predicted from the engine, scenario and handoff fits alone.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,7 +75,35 @@ def _prefix_cache(summary: dict[str, Any], servers: list[str], name: str) -> boo
     return not all("--no-prefix-cache" in s for s in own) if own else name != "no-prefix-cache"
 
 
-def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cache: bool = True) -> Deployment:
+# partitioned mode's split of the SMs when --prefill-sms is not given: the decode server picks it from this table
+# (decode_server.sm_split; unchanged since before the first partitioned load run)
+SM_SPLIT_TABLE = Path(__file__).parent.parent / "decode_server" / "sm_split_table.json"
+
+
+def _flag(servers: list[str], name: str) -> str | None:
+    """The value of a decode server's `name` flag in the run's recorded command lines (the first that gives it)."""
+    for command in servers:
+        words = shlex.split(command)
+        if "-m" in words and "decode_server" in words and name in words[:-1]:
+            return words[words.index(name) + 1]
+    return None
+
+
+def prefill_sms(servers: list[str], table: Path = SM_SPLIT_TABLE) -> int:
+    """The SMs a partitioned prefill ran on: the servers' --prefill-sms, else the most SMs whose measured gap for a
+    decoding request is within --itl-slo-ms (twice the table's step alone by default), as decode_server.sm_split
+    picks them."""
+    given = _flag(servers, "--prefill-sms")
+    if given is not None:
+        return int(given)
+    doc = json.loads(table.read_text())
+    slo = _flag(servers, "--itl-slo-ms")
+    limit = float(slo) if slo is not None else 2 * float(doc["decode_step_alone_ms"])
+    return max(int(r["prefill_sms"]) for r in doc["rows"] if float(r["a_gap_ms"]) <= limit)
+
+
+def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cache: bool = True,
+                partition_sms: int = Deployment.partition_sms) -> Deployment:
     mode, targets = summary["mode"], len(summary["targets"])
     if mode == "auto":
         t = auto or AUTO_BEFORE
@@ -84,7 +113,7 @@ def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cac
     if mode == "disaggregated":
         return Deployment(prefill=targets, decode=targets, mode=mode, prefix_cache=cache)
     return Deployment(prefill=0, decode=targets, mode=mode, chunk_size=summary.get("chunk_size") or 512,
-                      prefix_cache=cache)
+                      prefix_cache=cache, partition_sms=summary.get("prefill_sms") or partition_sms)
 
 
 def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
@@ -113,7 +142,8 @@ def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
             run_slo = Slo(params.get("slo_ttft_ms"), params.get("slo_itl_ms"))
             servers = own.get("servers", []) if "recorded" in summary else record.get("servers", [])
             cache = _prefix_cache(summary, servers, name)
-            deployment = _deployment(summary, record.get("auto_thresholds"), cache)
+            sms = prefill_sms(servers) if summary["mode"] == "partitioned" else Deployment.partition_sms
+            deployment = _deployment(summary, record.get("auto_thresholds"), cache, sms)
             yield RecordedRun(file, str(own.get("commit", commit)), name, run_spec, run_slo, deployment, transport,
                               summary)
     if isinstance(record.get("previous"), dict):
@@ -213,7 +243,9 @@ def validate(results: Path = RESULTS, progress: bool = True) -> dict[str, Any]:
         simulated = summarize(simulate(run.deployment, costs[run.transport], run.spec, serving,
                                        conversations(run.spec)), run.slo)
         in_model = modelled(run.commit, results)
-        runs_out.append({"run": run.label, "deployment": run.deployment.label(), "transport": run.transport,
+        # a partitioned run's prefill SMs, as its decode server picked them (see prefill_sms)
+        sms = {"prefill_sms": run.deployment.partition_sms} if run.deployment.mode == "partitioned" else {}
+        runs_out.append({"run": run.label, "deployment": run.deployment.label(), **sms, "transport": run.transport,
                          "training": (run.file, run.commit) == TRAINING, "modelled_serving_loop": in_model,
                          "simulated": simulated})
         for metric, path in METRICS:

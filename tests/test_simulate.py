@@ -14,7 +14,7 @@ from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, Pref
 from bench.sim_costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
 from bench.sim_metrics import met, simulate, summarize
 from bench.sim_traffic import Conversations, SimRequest, Traffic
-from bench.sim_validate import recorded_runs, validate
+from bench.sim_validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, validate
 from client.load_plan import LoadSpec, build_plan
 from client.load_stats import Slo
 from decode_server.config import DecodeConfig
@@ -248,3 +248,19 @@ def test_without_the_prefix_cache_later_turns_prefill_everything() -> None:
     on = simulate(Deployment(0, 1, "colocated"), COSTS, spec, SERVING, CHAT)
     assert all(r.cached == 0 for r in off.requests)
     assert any(r.cached > 0 for r in on.requests if r.turn > 0)
+
+
+def test_partitioned_runs_replay_the_servers_sm_split() -> None:
+    """A partitioned run is replayed on the SMs its decode server gave the prefill: --prefill-sms, else the most
+    SMs its table keeps within --itl-slo-ms (decode_server.sm_split), not the simulator's default."""
+    from decode_server.sm_split import SplitTable
+
+    server = "python -m decode_server --preset qwen2.5-7b --mode colocated --port 50071"
+    table = SplitTable.load(SM_SPLIT_TABLE)
+    assert prefill_sms([server]) == table.pick(None)[0]
+    assert prefill_sms([server + " --itl-slo-ms 30"]) == table.pick(30.0)[0] != table.pick(None)[0]
+    assert prefill_sms([server + " --prefill-sms 96"]) == 96
+    runs = [r for r in recorded_runs(RESULTS) if r.deployment.mode == "partitioned"]
+    assert runs and all(r.deployment.partition_sms == table.pick(None)[0] != Deployment.partition_sms for r in runs)
+    replayed = [r for r in validate(RESULTS, progress=False)["runs"] if r["deployment"].startswith("partitioned")]
+    assert len(replayed) == len(runs) and all(r["prefill_sms"] == table.pick(None)[0] for r in replayed)
