@@ -1,9 +1,10 @@
 """Attention over the paged KV pool: prefill (one sequence, a chunk of new tokens after `start`
 cached ones) and decode (many sequences, one new token each).
 
-The new tokens' K and V are already in the pool (`ops.rope_and_store`). Decode on CUDA reads the pool
-in place through a Triton kernel (`engine.kernels.paged_decode`); the gather path here is the
-reference and the CPU path.
+The new tokens' K and V are already in the pool (`ops.rope_and_store`), except in
+`rotary_decode_attention`, whose kernel writes them itself. Decode on CUDA reads the pool in place
+through a Triton kernel (`engine.kernels.paged_decode`); the gather path here is the reference and
+the CPU path.
 """
 
 from __future__ import annotations
@@ -140,6 +141,17 @@ def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta
         return paged_decode_attention(q, pool.layers[layer], meta.block_tables, meta.context_lens,
                                       pool.layout.block_size, meta.table_stride)
     return gather_decode_attention(q, pool, layer, meta)
+
+
+def rotary_decode_attention(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:
+    """A decode step's `ops.rope_and_store` and `decode_attention` as one kernel (`meta.use_kernel`
+    only): qkv [B, (H + 2 Hkv) D] unrotated -> [B, H, D]; the new tokens' K and V land in the pool."""
+    from engine.kernels.paged_decode import paged_decode_attention_rope
+
+    return paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots, pool.layers[layer],
+                                       meta.block_tables, meta.context_lens, pool.layout.block_size,
+                                       meta.table_stride)
 
 
 def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:

@@ -23,6 +23,7 @@ from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
+L2_PREFETCH_TILES = 1  # weight tiles a program asks L2 for before it waits on the kernel before it
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
 
 
@@ -196,6 +197,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k_split,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PREFETCH_TILES=min(cfg.num_stages, k_split // cfg.block_k),
+        BLOCK_K=cfg.block_k, PREFETCH_TILES=min(L2_PREFETCH_TILES, k_split // cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
     return out

@@ -1,7 +1,13 @@
 """Decode attention straight from the paged KV pool (no gather copy), split over the context
 ("flash-decoding"): each program takes one sequence, one KV head (with its group of query heads)
-and one slice of the context, and the last of a head's programs to finish merges the slices with
-their softmax statistics in slice order (`engine.kernels.arrivals`): one kernel, deterministic.
+and one slice of the context; a second kernel merges the slices that hold tokens with their
+softmax statistics (one slice: no merge, the program writes the result).
+
+With `paged_decode_attention_rope` the kernel also does what `ops.rope_and_store` does for a decode
+step: it rotates each query from the qkv projection's output as it loads it, and the program whose
+slice ends at the new token rotates that token's key and writes it and its value into the pool
+before reading its slice. A step saves a launch a layer that way (the rope kernel's, 2-4 µs each
+at small batches), with the same rounding, so the pool and the result keep their bits.
 
 Pool layer layout: [2 (K, V), num_slots, num_kv_heads, head_dim]; slot = block * block_size + offset.
 """
@@ -14,7 +20,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
-from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 BLOCK_N = 64      # context tokens per inner step
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
@@ -23,11 +28,25 @@ TARGET_PROGRAMS = 528
 
 
 @triton.jit
-def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, PARTIAL, ML, COUNTS, RESULT,
-                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_pb, s_ph, s_ps, s_mb, s_mh, s_ms,
-                  s_rb, s_rh, scale_log2,
+def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
+    """Rows `heads` of one token's projection, q * cos + rotate_half(q) * sin, each product and the
+    sum rounded to the model dtype as in PyTorch (and `engine.kernels.fused`'s rope kernel)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(ROW + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    partner = tl.load(ROW + heads[:, None] * HEAD_DIM + ((offs_d + half) % HEAD_DIM)[None, :], mask=mask, other=0.0)
+    dt = x.dtype
+    sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+    return ((x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+            + (sign * partner.to(tl.float32) * s[None, :]).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLOTS,
+                  s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
+                  s_rb, s_rh, s_cos, scale_log2,
+                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
                   STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
@@ -37,14 +56,32 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, PARTIAL, ML, COUNTS, RESULT,
         s_bt = tl.load(BT_STRIDE)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if ROPE:  # Q is the qkv projection [B, (H + 2 Hkv) D]: rotate as loaded
+        pos = tl.load(POS + b).to(tl.int64)
+        row = Q + b * s_qb
+        c = tl.load(COS + pos * s_cos + offs_d)
+        s = tl.load(SIN + pos * s_cos + offs_d)
+        c = c.to(Q.dtype.element_ty).to(tl.float32)
+        s = s.to(Q.dtype.element_ty).to(tl.float32)
+        q = _rotated(row, heads, gmask[:, None], offs_d, c, s, HEAD_DIM)
+        if split == tl.cdiv(ctx, split_len) - 1:  # the slice ends at the new token: store its K and V first
+            one = offs_g < 1
+            k_new = _rotated(row, NUM_HEADS + kvh + offs_g * 0, one[:, None], offs_d, c, s, HEAD_DIM)
+            v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + offs_d)
+            slot = tl.load(SLOTS + b).to(tl.int64)
+            dst = KV + slot * s_kv_slot + kvh * s_kv_head
+            tl.store(dst + offs_g[:, None] * 0 + offs_d[None, :], k_new, mask=one[:, None])
+            tl.store(dst + s_kv_kind + offs_d, v_new)
+            tl.debug_barrier()  # this program's loads below see them
+    else:
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -66,31 +103,39 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, PARTIAL, ML, COUNTS, RESULT,
         m_i = m_new
     if PDL:
         gdc_launch_dependents()
-    result = RESULT + b * s_rb + heads[:, None] * s_rh + offs_d[None, :]
     if NUM_SPLITS == 1:
+        result = RESULT + b * s_rb + heads[:, None] * s_rh + offs_d[None, :]
         tl.store(result, (acc / l_i[:, None]).to(RESULT.dtype.element_ty), mask=gmask[:, None])
     else:
-        part = PARTIAL + b * s_pb + heads[:, None] * s_ph + offs_d[None, :]
-        ml = ML + b * s_mb + heads * s_mh
-        tl.store(part + split * s_ps, acc, mask=gmask[:, None])
-        tl.store(ml + split * s_ms, m_i, mask=gmask)
-        tl.store(ml + split * s_ms + 1, l_i, mask=gmask)
-        tl.debug_barrier()  # every thread's share is written before the count says so
-        count = COUNTS + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            # The head's last program: merge the slices that hold tokens, in slice order.
-            used = tl.cdiv(ctx, split_len)
-            m_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-            for i in range(0, used):
-                m_max = tl.maximum(m_max, tl.load(ml + i * s_ms, mask=gmask, other=0.0, cache_modifier=".cg"))
-            out = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-            total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-            for i in range(0, used):
-                w = tl.exp2(tl.load(ml + i * s_ms, mask=gmask, other=0.0, cache_modifier=".cg") - m_max)
-                total += w * tl.load(ml + i * s_ms + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                out += w[:, None] * tl.load(part + i * s_ps, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(result, (out / total[:, None]).to(RESULT.dtype.element_ty), mask=gmask[:, None])
-            tl.atomic_xchg(count, 0)  # ready for the next launch on this stream
+        out_ptr = OUT + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
+        tl.store(out_ptr, acc, mask=gmask[:, None])
+        ml_ptr = ML + b * s_mb + heads * s_mh + split * s_ms
+        tl.store(ml_ptr, m_i, mask=gmask)
+        tl.store(ml_ptr + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(CTX + b)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    used = offs_s < tl.cdiv(ctx, split_len)  # the slices past the context hold nothing: not read
+    offs_d = tl.arange(0, HEAD_DIM)
+    ml = ML + b * s_mb + h * s_mh + offs_s * s_ms
+    m = tl.load(ml, mask=used, other=float("-inf"))
+    lsum = tl.load(ml + 1, mask=used, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(lsum > 0, tl.exp2(m - m_max), 0.0)
+    parts = tl.load(OUT + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :], mask=used[:, None],
+                    other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(RESULT + b * s_Ob + h * s_Oh + offs_d, o.to(RESULT.dtype.element_ty))
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
@@ -102,29 +147,54 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
                            context_lens: torch.Tensor, block_size: int,
                            table_stride: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
-    stride; context_lens [B] int32 (each at least 1) -> [B, H, D]. `table_stride` (a device int32
-    scalar), when given, overrides the tables' row stride; `splits` the context splits
-    `num_splits_for` picks. Shapes only, no host sync: safe inside a CUDA graph."""
-    batch, heads, dim = q.shape
+    stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
+    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks. Shapes
+    only, no host sync: safe inside a CUDA graph."""
+    return _attend(q, q.shape[1], None, kv_layer, block_tables, context_lens, block_size, table_stride, splits)
+
+
+def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, slots: torch.Tensor, kv_layer: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                                table_stride: torch.Tensor | None = None,
+                                splits: int | None = None) -> torch.Tensor:
+    """`ops.rope_and_store` then `paged_decode_attention` for a decode step, in one kernel: qkv
+    [B, (H + 2 Hkv) D] unrotated, positions and slots [B] of each sequence's new token (the last
+    of its context_lens), cos and sin the float32 tables [positions, D]. Returns [B, H, D]."""
+    assert qkv.stride(1) == 1 and cos.stride() == sin.stride()
+    return _attend(qkv, num_heads, (positions, cos, sin, slots), kv_layer, block_tables, context_lens, block_size,
+                   table_stride, splits)
+
+
+def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, kv_layer: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+            table_stride: torch.Tensor | None, splits: int | None) -> torch.Tensor:
+    batch, dim = q.shape[0], kv_layer.shape[3]
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
     splits = splits or num_splits_for(batch, kv_heads)
-    assert splits == 1 or batch * kv_heads <= MAX_COUNTS, f"{batch} x {kv_heads} heads: split them over launches"
-    out = torch.empty_like(q)
-    partial = ml = counts = out
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    partial = ml = out
     if splits > 1:
         partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
-        counts = arrival_counts(q.device)
+    positions, cos, sin, slots = rope if rope is not None else (context_lens,) * 4
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
+    s_part = (partial.stride(0), partial.stride(1), partial.stride(2)) if splits > 1 else (0, 0, 0)
+    s_ml = (ml.stride(0), ml.stride(1), ml.stride(2)) if splits > 1 else (0, 0, 0)
     _split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, block_tables, table_stride if table_stride is not None else context_lens, context_lens,
-        partial, ml, counts, out,
-        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2) if splits > 1 else 0,
-        ml.stride(0), ml.stride(1), ml.stride(2) if splits > 1 else 0, out.stride(0), out.stride(1),
-        scale_log2, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, STRIDE_ON_DEVICE=table_stride is not None,
+        partial, ml, out, positions, cos, sin, slots,
+        q.stride(0), dim if rope is not None else q.stride(1), kv_layer.stride(0), kv_layer.stride(1),
+        kv_layer.stride(2), block_tables.stride(0), *s_part, *s_ml, out.stride(0), out.stride(1),
+        cos.stride(0) if rope is not None else 0, scale_log2,
+        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, ROPE=rope is not None,
+        STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         num_warps=4, num_stages=2, **launch.options())
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,
+            BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, **launch.options())
     return out
