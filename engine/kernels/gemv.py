@@ -1,4 +1,5 @@
-"""Skinny matmul for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M of at most 16 rows.
+"""Skinny matmul for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M of at most 64 rows,
+and the MLP's gate/up projection with SiLU·mul in its epilogue (`gemv_silu`).
 
 At batch 1-16 a decode step's projections are pure weight streaming. cuBLAS picks split-K
 kernels for the narrower ones (qkv, o_proj), reaching about two thirds of HBM bandwidth and
@@ -23,7 +24,6 @@ from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
-L2_PREFETCH_TILES = 1  # weight tiles a program asks L2 for before it waits on the kernel before it
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
 
 
@@ -73,17 +73,11 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` without waiting for them (no registers filled)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH_TILES: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
     strip = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,19 +86,8 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     n_ok = offs_n < N
     m_ok = offs_m < M
     k_begin = split * K_SPLIT
-    w_rows = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin
-    if PDL:
-        # The weights depend on no kernel: start them towards L2 while the kernel before drains,
-        # then wait for it (engine.kernels.launch) before reading the activations.
-        lines = tl.arange(0, BLOCK_K // 64)[None, :] * 64  # a line is 64 16-bit elements
-        first = tl.where(n_ok[:, None], w_rows, W)
-        for t in tl.static_range(PREFETCH_TILES):
-            _prefetch_l2(first + t * BLOCK_K + lines)
-            if GATED:
-                _prefetch_l2(first + N * s_wn + t * BLOCK_K + lines)
-        gdc_wait()
     x_ptrs = X + offs_m[:, None] * s_xm + k_begin + offs_k[None, :]
-    w_ptrs = w_rows + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
@@ -197,6 +180,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k_split,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PREFETCH_TILES=min(L2_PREFETCH_TILES, k_split // cfg.block_k),
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
     return out
