@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, Pref
 from bench.sim_costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
 from bench.sim_metrics import met, simulate, summarize
 from bench.sim_traffic import Conversations, SimRequest, Traffic
-from bench.sim_validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, validate
+from bench.sim_validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, table_sms, validate
 from client.load_plan import LoadSpec, build_plan
 from client.load_stats import Slo
 from decode_server.config import DecodeConfig
@@ -290,3 +291,10 @@ def test_the_plan_prices_partitioned_on_the_servers_sm_split(monkeypatch: pytest
         assert [r.get("prefill_sms") for r in rows if r["mode"] == "partitioned"] == [want]
         assert all("prefill_sms" not in r for r in rows if r["mode"] != "partitioned")
     assert table.pick(None)[0] == 72 and table.pick(50.0)[0] == table.pick(30.0)[0] == 80  # as docs/scaling.md says
+
+
+def test_the_recorded_plan_ran_partitioned_on_the_table_pick() -> None:
+    plans = json.loads((RESULTS / "simulate-plan.json").read_text())["plans"]
+    for name, entry in plans.items():
+        partitioned = [r for r in entry["rows"] if r["mode"] == "partitioned"]
+        assert [r.get("prefill_sms") for r in partitioned] == [table_sms(entry["slo"]["itl_ms"])], name
