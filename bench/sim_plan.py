@@ -2,6 +2,10 @@
 
 Goodput here is DistServe's: the highest arrival rate at which at least `attainment` of the requests
 meet the SLO (TTFT and TPOT), found by bisection on the rate of the mix's seeded load.
+
+A partitioned deployment runs its prefills on the SMs its decode servers would pick from their
+`sm_split_table.json` with the mix's TPOT limit as `--itl-slo-ms` (bench.sim_validate.table_sms), not the
+simulator's default.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from bench.sim_cluster import Deployment, Serving
 from bench.sim_costs import Costs
 from bench.sim_metrics import met, simulate
 from bench.sim_traffic import Conversations
+from bench.sim_validate import table_sms
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
 
@@ -71,10 +76,11 @@ def goodput(deployment: Deployment, costs: Costs, mix: Mix, serving: Serving, ta
     return low
 
 
-def deployments(gpus: int, prefill_counts: list[int], chunk_size: int = 2048) -> Iterator[Deployment]:
+def deployments(gpus: int, prefill_counts: list[int], chunk_size: int = 2048,
+                partition_sms: int = Deployment.partition_sms) -> Iterator[Deployment]:
     """Every deployment of a GPU budget the plan compares: all GPUs decoding with each local mode, and each split."""
     for mode in ("colocated", "chunked", "layered", "partitioned"):
-        yield Deployment(0, gpus, mode, chunk_size=chunk_size)
+        yield Deployment(0, gpus, mode, chunk_size=chunk_size, partition_sms=partition_sms)
     for prefill in prefill_counts:
         if 0 < prefill < gpus:
             yield Deployment(prefill, gpus - prefill, "disaggregated")
@@ -90,12 +96,15 @@ def prefill_counts(gpus: int) -> list[int]:
 
 def plan(gpus: int, mix: Mix, costs: Costs, serving: Serving, on_done: Callable[[], None] | None = None,
          duration: float | None = None) -> list[dict[str, object]]:
+    """Each deployment's goodput; a partitioned one's row carries its prefill SMs (the decode servers' table pick
+    for the mix's TPOT limit)."""
     rows = []
     per_gpu_start = 0.5
-    for deployment in deployments(gpus, prefill_counts(gpus)):
+    for deployment in deployments(gpus, prefill_counts(gpus), partition_sms=table_sms(mix.slo.itl_ms)):
         rate = goodput(deployment, costs, mix, serving, start=per_gpu_start * gpus, duration=duration)
+        sms = {"prefill_sms": deployment.partition_sms} if deployment.mode == "partitioned" else {}
         rows.append({"deployment": deployment.label(), "mode": deployment.mode, "prefill": deployment.prefill,
-                     "decode": deployment.decode, "goodput_rps": round(rate, 3),
+                     "decode": deployment.decode, **sms, "goodput_rps": round(rate, 3),
                      "goodput_rps_per_gpu": round(rate / gpus, 4)})
         if on_done is not None:
             on_done()

@@ -89,17 +89,26 @@ def _flag(servers: list[str], name: str) -> str | None:
     return None
 
 
+def table_sms(itl_slo_ms: float | None, table: Path = SM_SPLIT_TABLE) -> int:
+    """The prefill SMs a decode server started without --prefill-sms picks for `itl_slo_ms` (its --itl-slo-ms; None:
+    its default, twice the table's step alone): the most SMs whose measured gap for a decoding request is within it,
+    as decode_server.sm_split picks them."""
+    doc = json.loads(table.read_text())
+    limit = itl_slo_ms if itl_slo_ms is not None else 2 * float(doc["decode_step_alone_ms"])
+    fits = [int(r["prefill_sms"]) for r in doc["rows"] if float(r["a_gap_ms"]) <= limit]
+    if not fits:
+        raise ValueError(f"no split in {table.name} keeps a decoding request's gap within {limit:g} ms")
+    return max(fits)
+
+
 def prefill_sms(servers: list[str], table: Path = SM_SPLIT_TABLE) -> int:
-    """The SMs a partitioned prefill ran on: the servers' --prefill-sms, else the most SMs whose measured gap for a
-    decoding request is within --itl-slo-ms (twice the table's step alone by default), as decode_server.sm_split
-    picks them."""
+    """The SMs a partitioned prefill ran on: the servers' --prefill-sms, else their table's pick for their
+    --itl-slo-ms (table_sms)."""
     given = _flag(servers, "--prefill-sms")
     if given is not None:
         return int(given)
-    doc = json.loads(table.read_text())
     slo = _flag(servers, "--itl-slo-ms")
-    limit = float(slo) if slo is not None else 2 * float(doc["decode_step_alone_ms"])
-    return max(int(r["prefill_sms"]) for r in doc["rows"] if float(r["a_gap_ms"]) <= limit)
+    return table_sms(float(slo) if slo is not None else None, table)
 
 
 def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cache: bool = True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 
 from bench import sim_attention as attn
+from bench import sim_plan
 from bench.sim_cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, PrefillServer, Serving
 from bench.sim_costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
 from bench.sim_metrics import met, simulate, summarize
 from bench.sim_traffic import Conversations, SimRequest, Traffic
-from bench.sim_validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, validate
+from bench.sim_validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, table_sms, validate
 from client.load_plan import LoadSpec, build_plan
 from client.load_stats import Slo
 from decode_server.config import DecodeConfig
@@ -264,3 +266,35 @@ def test_partitioned_runs_replay_the_servers_sm_split() -> None:
     assert runs and all(r.deployment.partition_sms == table.pick(None)[0] != Deployment.partition_sms for r in runs)
     replayed = [r for r in validate(RESULTS, progress=False)["runs"] if r["deployment"].startswith("partitioned")]
     assert len(replayed) == len(runs) and all(r["prefill_sms"] == table.pick(None)[0] for r in replayed)
+
+
+def test_the_plan_prices_partitioned_on_the_servers_sm_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's partitioned deployments run on the SMs a decode server without --prefill-sms picks from its table
+    with the mix's TPOT limit as --itl-slo-ms (its default pick without one), not the simulator's default."""
+    from decode_server.sm_split import SplitTable
+
+    priced: list[Deployment] = []
+
+    def goodput(deployment: Deployment, *args: object, **kwargs: object) -> float:
+        priced.append(deployment)
+        return 1.0
+
+    monkeypatch.setattr(sim_plan, "goodput", goodput)
+    table = SplitTable.load(SM_SPLIT_TABLE)
+    no_tpot = dataclasses.replace(sim_plan.MIXES["chat"], slo=Slo(ttft_ms=1000))
+    for mix in [*sim_plan.MIXES.values(), no_tpot]:
+        priced.clear()
+        rows = sim_plan.plan(2, mix, COSTS, SERVING)
+        want = table.pick(mix.slo.itl_ms)[0]
+        assert want != Deployment.partition_sms
+        assert [d.partition_sms for d in priced if d.mode == "partitioned"] == [want]
+        assert [r.get("prefill_sms") for r in rows if r["mode"] == "partitioned"] == [want]
+        assert all("prefill_sms" not in r for r in rows if r["mode"] != "partitioned")
+    assert table.pick(None)[0] == 72 and table.pick(50.0)[0] == table.pick(30.0)[0] == 80  # as docs/scaling.md says
+
+
+def test_the_recorded_plan_ran_partitioned_on_the_table_pick() -> None:
+    plans = json.loads((RESULTS / "simulate-plan.json").read_text())["plans"]
+    for name, entry in plans.items():
+        partitioned = [r for r in entry["rows"] if r["mode"] == "partitioned"]
+        assert [r.get("prefill_sms") for r in partitioned] == [table_sms(entry["slo"]["itl_ms"])], name
