@@ -95,12 +95,13 @@ def prefill_counts(gpus: int) -> list[int]:
 
 
 def plan(gpus: int, mix: Mix, costs: Costs, serving: Serving, on_done: Callable[[], None] | None = None,
-         duration: float | None = None) -> list[dict[str, object]]:
-    """Each deployment's goodput; a partitioned one's row carries its prefill SMs (the decode servers' table pick
-    for the mix's TPOT limit)."""
+         duration: float | None = None, partition_sms: int | None = None) -> list[dict[str, object]]:
+    """Each deployment's goodput; a partitioned one's row carries its prefill SMs (`partition_sms`, else the
+    decode servers' table pick for the mix's TPOT limit)."""
     rows = []
     per_gpu_start = 0.5
-    for deployment in deployments(gpus, prefill_counts(gpus), partition_sms=table_sms(mix.slo.itl_ms)):
+    prefill_sms = partition_sms or table_sms(mix.slo.itl_ms)
+    for deployment in deployments(gpus, prefill_counts(gpus), partition_sms=prefill_sms):
         rate = goodput(deployment, costs, mix, serving, start=per_gpu_start * gpus, duration=duration)
         sms = {"prefill_sms": deployment.partition_sms} if deployment.mode == "partitioned" else {}
         rows.append({"deployment": deployment.label(), "mode": deployment.mode, "prefill": deployment.prefill,

@@ -40,7 +40,9 @@ def calibrated_serving(costs: Costs) -> Serving:
     return calibrate(runs, {t: costs for t in {r.transport for r in runs}})
 
 
-def run_plan(costs: Costs, progress: bool = True) -> dict[str, Any]:
+def run_plan(costs: Costs, progress: bool = True, partition_sms: int | None = None) -> dict[str, Any]:
+    """The plan for every GPU count and mix, and its plot (not drawn when `partition_sms` overrides the
+    decode servers' pick: that plan is a comparison, not the recorded one)."""
     serving = calibrated_serving(costs)
     total = sum(len(list(deployments(g, prefill_counts(g)))) for g in PLAN_GPUS) * len(MIXES)
     bar = tqdm(total=total, desc="planning", unit="deployment", disable=not progress)
@@ -48,13 +50,15 @@ def run_plan(costs: Costs, progress: bool = True) -> dict[str, Any]:
     for gpus, duration in PLAN_GPUS.items():
         for mix in MIXES.values():
             bar.set_postfix(gpus=gpus, mix=mix.name)
-            rows = plan(gpus, mix, costs, serving, on_done=lambda: bar.update(1), duration=duration)
+            rows = plan(gpus, mix, costs, serving, on_done=lambda: bar.update(1), duration=duration,
+                        partition_sms=partition_sms)
             best = max(rows, key=lambda r: float(r["goodput_rps"]))  # type: ignore[arg-type]
             plans[f"{gpus}x{mix.name}"] = {"gpus": gpus, "mix": mix.name, "about": mix.about,
                                            "slo": dataclasses.asdict(mix.slo), "duration_s": duration,
                                            "best": best, "rows": rows}
     bar.close()
-    plot_plan(plans)
+    if partition_sms is None:
+        plot_plan(plans)
     return {"goodput": "highest arrival rate with >= 90% of requests within the SLO (bisection)",
             "serving": dataclasses.asdict(serving), "plot": PLOT.name, "plans": plans}
 

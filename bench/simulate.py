@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--validate", action="store_true", help="replay the recorded load runs and compare")
     what.add_argument("--plan", action="store_true", help="best split and mode for 8 and 64 GPUs (minutes)")
+    p.add_argument("--plan-sms", type=int, default=None,
+                   help="--plan: partitioned deployments on this many prefill SMs, not the servers' table pick "
+                        "(a comparison: needs --json, draws no plot)")
     what.add_argument("--predict", action="store_true", help="predict the next two-GPU load run (rate sweeps)")
     p.add_argument("--load-args", default=None,
                    help="--predict: the client.load flags of the run to predict, as given to bench.load "
@@ -106,8 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan or args.predict:
         from bench.sim_report import run_plan, run_prediction
 
-        record = run_plan(costs, progress) if args.plan else run_prediction(costs, progress, args.load_args,
-                                                                            args.rates)
+        if args.plan_sms is not None and not args.json:
+            parser.error("--plan-sms: give --json, the recorded plan stays the one on the servers' pick")
+        record = (run_plan(costs, progress, args.plan_sms) if args.plan
+                  else run_prediction(costs, progress, args.load_args, args.rates))
         default = "simulate-plan.json" if args.plan else "simulate-prediction-2xh200.json"
         write(args.json or str(RESULTS / default), {**stamp(argv), **record})
         return 0

@@ -290,6 +290,10 @@ def test_the_plan_prices_partitioned_on_the_servers_sm_split(monkeypatch: pytest
         assert [d.partition_sms for d in priced if d.mode == "partitioned"] == [want]
         assert [r.get("prefill_sms") for r in rows if r["mode"] == "partitioned"] == [want]
         assert all("prefill_sms" not in r for r in rows if r["mode"] != "partitioned")
+    priced.clear()  # --plan-sms: a comparison on a count of the caller's choosing
+    rows = sim_plan.plan(2, sim_plan.MIXES["chat"], COSTS, SERVING, partition_sms=96)
+    assert [d.partition_sms for d in priced if d.mode == "partitioned"] == [96]
+    assert [r.get("prefill_sms") for r in rows if r["mode"] == "partitioned"] == [96]
     assert table.pick(None)[0] == 72 and table.pick(50.0)[0] == table.pick(30.0)[0] == 80  # as docs/scaling.md says
 
 
