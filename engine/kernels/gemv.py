@@ -175,11 +175,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device)
-    k_split = k // cfg.split_k
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k_split,
+        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
     return out

@@ -28,6 +28,12 @@ TARGET_PROGRAMS = 528
 
 
 @triton.jit
+def _split_len(ctx, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens in each of a sequence's context slices: equal slices, whole steps, at least one step."""
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
 def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
     """Rows `heads` of one token's projection, q * cos + rotate_half(q) * sin, each product and the
     sum rounded to the model dtype as in PyTorch (and `engine.kernels.fused`'s rope kernel)."""
@@ -56,7 +62,7 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         s_bt = tl.load(BT_STRIDE)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    split_len = _split_len(ctx, NUM_SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -123,7 +129,7 @@ def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(CTX + b)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    split_len = _split_len(ctx, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, NUM_SPLITS)
     used = offs_s < tl.cdiv(ctx, split_len)  # the slices past the context hold nothing: not read
     offs_d = tl.arange(0, HEAD_DIM)
