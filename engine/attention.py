@@ -1,10 +1,10 @@
 """Attention over the paged KV pool: prefill (one sequence, a chunk of new tokens after `start`
 cached ones) and decode (many sequences, one new token each).
 
-The new tokens' K and V are already in the pool (`ops.rope_and_store`), except in
-`rotary_decode_attention`, whose kernel writes them itself. Decode on CUDA reads the pool in place
-through a Triton kernel (`engine.kernels.paged_decode`); the gather path here is the reference and
-the CPU path.
+A prefill's new K and V are in the pool before its attention (`ops.rope_and_store`); a decode
+step's attention writes them itself. Decode on CUDA rotates, writes and reads the pool in place
+through one Triton kernel (`engine.kernels.paged_decode`); the gather path here is the reference
+and the CPU path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVPool
-from engine.ops import expand_kv
+from engine.ops import expand_kv, rope_and_store
 
 
 def attention_rows(tokens: int, device: torch.device) -> int:
@@ -133,25 +133,21 @@ def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtyp
     return len(buckets)
 
 
-def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:
-    """q [B, H, D] (one new token per sequence) -> [B, H, D]."""
+def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     pool: KVPool, layer: int, meta: DecodeMeta, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """A decode step's rope, KV write and attention: qkv [B, (H + 2 Hkv) D] unrotated (one new token
+    per sequence) -> [B, H, D]. With `meta.use_kernel` one Triton kernel does all three; otherwise
+    `ops.rope_and_store`, then the gather path."""
     if meta.use_kernel:
-        from engine.kernels.paged_decode import paged_decode_attention
+        from engine.kernels.paged_decode import paged_decode_attention_rope
 
-        return paged_decode_attention(q, pool.layers[layer], meta.block_tables, meta.context_lens,
-                                      pool.layout.block_size, meta.table_stride)
+        return paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots, pool.layers[layer],
+                                           meta.block_tables, meta.context_lens, pool.layout.block_size,
+                                           meta.table_stride)
+    q, _, _ = rope_and_store(qkv, positions, cos, sin, pool.layers[layer], meta.new_slots, num_heads, num_kv_heads,
+                             head_dim)
     return gather_decode_attention(q, pool, layer, meta)
-
-
-def rotary_decode_attention(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:
-    """A decode step's `ops.rope_and_store` and `decode_attention` as one kernel (`meta.use_kernel`
-    only): qkv [B, (H + 2 Hkv) D] unrotated -> [B, H, D]; the new tokens' K and V land in the pool."""
-    from engine.kernels.paged_decode import paged_decode_attention_rope
-
-    return paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots, pool.layers[layer],
-                                       meta.block_tables, meta.context_lens, pool.layout.block_size,
-                                       meta.table_stride)
 
 
 def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:

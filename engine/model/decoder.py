@@ -18,14 +18,7 @@ import torch
 from torch import nn
 
 from engine import ops
-from engine.attention import (
-    DecodeMeta,
-    PrefillMeta,
-    decode_attention,
-    last_row_attention,
-    prefill_attention,
-    rotary_decode_attention,
-)
+from engine.attention import DecodeMeta, PrefillMeta, decode_attention, last_row_attention, prefill_attention
 from engine.kv_cache import KVPool
 from engine.model_config import Llama3RopeScaling, ModelConfig
 
@@ -103,26 +96,25 @@ class DecoderLayer(nn.Module):
         qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
-        if isinstance(meta, DecodeMeta) and meta.use_kernel:  # rope, the KV write and attention: one kernel
-            attn = rotary_decode_attention(qkv, self.num_heads, positions, rope.cos, rope.sin, pool, layer, meta)
+        if isinstance(meta, DecodeMeta):
+            attn = decode_attention(qkv, positions, rope.cos, rope.sin, pool, layer, meta, self.num_heads,
+                                    self.num_kv_heads, self.head_dim)
         else:
-            attn, x = self._attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
+            attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
         h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
         return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
-    def _attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
-                   pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta,
-                   last_row_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
+                           pool: KVPool, layer: int, meta: PrefillMeta,
+                           last_row_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rope and the KV write, then attention: (its output, the residual rows that go on)."""
-        rows = meta.rows if isinstance(meta, PrefillMeta) and meta.whole_prompt else None
+        rows = meta.rows if meta.whole_prompt else None
         q, k, v = ops.rope_and_store(qkv, positions, rope.cos, rope.sin, pool.layers[layer],
                                      meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
-        if isinstance(meta, PrefillMeta) and last_row_only:
+        if last_row_only:
             t = meta.new_slots.numel()
             return last_row_attention(q[t - 1:t], k[:t], v[:t], pool, layer, meta), x[t - 1:t]
-        if isinstance(meta, PrefillMeta):
-            return prefill_attention(q, k, v, pool, layer, meta), x
-        return decode_attention(q, pool, layer, meta), x
+        return prefill_attention(q, k, v, pool, layer, meta), x
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """q_norm and k_norm over each head of the fused projection, in place."""
