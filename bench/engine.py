@@ -194,6 +194,8 @@ def main() -> None:
                    help="read each step's tokens back before queuing the next (the decode server's --no-overlap-steps)")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
     p.add_argument("--no-pdl", action="store_true", help="our kernels without programmatic dependent launch")
+    p.add_argument("--no-l2-prefetch", action="store_true",
+                   help="decode steps without the norms' and the attention's L2 prefetch of the next weights")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
     p.add_argument("--json", default="bench/results/engine-h200.json")
@@ -204,7 +206,7 @@ def main() -> None:
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
-                            pdl=not args.no_pdl)
+                            pdl=not args.no_pdl, l2_prefetch=not args.no_l2_prefetch)
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
@@ -223,6 +225,7 @@ def main() -> None:
            "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
+           "l2_prefetch": kernels.l2_prefetch,
            "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
            "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
