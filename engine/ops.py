@@ -81,10 +81,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     return weight * normed, x
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,
+    by the skinny matmul's store where it runs (no conversion kernel)."""
     if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
-        return _gemv.gemv(x, layer.weight, layer.bias)
-    return F.linear(x, layer.weight, layer.bias)
+        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype)
+    out = F.linear(x, layer.weight, layer.bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:

@@ -185,6 +185,8 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
         assert rel_err(full, ref) < 1e-2
         for m in (1, 2, 5, 15):
             assert torch.equal(gemv(x[:m], w, b), full[:m])  # a row's result ignores the other rows
+        as_float = gemv(x, w, b, out_dtype=torch.float32)  # logits: stored as float32 after the same rounding
+        assert as_float.dtype == torch.float32 and torch.equal(as_float, full.float())
     from engine.kernels.gemv import GemvConfig
     w = torch.randn(3584, 18944, dtype=torch.bfloat16, device=dev) * 18944**-0.5
     x = torch.randn(64, 18944, dtype=torch.bfloat16, device=dev)
@@ -193,6 +195,7 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
         assert rel_err(full, torch.nn.functional.linear(x.float(), w.float())) < 1e-2
         for m in (17, 33, 63):
             assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
+        assert torch.equal(gemv(x, w, None, cfg, out_dtype=torch.float32), full.float())
 
 
 def test_gated_gemv_is_gemv_then_silu_mul() -> None:

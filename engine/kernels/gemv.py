@@ -115,11 +115,11 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     if last:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(OUT.dtype.element_ty)
+        out = acc.to(X.dtype.element_ty)  # rounded to the model dtype even where OUT is float32 (logits)
         if GATED:  # SiLU(gate) * up, rounded where the unfused path rounds (each projection, then SiLU)
             gate = out.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
-            out = (silu * acc_up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
+            out = (silu * acc_up.to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
         tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -135,12 +135,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype. Rows 1-16 run
+         cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype, or stored as
+    `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows 1-16 run
     in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
-    return _launch(x, weight, bias, cfg, gated=False)
+    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype)
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
@@ -160,7 +161,7 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-            gated: bool) -> torch.Tensor:
+            gated: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
@@ -169,7 +170,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
     assert k % (cfg.split_k * cfg.block_k) == 0, f"K={k} is not a multiple of split_k x block_k in {cfg}"
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
     partial = counts = out
     if cfg.split_k > 1:

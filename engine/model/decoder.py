@@ -187,4 +187,4 @@ class DecoderModel(nn.Module):
     def _logits(self, x: torch.Tensor, delta: torch.Tensor | None, decoding: bool = False) -> torch.Tensor:
         h, _ = self.norm(x, delta, ops.prefetch_ahead(self.lm_head.weight, self.kernels, head_only=True)
                          if decoding else None)
-        return ops.linear(h, self.lm_head, self.kernels).float()
+        return ops.linear(h, self.lm_head, self.kernels, out_dtype=torch.float32)
