@@ -9,6 +9,10 @@ Decode: every sequence has a real 1,024-token prefilled context; a step is what 
 server runs (metadata upload, graph replay, greedy tokens read back, each step queued before the
 last one's tokens are read unless --no-overlap-steps), timed by the host clock; beside it, the
 step's graph alone timed on the device.
+
+`--later-turns`: only a chat's later turns, a prefill of --new-lens tokens after --prefix-lens
+tokens from the prefix cache, alone and beside decode batches (bench.later_turns); on the CPU too
+(`--device cpu`, the tiny preset), written to engine-later-turns-h200.json unless --json says.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench import later_turns
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine.decode_batch import DecodeSeq
@@ -198,15 +203,28 @@ def main() -> None:
                    help="decode steps without the norms' and the attention's L2 prefetch of the next weights")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
-    p.add_argument("--json", default="bench/results/engine-h200.json")
+    p.add_argument("--json", default=None,
+                   help="default bench/results/engine-h200.json (engine-later-turns-h200.json with --later-turns)")
     p.add_argument("--profile", action="store_true",
                    help="print the costliest kernels of a decode step and of the longest prefill")
+    p.add_argument("--later-turns", action="store_true",
+                   help="time only later turns: a prefill of each --new-lens after each --prefix-lens cached "
+                        "tokens (bench.later_turns), alone and beside each --later-turn-batches decode batch")
+    p.add_argument("--prefix-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--new-lens", type=int, nargs="+", default=[64, 128, 256, 400])
+    p.add_argument("--later-turn-batches", type=int, nargs="+", default=[0, 32],
+                   help="running sequences (of --context tokens) beside the turn; 0: the turn alone")
+    p.add_argument("--repeats", type=int, default=5, help="timed later turns a row, after an untimed one")
+    p.add_argument("--device", default="cuda:0", help="cpu runs --later-turns only (float32; for tests)")
     args = p.parse_args()
+    kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
+                            pdl=not args.no_pdl, l2_prefetch=not args.no_l2_prefetch)
+    if args.later_turns:
+        later_turns_main(args, kernels)
+        return
     if not torch.cuda.is_available():
         sys.exit("error: bench.engine measures a GPU; none is visible")
     device = torch.device("cuda:0")
-    kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
-                            pdl=not args.no_pdl, l2_prefetch=not args.no_l2_prefetch)
     hbm, tflops = measure_hbm_gbps(device), measure_bf16_tflops(device)
     held, held_power, held_pj = sustained_bf16_tflops(device)
     print(f"measured ceilings: HBM {hbm:,.0f} GB/s, bf16 matmul {tflops:,.0f} TFLOP/s in a burst, {held:,.0f} "
@@ -256,8 +274,35 @@ def main() -> None:
     if args.profile:
         doc["decode_profile"] = {str(b): profile_decode(runner, b, args.context) for b in (1, max(args.batches))}
         profile_prefill(runner, max(args.prefill_lens))
-    write_json(args.json, doc)
-    print(f"wrote {args.json}")
+    json_path = args.json or "bench/results/engine-h200.json"
+    write_json(json_path, doc)
+    print(f"wrote {json_path}")
+
+
+def later_turns_main(args: argparse.Namespace, kernels: KernelOptions) -> None:
+    """`--later-turns`: the engine's later-turn prefills after cached prefixes, alone and beside decode
+    batches (bench.later_turns), written with the run's settings."""
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("error: no GPU is visible; --device cpu runs the later turns on the CPU")
+    batches = [b for b in args.later_turn_batches if b > 0]
+    steps = later_turns.batch_steps(len(args.prefix_lens) * len(args.new_lens), args.repeats)
+    runner = make_runner(preset=args.preset, device=args.device, dtype=torch.bfloat16 if cuda else torch.float32,
+                         kv_gb=40.0 if cuda else 0.25, max_batch_size=max([1, *batches]),
+                         max_model_len=max(max(args.prefix_lens) + max(args.new_lens) + 16, args.context + steps + 2),
+                         cuda_graphs=cuda and not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket,
+                         kernels=kernels)
+    runner.bind_thread()
+    doc = {**metadata(), "gpu": torch.cuda.get_device_name(runner.device) if cuda else None, "preset": args.preset,
+           "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+           "block_size": runner.layout.block_size, "cuda_graphs": runner.graphs is not None,
+           "overlap_steps": not args.no_overlap_steps, "skinny_gemv": kernels.skinny_gemv,
+           "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
+           "later_turns": later_turns.measure(runner, args.prefix_lens, args.new_lens, args.later_turn_batches,
+                                              args.context, args.repeats, overlap=not args.no_overlap_steps)}
+    json_path = args.json or "bench/results/engine-later-turns-h200.json"
+    write_json(json_path, doc)
+    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

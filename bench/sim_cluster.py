@@ -326,7 +326,7 @@ class DecodeServer:
             return 0.0
         if head.mode == "chunked":
             size = min(self.deployment.chunk_size, request.prompt - head.done_tokens)
-            ms = self.costs.chunk_ms(size, head.done_tokens) + self.serving.local_call_ms
+            ms = self.costs.chunk_piece_ms(size, head.done_tokens, request.cached) + self.serving.local_call_ms
             head.done_tokens += size
             finished = head.done_tokens >= request.prompt
         elif head.mode == "layered":

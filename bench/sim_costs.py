@@ -26,6 +26,8 @@ KV_BYTES_PER_TOKEN = 57_344      # 28 layers x K and V x 4 KV heads x 128 x 2 by
 PARTITION_ALONE_STEP_MS = 3.71
 PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
 H200_SMS = 132
+PRESET = "qwen2.5-7b"  # the shape every recorded run served
+LATER_TURNS = "engine-later-turns-h200.json"  # `bench.engine --later-turns` on one H200
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,14 @@ class Costs:
     kv_tail_ms: float  # the handoff beyond the prefill in the servers (control messages, last layer), at 32k
     hbm_gbps: float
     kv_send_ms: float = 0.0  # of that tail, what the prefill worker waits for (its last sends) before the next prompt
+    # a prefill of c tokens after P cached ones (bench.engine --later-turns): f0 + f1*c + f2*P + f3*c*(P + c/2);
+    # None where no run timed later turns: such a prefill is then priced as one chunk
+    later_turn: Fit | None = None
+    later_turn_beside: tuple[Fit, ...] = ()  # the same turns beside decode batches: their excess, printed only
 
     def fits(self) -> list[Fit]:
         return [self.attention, self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition,
-                self.kv]
+                self.kv, *([self.later_turn] if self.later_turn is not None else []), *self.later_turn_beside]
 
     @cached_property
     def attention_model(self) -> AttentionModel:  # built once: every simulated decode step prices with it
@@ -125,11 +131,11 @@ class Costs:
         return slowdown * (d0 + d1 * batch) + self.attention_model.step_ms(batch, longest, context_tokens)
 
     def prefill_ms(self, tokens: int, cached: int = 0) -> float:
-        """The engine's prefill of `tokens` new tokens; after a cached prefix it is priced as one chunk."""
+        """The engine's prefill of `tokens` new tokens, after `cached` ones from the prefix cache (a later turn)."""
         if tokens <= 0:
             return 0.0
         if cached > 0:
-            return self.chunk_ms(tokens, cached)
+            return self.later_turn_ms(tokens, cached)
         p0, p1, p2 = self.prefill.params
         return p0 + p1 * tokens + p2 * tokens * tokens
 
@@ -139,6 +145,22 @@ class Costs:
     def chunk_ms(self, tokens: int, prefix: int) -> float:
         k0, k1, k2 = self.chunk.params
         return k0 + k1 * tokens + k2 * tokens * (prefix + tokens / 2)
+
+    def later_turn_ms(self, tokens: int, cached: int) -> float:
+        """The engine's prefill of `tokens` after `cached` tokens from the prefix cache: the later-turn fit, or
+        one chunk where no run timed later turns."""
+        if self.later_turn is None:
+            return self.chunk_ms(tokens, cached)
+        f0, f1, f2, f3 = self.later_turn.params
+        return f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2)
+
+    def chunk_piece_ms(self, tokens: int, done: int, cached: int) -> float:
+        """A chunked prefill's next chunk of `tokens` after `done` tokens, `cached` of them from the prefix cache.
+        The first chunk after a hit is the engine call a colocated later turn makes, priced as one where later
+        turns were timed; every other chunk by the chunk fit."""
+        if self.later_turn is not None and done == cached > 0:
+            return self.local_prefill_ms(tokens, cached)
+        return self.chunk_ms(tokens, done)
 
     def layer_slice_ms(self, tokens: int, cached: int, slices: int) -> float:
         return self.prefill_ms(tokens, cached) / slices + self.layered.params[0]
@@ -215,6 +237,55 @@ def fit_chunk(results: Path, step_ms: float) -> Fit:
     return least_squares("chunk (k0 + k1*c + k2*c*(P+c/2))", np.array(xs), np.array(ys))
 
 
+def later_turn_rows(results: Path) -> list[dict[str, Any]]:
+    """The later turns of the newest run of the recorded shape that timed them: the later-turn file, else
+    bench.engine's history. Taken whatever else the run's engine did (overlapped steps among it): a turn alone
+    runs no decode step, and one beside a batch is compared with that run's own steps."""
+    path = results / LATER_TURNS
+    run: dict[str, Any] | None = json.loads(path.read_text()) if path.exists() else None
+    runs = [run] if run is not None else []
+    run = _load("engine-h200.json", results)
+    while run is not None:
+        runs.append(run)
+        run = run.get("previous")
+    for run in runs:
+        rows = run.get("later_turns", [])
+        if any(not r.get("batch") for r in rows) and run.get("preset", PRESET) == PRESET:
+            return list(rows)
+    return []
+
+
+def fit_later_turn(rows: list[dict[str, Any]]) -> Fit | None:
+    """A prefill of c tokens after P cached ones, over the turns alone (batch 0): a fixed part, the new tokens'
+    own work, the prefix's K and V read from the pool (every layer), and the new tokens' attention over the prefix
+    and each other; fitted to the relative errors (a 64-token turn's 5 ms counts as much as a 2k one's). None
+    without enough rows to fix four terms (two prefix and two new lengths, five rows at least)."""
+    rows = [r for r in rows if not r.get("batch")]
+    x = np.array([[1.0, r["new"], r["prefix"], r["new"] * (r["prefix"] + r["new"] / 2)] for r in rows])
+    if len(rows) < 5 or np.linalg.matrix_rank(x) < 4:
+        return None
+    y = np.array([float(r["ms"]) for r in rows])
+    fit = least_squares("later turn (f0+f1*c+f2*P+f3*c*(P+c/2))", x / y[:, None], np.ones(len(rows)))
+    return _requality(fit, x, y, offset=np.zeros(len(rows)))
+
+
+def fit_later_turn_beside(rows: list[dict[str, Any]]) -> list[Fit]:
+    """For each batch the turns ran beside: the running sequences' gap across the turn less its step and the turn
+    alone (a constant, its quality on the gaps). What the simulator's sequential prefill-then-step leaves out;
+    printed, not charged."""
+    alone = {(r["prefix"], r["new"]): float(r["ms"]) for r in rows if not r.get("batch")}
+    fits = []
+    for batch in sorted({int(r["batch"]) for r in rows if r.get("batch")}):
+        beside = [r for r in rows if r.get("batch") == batch and r.get("gap_ms") and r.get("step_ms")
+                  and (r["prefix"], r["new"]) in alone]
+        if len(beside) < 3:
+            continue
+        known = np.array([alone[r["prefix"], r["new"]] + r["step_ms"] for r in beside])
+        x, y = np.ones((len(beside), 1)), np.array([r["gap_ms"] for r in beside]) - known
+        fits.append(_requality(least_squares(f"later turn beside batch {batch} (gap-step-alone)", x, y), x, y, known))
+    return fits
+
+
 def fit_layered(results: Path, prefill: Fit) -> Fit:
     """From the scenario: layered B's TTFT = its whole prefill + (decode step + l0) a slice."""
     p0, p1, p2 = prefill.params
@@ -286,12 +357,17 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     prefill, decode = fit_prefill(results), fit_decode(results, model)
     a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
     kv, tail, send = fit_kv(results, transport)
+    turns = later_turn_rows(results)
     return Costs(attention=attention, decode=decode, prefill=prefill, chunk=fit_chunk(results, a_step_ms),
                  layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
-                 partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm, kv_send_ms=send)
+                 partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm, kv_send_ms=send,
+                 later_turn=fit_later_turn(turns), later_turn_beside=tuple(fit_later_turn_beside(turns)))
 
 
 def describe(costs: Costs) -> Sequence[str]:
     handoff = (f"KV handoff beyond the prefill: {costs.kv_tail_ms:.2f} ms at 32k (servers' median), of which the "
                f"prefill worker waits {costs.kv_send_ms:.2f} ms for its sends (median exposed)")
-    return [*(f.line() for f in costs.fits()), handoff]
+    later = ([] if costs.later_turn is not None else
+             [f"later turns (a prefill after a cached prefix): priced as one chunk, no {PRESET} later_turns rows in "
+              f"{LATER_TURNS} or engine-h200.json (python -m bench.engine --later-turns)"])
+    return [*(f.line() for f in costs.fits()), handoff, *later]

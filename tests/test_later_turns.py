@@ -1,0 +1,99 @@
+"""Later turns: `bench.engine --later-turns` on the CPU's tiny model, and the simulator's fit of its rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import engine
+from bench.later_turns import LaterTurns
+from bench.sim_costs import LATER_TURNS, RESULTS, fit_costs, fit_later_turn, later_turn_rows
+from engine.offline import make_runner
+
+TRUE = (4.0, 0.03, 0.0004, 2e-6)  # f0 ms, ms a new token, ms a prefix token, ms a new token's attention token
+
+
+def test_bench_engine_times_later_turns_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "later.json"
+    monkeypatch.setattr(sys, "argv", ["bench/engine.py", "--later-turns", "--preset", "tiny", "--device", "cpu",
+                                      "--prefix-lens", "32", "64", "--new-lens", "16", "40",
+                                      "--later-turn-batches", "0", "2", "--context", "24", "--repeats", "1",
+                                      "--json", str(out)])
+    engine.main()
+    doc = json.loads(out.read_text())
+    assert doc["preset"] == "tiny" and doc["device"] == "cpu" and doc["command"].startswith("python -m bench.engine")
+    rows = doc["later_turns"]
+    assert [(r["batch"], r["prefix"], r["new"]) for r in rows] == [
+        (b, p, n) for b in (0, 2) for p in (32, 64) for n in (16, 40)]
+    for row in rows:
+        assert row["ms"] > 0 and row["min_ms"] <= row["ms"] and row["repeats"] == 1
+        if row["batch"]:
+            assert row["context"] == 24 and row["gap_ms"] > 0 and row["step_ms"] > 0
+
+
+def test_a_later_turn_finds_its_prefix_in_the_cache() -> None:
+    runner = make_runner(preset="tiny")
+    turns = LaterTurns(runner)
+    turns.first_turn(48)
+    free = runner.pool.allocator.num_free
+    ms, gap = turns.turn_ms(48, 5)  # raises unless the cache gave all 48 tokens
+    assert ms > 0 and gap is None
+    assert runner.pool.allocator.num_free == free  # the turn's own block went back; the prefix stays cached
+    with pytest.raises(ValueError, match="whole blocks"):
+        turns.first_turn(20)
+
+
+def _results_with(tmp_path: Path, rows: list[dict[str, Any]], preset: str = "qwen2.5-7b") -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    for path in RESULTS.glob("*.json"):
+        (tmp_path / path.name).symlink_to(path)
+    (tmp_path / LATER_TURNS).write_text(json.dumps({"preset": preset, "later_turns": rows}))
+    return tmp_path
+
+
+def _synthetic_rows() -> list[dict[str, Any]]:
+    """Turns alone priced by TRUE, then the same beside a batch of 32: the turn alone, a 12 ms step and 3 ms more."""
+    f0, f1, f2, f3 = TRUE
+    alone = [(p, c, f0 + f1 * c + f2 * p + f3 * c * (p + c / 2)) for p in (1024, 4096, 16384)
+             for c in (64, 128, 256, 400)]
+    return [*({"prefix": p, "new": c, "batch": 0, "ms": ms} for p, c, ms in alone),
+            *({"prefix": p, "new": c, "batch": 32, "ms": 500.0, "step_ms": 12.0, "gap_ms": ms + 15.0}
+              for p, c, ms in alone)]
+
+
+def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path) -> None:
+    results = _results_with(tmp_path, _synthetic_rows())
+    fit = fit_later_turn(later_turn_rows(results))
+    assert fit is not None and fit.points == 12
+    assert fit.params == pytest.approx(TRUE, rel=1e-6) and fit.r2 > 0.9999 and fit.max_rel_error < 1e-6
+    costs = fit_costs(results)
+    assert costs.later_turn == fit and fit in costs.fits()
+    (beside,) = costs.later_turn_beside
+    assert beside in costs.fits() and "batch 32" in beside.name and beside.points == 12
+    assert beside.params == pytest.approx((3.0,)) and beside.max_rel_error < 1e-9
+    f0, f1, f2, f3 = TRUE
+    assert costs.prefill_ms(200, 8192) == pytest.approx(f0 + f1 * 200 + f2 * 8192 + f3 * 200 * (8192 + 100))
+    assert costs.local_prefill_ms(200, 8192) == pytest.approx(costs.prefill_ms(200, 8192) + costs.local_extra.params[0])
+    # chunked: the first chunk after a hit is the colocated later turn's engine call; later chunks the chunk fit's
+    assert costs.chunk_piece_ms(512, 4096, 4096) == costs.local_prefill_ms(512, 4096)
+    assert costs.chunk_piece_ms(512, 4608, 4096) == costs.chunk_ms(512, 4608)
+    assert costs.chunk_piece_ms(512, 0, 0) == costs.chunk_ms(512, 0)
+    # a whole prompt is the prefill fit's, as before
+    assert costs.prefill_ms(4096) == fit_costs().prefill_ms(4096)
+
+
+def test_without_later_turns_a_cached_prefill_is_one_chunk(tmp_path: Path) -> None:
+    costs = fit_costs()
+    if costs.later_turn is None:  # the recorded results hold no later turns yet
+        assert costs.prefill_ms(200, 8192) == costs.chunk_ms(200, 8192)
+    bare = dataclasses.replace(costs, later_turn=None)
+    assert bare.prefill_ms(200, 8192) == bare.chunk_ms(200, 8192)
+    assert bare.chunk_piece_ms(512, 4096, 4096) == bare.chunk_ms(512, 4096)
+    # rows of another shape (a CPU run of the tiny model), or too few to fix the four terms, are not fitted
+    assert later_turn_rows(_results_with(tmp_path / "tiny", _synthetic_rows(), preset="tiny")) == []
+    assert fit_later_turn(_synthetic_rows()[:4]) is None
