@@ -199,8 +199,6 @@ def main() -> None:
                    help="read each step's tokens back before queuing the next (the decode server's --no-overlap-steps)")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
     p.add_argument("--no-pdl", action="store_true", help="our kernels without programmatic dependent launch")
-    p.add_argument("--no-l2-prefetch", action="store_true",
-                   help="decode steps without the norms' and the attention's L2 prefetch of the next weights")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
     p.add_argument("--json", default=None,
@@ -218,7 +216,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0", help="cpu runs --later-turns only (float32; for tests)")
     args = p.parse_args()
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
-                            pdl=not args.no_pdl, l2_prefetch=not args.no_l2_prefetch)
+                            pdl=not args.no_pdl)
     if args.later_turns:
         later_turns_main(args, kernels)
         return
@@ -243,7 +241,6 @@ def main() -> None:
            "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
-           "l2_prefetch": kernels.l2_prefetch,
            "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
            "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVPool
-from engine.ops import Prefetch, expand_kv, rope_and_store
+from engine.ops import expand_kv, rope_and_store
 
 
 def attention_rows(tokens: int, device: torch.device) -> int:
@@ -135,16 +135,16 @@ def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtyp
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pool: KVPool, layer: int, meta: DecodeMeta, num_heads: int, num_kv_heads: int,
-                     head_dim: int, prefetch: Prefetch | None = None) -> torch.Tensor:
+                     head_dim: int) -> torch.Tensor:
     """A decode step's rope, KV write and attention: qkv [B, (H + 2 Hkv) D] unrotated (one new token
-    per sequence) -> [B, H, D]. With `meta.use_kernel` one Triton kernel does all three (and asks L2
-    for `prefetch`); otherwise `ops.rope_and_store`, then the gather path."""
+    per sequence) -> [B, H, D]. With `meta.use_kernel` one Triton kernel does all three; otherwise
+    `ops.rope_and_store`, then the gather path."""
     if meta.use_kernel:
         from engine.kernels.paged_decode import paged_decode_attention_rope
 
         return paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots, pool.layers[layer],
                                            meta.block_tables, meta.context_lens, pool.layout.block_size,
-                                           meta.table_stride, prefetch=prefetch)
+                                           meta.table_stride)
     q, _, _ = rope_and_store(qkv, positions, cos, sin, pool.layers[layer], meta.new_slots, num_heads, num_kv_heads,
                              head_dim)
     return gather_decode_attention(q, pool, layer, meta)

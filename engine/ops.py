@@ -20,10 +20,6 @@ except ImportError:  # no Triton: CPU-only installs
     _gemv = None  # type: ignore[assignment]
     _launch = None  # type: ignore[assignment]
 try:
-    from engine.kernels import prefetch as _prefetch
-except ImportError:
-    _prefetch = None  # type: ignore[assignment]
-try:
     from engine.kernels import gate_up_silu as _gate_up
 except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hopper language
     _gate_up = None  # type: ignore[assignment]
@@ -42,7 +38,6 @@ class KernelOptions:
     skinny_gemv: bool = True     # decode-sized matmuls (up to 16 rows; 64 where tuned) through the Triton skinny kernel
     fused_gate_up: bool = True   # prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel
     pdl: bool = True             # our kernels with programmatic dependent launch on Hopper (engine.kernels.launch)
-    l2_prefetch: bool = True     # decode: the norms and the attention ask L2 for the next projection's weights
 
 
 ALL_KERNELS = KernelOptions()
@@ -58,22 +53,11 @@ def _fast(t: torch.Tensor) -> bool:
     return t.is_cuda and _fused is not None
 
 
-Prefetch = tuple[torch.Tensor, int]  # a weight the next kernel streams, and how many of its first bytes to ask L2 for
-
-
-def prefetch_ahead(weight: torch.Tensor, kernels: KernelOptions, head_only: bool = False) -> Prefetch | None:
-    """What a decode step's kernel before `weight`'s projection asks L2 for (`engine.kernels.prefetch`):
-    all of it, or with `head_only` its first `HEAD_BYTES`; None off Hopper or with the option off."""
-    if not (kernels.l2_prefetch and _prefetch is not None and _fast(weight) and _prefetch.supported(weight)):
-        return None
-    return weight, _prefetch.head_bytes(weight, _prefetch.HEAD_BYTES if head_only else None)
-
-
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
-                 prefetch: Prefetch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + delta) * weight, x + delta); on CUDA x is updated in place (and `prefetch` asked of L2)."""
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + delta) * weight, x + delta); on CUDA x is updated in place."""
     if _fast(x):
-        return _fused.add_rms_norm(x, weight, eps, delta, prefetch), x
+        return _fused.add_rms_norm(x, weight, eps, delta), x
     if delta is not None:
         x = x + delta
     xf = x.float()

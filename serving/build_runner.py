@@ -32,8 +32,7 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         max_len = cfg.max_model_len if cfg.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up, pdl=cfg.pdl,
-                                l2_prefetch=cfg.l2_prefetch)
+        kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up, pdl=cfg.pdl)
         loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len, kernels=kernels)
     except ModelLoadError as e:
         raise StartupError(str(e)) from e

@@ -80,8 +80,6 @@ class ServerConfig:
                                                             "SiLU·mul (Hopper GPUs only)"))
     pdl: bool = field(default=True, metadata=opt("launch our kernels with programmatic dependent launch, each "
                                                  "scheduled while the one before drains (Hopper GPUs only)"))
-    l2_prefetch: bool = field(default=True, metadata=opt("in decode steps, let the norms and the attention ask L2 "
-                                                         "for the next projection's weights (Hopper GPUs only)"))
 
     def warms_up(self, device_type: str) -> bool:
         return self.warm_up == "on" or (self.warm_up == "auto" and device_type == "cuda")

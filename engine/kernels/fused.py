@@ -10,46 +10,35 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
-from engine.kernels.prefetch import prefetch_l2
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, DELTA, W, OUT, NEXT, N, rows, next_bytes, eps, HAS_DELTA: tl.constexpr,
-                         PREFETCH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    if PREFETCH and row >= rows:  # a program past the rows asks L2 for the next projection's weights, then ends
-        prefetch_l2(NEXT, next_bytes, row - rows, tl.num_programs(0) - rows, LANES)
-    else:
-        if PDL:  # the kernel before has finished (engine.kernels.launch)
-            gdc_wait()
-            gdc_launch_dependents()
-        offs = tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(X + row * N + offs, mask=mask, other=0.0)
-        if HAS_DELTA:  # residual += delta, rounded to the model dtype as PyTorch's add would
-            x = (x.to(tl.float32) + tl.load(DELTA + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(X + row * N + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, 0) / N
-        normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-        w = tl.load(W + offs, mask=mask, other=0.0)
-        tl.store(OUT + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * N + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # residual += delta, rounded to the model dtype as PyTorch's add would
+        x = (x.to(tl.float32) + tl.load(DELTA + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(X + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(OUT + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
-PREFETCH_PROGRAMS = 32  # extra programs of the norm that only prefetch: spread over SMs, each SM's bulk-copy unit
-
-
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
-                 prefetch: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """x [T, N] (updated in place to x + delta when delta is given); returns rms_norm(x) * weight.
-    `prefetch` (a weight, bytes of it): extra programs ask L2 for them (`engine.kernels.prefetch`)."""
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None) -> torch.Tensor:
+    """x [T, N] (updated in place to x + delta when delta is given); returns rms_norm(x) * weight."""
     rows, n = x.shape
     out = torch.empty_like(x)
-    nxt, nbytes = prefetch if prefetch is not None else (x, 0)
-    grid = rows + (PREFETCH_PROGRAMS if prefetch is not None else 0)
-    _add_rms_norm_kernel[(grid,)](x, delta if delta is not None else x, weight, out, nxt, n, rows, nbytes, eps,
-                                  HAS_DELTA=delta is not None, PREFETCH=prefetch is not None,
-                                  BLOCK=triton.next_power_of_2(n), LANES=256, num_warps=8, **launch.options())
+    _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                                  **launch.options())
     return out
 
 

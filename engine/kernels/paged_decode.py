@@ -20,7 +20,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
-from engine.kernels.prefetch import prefetch_l2
 
 BLOCK_N = 64      # context tokens per inner step
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
@@ -48,21 +47,17 @@ def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLOTS, NEXT, next_bytes,
+def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLOTS,
                   s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
                   s_rb, s_rh, s_cos, scale_log2,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-                  LANES: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    if PREFETCH:  # the next projection's weights into L2 while this kernel leaves HBM mostly idle
-        part = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_l2(NEXT, next_bytes, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), LANES)
+                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     if STRIDE_ON_DEVICE:  # packed tables whose row length changes step to step (CUDA graphs)
         s_bt = tl.load(BT_STRIDE)
     split = tl.program_id(2)
@@ -167,21 +162,19 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
 def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, slots: torch.Tensor, kv_layer: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                                table_stride: torch.Tensor | None = None, splits: int | None = None,
-                                prefetch: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                                table_stride: torch.Tensor | None = None,
+                                splits: int | None = None) -> torch.Tensor:
     """`ops.rope_and_store` then `paged_decode_attention` for a decode step, in one kernel: qkv
     [B, (H + 2 Hkv) D] unrotated, positions and slots [B] of each sequence's new token (the last
-    of its context_lens), cos and sin the float32 tables [positions, D]. Returns [B, H, D].
-    `prefetch` (a weight, bytes of it): every program asks L2 for a share (`engine.kernels.prefetch`)."""
+    of its context_lens), cos and sin the float32 tables [positions, D]. Returns [B, H, D]."""
     assert qkv.stride(1) == 1 and cos.stride() == sin.stride()
     return _attend(qkv, num_heads, (positions, cos, sin, slots), kv_layer, block_tables, context_lens, block_size,
-                   table_stride, splits, prefetch)
+                   table_stride, splits)
 
 
 def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, kv_layer: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-            table_stride: torch.Tensor | None, splits: int | None,
-            prefetch: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+            table_stride: torch.Tensor | None, splits: int | None) -> torch.Tensor:
     batch, dim = q.shape[0], kv_layer.shape[3]
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
@@ -192,13 +185,12 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     positions, cos, sin, slots = rope if rope is not None else (context_lens,) * 4
-    nxt, next_bytes = prefetch if prefetch is not None else (q, 0)
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
     s_part = (partial.stride(0), partial.stride(1), partial.stride(2)) if splits > 1 else (0, 0, 0)
     s_ml = (ml.stride(0), ml.stride(1), ml.stride(2)) if splits > 1 else (0, 0, 0)
     _split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, block_tables, table_stride if table_stride is not None else context_lens, context_lens,
-        partial, ml, out, positions, cos, sin, slots, nxt, next_bytes,
+        partial, ml, out, positions, cos, sin, slots,
         q.stride(0), dim if rope is not None else q.stride(1), kv_layer.stride(0), kv_layer.stride(1),
         kv_layer.stride(2), block_tables.stride(0), *s_part, *s_ml, out.stride(0), out.stride(1),
         cos.stride(0) if rope is not None else 0, scale_log2,
@@ -206,7 +198,7 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, ROPE=rope is not None,
         STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
-        PREFETCH=prefetch is not None, LANES=128, num_warps=4, num_stages=2, **launch.options())
+        num_warps=4, num_stages=2, **launch.options())
     if splits > 1:
         _merge_kernel[(batch, heads)](
             partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,

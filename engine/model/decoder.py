@@ -29,9 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None,
-                prefetch: ops.Prefetch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm(x, self.weight, self.eps, delta, prefetch)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
@@ -92,19 +91,17 @@ class DecoderLayer(nn.Module):
         """Returns (residual stream, this layer's MLP output still to be added to it). With
         `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
         goes on through attention and the MLP: no later layer reads the other rows."""
+        h, x = self.input_norm(x, delta)
         kernels = self.kernels
-        decoding = isinstance(meta, DecodeMeta)  # weight streaming: each projection's weights asked of L2 ahead
-        h, x = self.input_norm(x, delta, ops.prefetch_ahead(self.qkv.weight, kernels) if decoding else None)
         qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         if isinstance(meta, DecodeMeta):
             attn = decode_attention(qkv, positions, rope.cos, rope.sin, pool, layer, meta, self.num_heads,
-                                    self.num_kv_heads, self.head_dim, ops.prefetch_ahead(self.o_proj.weight, kernels))
+                                    self.num_kv_heads, self.head_dim)
         else:
             attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
-        gate_up_ahead = ops.prefetch_ahead(self.gate_up.weight, kernels, head_only=True) if decoding else None
-        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels), gate_up_ahead)
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
         return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
@@ -157,7 +154,7 @@ class DecoderModel(nn.Module):
         of its last row alone [1, V]."""
         x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
                                 last_only, on_layer_done)
-        return self._logits(x, delta, isinstance(meta, DecodeMeta))
+        return self._logits(x, delta)
 
     @torch.inference_mode()
     def prefill_slices(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: PrefillMeta,
@@ -184,7 +181,6 @@ class DecoderModel(nn.Module):
                 on_layer_done(i)
         return x, delta
 
-    def _logits(self, x: torch.Tensor, delta: torch.Tensor | None, decoding: bool = False) -> torch.Tensor:
-        h, _ = self.norm(x, delta, ops.prefetch_ahead(self.lm_head.weight, self.kernels, head_only=True)
-                         if decoding else None)
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        h, _ = self.norm(x, delta)
         return ops.linear(h, self.lm_head, self.kernels, out_dtype=torch.float32)
