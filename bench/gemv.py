@@ -44,6 +44,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28, help="weight copies cycled through (lm_head: 4)")
     p.add_argument("--sweep", action="store_true", help="try every tile configuration, not only the default")
     p.add_argument("--json", default=None)
+    p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
+    p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--wide-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--wide-stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
@@ -51,7 +56,8 @@ def main() -> None:
     narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
               itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
     wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
-            itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (1, 2))]
+            itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
+                              args.wide_splits)]
     rows_out = []
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]
