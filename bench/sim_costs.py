@@ -148,11 +148,13 @@ class Costs:
 
     def later_turn_ms(self, tokens: int, cached: int) -> float:
         """The engine's prefill of `tokens` after `cached` tokens from the prefix cache: the later-turn fit, or
-        one chunk where no run timed later turns."""
+        one chunk where no run timed later turns. The timed turns (64-400 tokens) are bound by the host's
+        launches, not the GPU, so a longer turn costs at least what the GPU takes for it as a chunk."""
+        chunk = self.chunk_ms(tokens, cached)
         if self.later_turn is None:
-            return self.chunk_ms(tokens, cached)
+            return chunk
         f0, f1, f2, f3 = self.later_turn.params
-        return f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2)
+        return max(chunk, f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2))
 
     def chunk_piece_ms(self, tokens: int, done: int, cached: int) -> float:
         """A chunked prefill's next chunk of `tokens` after `done` tokens, `cached` of them from the prefix cache.
@@ -265,7 +267,16 @@ def fit_later_turn(rows: list[dict[str, Any]]) -> Fit | None:
     if len(rows) < 5 or np.linalg.matrix_rank(x) < 4:
         return None
     y = np.array([float(r["ms"]) for r in rows])
-    fit = least_squares("later turn (f0+f1*c+f2*P+f3*c*(P+c/2))", x / y[:, None], np.ones(len(rows)))
+    keep = list(range(x.shape[1]))
+    while True:  # no term may cost less than nothing: a negative one is dropped and the rest refitted
+        fit = least_squares("later turn (f0+f1*c+f2*P+f3*c*(P+c/2))", x[:, keep] / y[:, None], np.ones(len(rows)))
+        negative = [i for i, p in zip(keep, fit.params, strict=True) if p < 0]
+        if not negative or len(keep) == 1:
+            break
+        keep.remove(min(negative, key=lambda i: fit.params[keep.index(i)]))
+    params = np.zeros(x.shape[1])
+    params[keep] = fit.params
+    fit = Fit(fit.name, tuple(float(p) for p in params), fit.r2, fit.max_rel_error, fit.points)
     return _requality(fit, x, y, offset=np.zeros(len(rows)))
 
 
