@@ -76,6 +76,8 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
     strip = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,18 +90,7 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    # The first weight tile needs nothing from the kernel before: its loads are in flight while this
-    # program waits for that kernel (PDL), so the stream starts a memory latency sooner.
-    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-    if GATED:
-        w_up = tl.load(w_ptrs + N * s_wn, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-    if PDL:  # the kernel before has finished (engine.kernels.launch)
-        gdc_wait()
-    x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-    acc = tl.dot(x, tl.trans(w), acc)
-    if GATED:
-        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
-    for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
