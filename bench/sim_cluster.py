@@ -351,7 +351,11 @@ class DecodeServer:
         while self.prefilling:
             request = self.prefilling.popleft().request
             request.cached = cached_of(self.cache, request)
-            seconds = self._local_ms(request.prompt - request.cached, request.cached) / self.partition_rate / 1e3
+            new, rate = request.prompt - request.cached, self.partition_rate
+            # the extras (request set-up, first read) on the share as before; a later turn's launch-bound floor
+            # not slowed by it (Costs.prefill_on_share_ms)
+            extra = self.costs.local_extra.params[0] + self.serving.local_call_ms
+            seconds = (self.costs.prefill_on_share_ms(new, request.cached, rate) + extra / rate) / 1e3
             request.prefill_s = seconds
             self.partition_until = max(now, self.partition_until) + seconds
             self.clock.at(self.partition_until, lambda r=request: self._handover(r))  # type: ignore[misc]

@@ -12,7 +12,7 @@ import pytest
 
 from bench import engine
 from bench.later_turns import LaterTurns
-from bench.sim_costs import LATER_TURNS, RESULTS, fit_costs, fit_later_turn, later_turn_rows
+from bench.sim_costs import LATER_TURNS, RESULTS, Costs, fit_costs, fit_later_turn, later_turn_rows
 from engine.offline import make_runner
 
 TRUE = (4.0, 0.03, 0.0004, 2e-6)  # f0 ms, ms a new token, ms a prefix token, ms a new token's attention token
@@ -90,6 +90,15 @@ def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path
     assert costs.chunk_piece_ms(512, 0, 0) == costs.chunk_ms(512, 0)
     # a whole prompt is the prefill fit's, as before
     assert costs.prefill_ms(4096) == fit_costs().prefill_ms(4096)
+    # on a share of the SMs (partitioned) the GPU's part slows by the share, the launch-bound floor does not
+    assert costs.prefill_on_share_ms(200, 8192, 0.5) == pytest.approx(max(turn, costs.chunk_ms(200, 8192) / 0.5))
+    assert costs.prefill_on_share_ms(4096, 0, 0.5) == pytest.approx(costs.prefill_ms(4096) / 0.5)
+    assert bare_share(costs) == pytest.approx(costs.chunk_ms(200, 8192) / 0.5)
+
+
+def bare_share(costs: Costs) -> float:
+    """Without timed later turns a cached prefill is one chunk, all of it GPU work slowed by the share."""
+    return dataclasses.replace(costs, later_turn=None).prefill_on_share_ms(200, 8192, 0.5)
 
 
 def test_no_later_turn_term_is_negative() -> None:
