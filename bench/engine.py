@@ -31,6 +31,7 @@ from bench import later_turns
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine.decode_batch import DecodeSeq
+from engine.green_context import GreenContexts, SmPartitions, Unconfined
 from engine.host_read import TokenReader
 from engine.offline import make_runner
 from engine.ops import KernelOptions
@@ -212,6 +213,8 @@ def main() -> None:
     p.add_argument("--new-lens", type=int, nargs="+", default=[64, 128, 256, 400])
     p.add_argument("--later-turn-batches", type=int, nargs="+", default=[0, 32],
                    help="running sequences (of --context tokens) beside the turn; 0: the turn alone")
+    p.add_argument("--later-turn-sms", type=int, default=0,
+                   help="run each later turn confined to this many SMs, as partitioned mode's prefill (alone only)")
     p.add_argument("--repeats", type=int, default=5, help="timed later turns a row, after an untimed one")
     p.add_argument("--device", default="cuda:0", help="cpu runs --later-turns only (float32; for tests)")
     args = p.parse_args()
@@ -290,13 +293,23 @@ def later_turns_main(args: argparse.Namespace, kernels: KernelOptions) -> None:
                          cuda_graphs=cuda and not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket,
                          kernels=kernels)
     runner.bind_thread()
+    partitions: SmPartitions | None = None
+    if args.later_turn_sms:
+        if batches:
+            sys.exit("error: --later-turn-sms times the turns alone (partitioned mode decodes on another thread): "
+                     "pass --later-turn-batches 0")
+        partitions = GreenContexts(runner.device) if cuda else Unconfined()
+        problem = partitions.check(args.later_turn_sms)
+        if problem:
+            sys.exit(f"error: --later-turn-sms {args.later_turn_sms}: {problem}")
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(runner.device) if cuda else None, "preset": args.preset,
            "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
            "block_size": runner.layout.block_size, "cuda_graphs": runner.graphs is not None,
            "overlap_steps": not args.no_overlap_steps, "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
            "later_turns": later_turns.measure(runner, args.prefix_lens, args.new_lens, args.later_turn_batches,
-                                              args.context, args.repeats, overlap=not args.no_overlap_steps)}
+                                              args.context, args.repeats, overlap=not args.no_overlap_steps,
+                                              partitions=partitions, sms=args.later_turn_sms)}
     json_path = args.json or "bench/results/engine-later-turns-h200.json"
     write_json(json_path, doc)
     print(f"wrote {json_path}")

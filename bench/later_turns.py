@@ -20,6 +20,7 @@ the plain iterations before it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from engine.decode_batch import DecodeSeq
+from engine.green_context import SmPartitions, Unconfined
 from engine.host_read import TokenReader
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -112,8 +114,11 @@ class RunningBatch:
 class LaterTurns:
     """Cached first turns of each prefix length, and the timed later turns after them."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, partitions: SmPartitions | None = None, sms: int = 0) -> None:
+        """With `sms`, each timed turn runs confined to that many SMs, as partitioned mode's prefill thread
+        runs it (`partitions.confine`)."""
         self.runner = runner
+        self.partitions, self.sms = partitions or Unconfined(), sms
         self.cache = PrefixCache(runner.pool.allocator, runner.pool.layout.block_size)
         self.reader = TokenReader(runner.device, 1)
         self.prefixes: dict[int, list[int]] = {}
@@ -144,10 +149,11 @@ class LaterTurns:
             if cached != prefix:
                 raise RuntimeError(f"the cache gave {cached} of the {prefix} prefix tokens: the KV pool is too "
                                    "small for the prefixes and the running batch")
-            t0 = time.perf_counter()
-            logits = self.runner.prefill(prompt[cached:], table, cached)
-            self.reader.read(sample(logits[None], [SamplingParams()], [0]))  # waits for the prefill's kernels
-            ms = (time.perf_counter() - t0) * 1e3
+            with self.partitions.confine(self.sms) if self.sms else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                logits = self.runner.prefill(prompt[cached:], table, cached)
+                self.reader.read(sample(logits[None], [SamplingParams()], [0]))  # waits for the prefill's kernels
+                ms = (time.perf_counter() - t0) * 1e3
         except BaseException:
             sync(self.runner)
             raise
@@ -158,10 +164,14 @@ class LaterTurns:
 
 
 def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], batches: Sequence[int],
-            context: int, repeats: int, overlap: bool = True) -> list[dict[str, Any]]:
+            context: int, repeats: int, overlap: bool = True, partitions: SmPartitions | None = None,
+            sms: int = 0) -> list[dict[str, Any]]:
     """A row for every batch (0: the turn alone), prefix and new length: the median of `repeats` timed
-    turns after an untimed one (`ms`, and the fastest, `min_ms`); beside a batch its gaps too."""
-    turns = LaterTurns(runner)
+    turns after an untimed one (`ms`, and the fastest, `min_ms`); beside a batch its gaps too. With
+    `sms` the turns run on that many SMs (alone only: partitioned mode decodes on another thread)."""
+    if sms and any(batches):
+        raise ValueError("turns confined to a share of the SMs are timed alone: --later-turn-batches 0")
+    turns = LaterTurns(runner, partitions, sms)
     for prefix in prefixes:
         turns.first_turn(prefix)
     rows: list[dict[str, Any]] = []
@@ -172,6 +182,8 @@ def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], b
             for prefix in prefixes:
                 for new in news:
                     rows.append(_row(turns, prefix, new, batch, context, repeats, running))
+                    if sms:
+                        rows[-1]["sms"] = sms
                     print_row(rows[-1])
         finally:
             if running is not None:

@@ -272,7 +272,7 @@ def fit_later_turn(rows: list[dict[str, Any]]) -> Fit | None:
     own work, the prefix's K and V read from the pool (every layer), and the new tokens' attention over the prefix
     and each other; fitted to the relative errors (a 64-token turn's 5 ms counts as much as a 2k one's). None
     without enough rows to fix four terms (two prefix and two new lengths, five rows at least)."""
-    rows = [r for r in rows if not r.get("batch")]
+    rows = [r for r in rows if not r.get("batch") and not r.get("sms")]  # alone, on every SM
     x = np.array([[1.0, r["new"], r["prefix"], r["new"] * (r["prefix"] + r["new"] / 2)] for r in rows])
     if len(rows) < 5 or np.linalg.matrix_rank(x) < 4:
         return None

@@ -36,6 +36,20 @@ def test_bench_engine_times_later_turns_on_the_cpu(tmp_path: Path, monkeypatch: 
             assert row["context"] == 24 and row["gap_ms"] > 0 and row["step_ms"] > 0
 
 
+def test_later_turns_on_a_share_of_the_sms_are_marked_and_not_fitted() -> None:
+    from bench.later_turns import measure
+    from engine.green_context import Unconfined
+
+    runner = make_runner(preset="tiny")
+    rows = measure(runner, [32], [8, 16], [0], context=16, repeats=1, partitions=Unconfined(), sms=8)
+    assert [r["sms"] for r in rows] == [8, 8] and all(r["ms"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="alone"):
+        measure(runner, [32], [8], [0, 2], context=16, repeats=1, partitions=Unconfined(), sms=8)
+    confined = [{"prefix": p, "new": c, "batch": 0, "ms": 50.0, "sms": 72}
+                for p in (1024, 4096) for c in (64, 128, 256)]
+    assert fit_later_turn(confined) is None  # the fit takes the turns on every SM only
+
+
 def test_a_later_turn_finds_its_prefix_in_the_cache() -> None:
     runner = make_runner(preset="tiny")
     turns = LaterTurns(runner)
