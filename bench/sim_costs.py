@@ -153,17 +153,19 @@ class Costs:
         chunk = self.chunk_ms(tokens, cached)
         if self.later_turn is None:
             return chunk
+        return max(chunk, self._later_turn_fit_ms(tokens, cached))
+
+    def _later_turn_fit_ms(self, tokens: int, cached: int) -> float:
+        assert self.later_turn is not None
         f0, f1, f2, f3 = self.later_turn.params
-        return max(chunk, f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2))
+        return f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2)
 
     def prefill_on_share_ms(self, tokens: int, cached: int, rate: float) -> float:
         """The engine's prefill on a share of the SMs that runs it at `rate` of the whole GPU's pace (partitioned).
         The GPU's work slows by the share; a later turn's launch-bound floor (the later-turn fit: the host's
         kernel launches, whatever the SMs) does not."""
         if cached > 0 and self.later_turn is not None and tokens > 0:
-            f0, f1, f2, f3 = self.later_turn.params
-            host = f0 + f1 * tokens + f2 * cached + f3 * tokens * (cached + tokens / 2)
-            return max(self.chunk_ms(tokens, cached) / rate, host)
+            return max(self.chunk_ms(tokens, cached) / rate, self._later_turn_fit_ms(tokens, cached))
         return self.prefill_ms(tokens, cached) / rate
 
     def chunk_piece_ms(self, tokens: int, done: int, cached: int) -> float:
