@@ -29,14 +29,13 @@ import torch
 
 from bench import later_turns
 from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
+from bench.decode_loop import DecodeLoop, sync
 from bench.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
 from engine.decode_batch import DecodeSeq
 from engine.green_context import GreenContexts, SmPartitions, Unconfined
-from engine.host_read import TokenReader
 from engine.offline import make_runner
 from engine.ops import KernelOptions
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, sample
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -56,29 +55,15 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int,
         prompts = [torch.randint(0, runner.config.vocab_size, (context,), generator=gen).tolist() for _ in tables]
         for prompt, table in zip(prompts, tables, strict=True):
             runner.prefill(prompt, table, 0)
-        readers = [TokenReader(runner.device, batch) for _ in range(2)]
-        last = [1] * batch
-        previous: torch.Tensor | None = None
+        loop = DecodeLoop(runner, tables, context, overlap)
         times = []
-        params = [SamplingParams()] * batch
-        for step in range(steps + 5):
+        for _ in range(steps + 5):
             t0 = time.perf_counter()
-            if previous is None:
-                seqs = [DecodeSeq(last[i], context + step, tables[i]) for i in range(batch)]
-            else:
-                seqs = [DecodeSeq(0, context + step, tables[i], i) for i in range(batch)]
-            logits, greedy = runner.decode(seqs, previous)
-            tokens = sample(logits, params, [step] * batch, greedy)
-            readers[step % 2].start(tokens)
-            if not overlap:
-                last = readers[step % 2].take()
-            elif previous is not None:
-                last = readers[(step - 1) % 2].take()
-            previous = tokens if overlap else None
+            loop.step()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times[5:]), graph_replay_ms(runner, batch)
     finally:
-        torch.cuda.synchronize()
+        sync(runner)
         for table in tables:
             pool.allocator.free(table)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.decode_batch import DecodeSeq
+from bench.decode_loop import DecodeLoop, sync
 from engine.green_context import SmPartitions, Unconfined
 from engine.host_read import TokenReader
 from engine.prefix_cache import PrefixCache
@@ -50,11 +50,6 @@ def random_tokens(runner: ModelRunner, n: int, seed: int) -> list[int]:
     return torch.randint(0, runner.config.vocab_size, (n,), generator=gen).tolist()
 
 
-def sync(runner: ModelRunner) -> None:
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-
-
 class RunningBatch:
     """`batch` sequences with `context` prefilled tokens each, decoding one step a call as the decode
     server's `_decode_step` does; their blocks come from the cache's allocator and go back on `close`."""
@@ -65,13 +60,9 @@ class RunningBatch:
         self.tables = [cache.allocate(runner.pool.blocks_needed(context + steps + 2)) for _ in range(batch)]
         for i, table in enumerate(self.tables):
             runner.prefill(random_tokens(runner, context, seed=BATCH_SEEDS + i), table, 0)
-        self.position, self.steps_left = context, steps
-        self.params = [SamplingParams()] * batch
-        self.last = [1] * batch
-        self.readers = [TokenReader(runner.device, batch) for _ in range(2)]
-        self.in_flight: tuple[torch.Tensor, TokenReader] | None = None
+        self.loop = DecodeLoop(runner, self.tables, context, overlap)
+        self.steps_left = steps
         self.read_at: float | None = None  # when the last step's tokens were read back
-        self.launched = 0
         sync(runner)
 
     def step(self) -> float | None:
@@ -80,26 +71,8 @@ class RunningBatch:
         if self.steps_left <= 0:
             raise ValueError("the running batch's block tables are full: give it more steps")
         self.steps_left -= 1
-        previous, self.in_flight = self.in_flight, None
-        n = len(self.tables)
-        if previous is None:
-            seqs = [DecodeSeq(self.last[i], self.position, t) for i, t in enumerate(self.tables)]
-        else:
-            seqs = [DecodeSeq(0, self.position, t, i) for i, t in enumerate(self.tables)]
-        logits, greedy = self.runner.decode(seqs, previous[0] if previous is not None else None)
-        tokens = sample(logits, self.params, [self.position] * n, greedy)
-        reader = self.readers[self.launched % 2]  # the other may hold the step in flight
-        self.launched += 1
-        reader.start(tokens)
-        self.position += 1
-        if not self.overlap:
-            self.last = reader.take()
-        elif previous is None:
-            self.in_flight = (tokens, reader)
+        if not self.loop.step():
             return None
-        else:
-            self.in_flight = (tokens, reader)
-            previous[1].take()
         now = time.perf_counter()
         gap = None if self.read_at is None else (now - self.read_at) * 1e3
         self.read_at = now

@@ -135,3 +135,28 @@ def test_without_later_turns_a_cached_prefill_is_one_chunk(tmp_path: Path) -> No
     # rows of another shape (a CPU run of the tiny model), or too few to fix the four terms, are not fitted
     assert later_turn_rows(_results_with(tmp_path / "tiny", _synthetic_rows(), preset="tiny")) == []
     assert fit_later_turn(_synthetic_rows()[:4]) is None
+
+
+def test_the_decode_loop_reads_the_same_tokens_overlapped_or_not() -> None:
+    """The benchmarks' decode loop (bench.engine's step, the later turns' running batch): queued before
+    the last step's tokens are read back, its rows fed those tokens on the device, it reads back what the
+    plain loop reads, a step later."""
+    from bench.decode_loop import DecodeLoop
+
+    reads: dict[bool, list[list[int]]] = {}
+    for overlap in (True, False):
+        runner = make_runner(preset="tiny")
+        tables = [runner.pool.allocator.allocate(runner.pool.blocks_needed(40)) for _ in range(3)]
+        for i, table in enumerate(tables):
+            runner.prefill([(7 * i + j) % 200 for j in range(16 + 5 * i)][-16:], table, 0)
+        loop = DecodeLoop(runner, tables, 16, overlap)
+        reads[overlap] = [list(loop.last) for _ in range(8) if loop.step()]
+    assert len(reads[False]) == 8 and len(reads[True]) == 7
+    assert reads[True] == reads[False][:7]
+
+
+def test_bench_engine_times_decode_steps_on_the_cpu() -> None:
+    runner = make_runner(preset="tiny")
+    free = runner.pool.allocator.num_free
+    ms, gpu_ms = engine.decode_step_ms(runner, batch=2, context=24, steps=3)
+    assert ms > 0 and gpu_ms is None and runner.pool.allocator.num_free == free
