@@ -48,13 +48,15 @@ def main() -> None:
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
     p.add_argument("--wide-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--wide-stages", type=int, nargs="+", default=[3, 4])
-    p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2],
+                   help="K splits; a count that does not divide the K steps gives shares one step apart")
+    p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
-              itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
+              itertools.product((32, 64), (128, 256), (4,), (3, 4), args.narrow_splits)]
     wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
                               args.wide_splits)]
@@ -84,7 +86,7 @@ def main() -> None:
                 continue
             best: tuple[float, GemvConfig | None] | None = None
             for cfg in configs:
-                if cfg is not None and k % (cfg.split_k * cfg.block_k):
+                if cfg is not None and (k % cfg.block_k or k // cfg.block_k < cfg.split_k):
                     continue
                 try:
                     got = gemv(x, weights[0], biases[0], cfg)

@@ -65,8 +65,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = DecodeMeta(self.slots[:b], self.tables[:b], self.lens[:b], self.max_model_len, use_kernel=True,
                           table_stride=self.width)
-        logits = self.model(self.ids[:b], self.positions[:b], self.pool, meta)
-        return logits, logits.argmax(dim=-1)
+        return self.model.decode_forward(self.ids[:b], self.positions[:b], self.pool, meta)
 
     def _capture(self, b: int, graph_pool: tuple[int, int]) -> None:
         stream = torch.cuda.Stream(self.pool.device)

@@ -75,6 +75,17 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
     return out if out_dtype is None else out.to(out_dtype)
 
 
+def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear` to float32 (the lm_head) and each row's argmax ([B] int64, the first among equal
+    maxima), from the skinny matmul's epilogue where an unsplit tile runs."""
+    if kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight):
+        cfg = _gemv.config_for(layer.weight, x.shape[0])
+        if cfg is not None and cfg.split_k == 1:
+            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg)
+    logits = linear(x, layer, kernels, out_dtype=torch.float32)
+    return logits, logits.argmax(dim=-1)
+
+
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
     if (kernels.fused_gate_up and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS

@@ -146,5 +146,4 @@ class ModelRunner:
             ops.feed_tokens(ids, torch.from_numpy(rows).to(self.device, non_blocking=True), previous)
         max_context = max(s.position for s in seqs) + 1
         meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
-        logits = self.model(ids, positions, self.pool, meta)
-        return logits, logits.argmax(dim=-1)
+        return self.model.decode_forward(ids, positions, self.pool, meta)

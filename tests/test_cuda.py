@@ -186,6 +186,51 @@ def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
         assert torch.equal(gemv(x, w, None, cfg, out_dtype=torch.float32), full.float())
 
 
+def test_uneven_split_k_sums_every_step_once() -> None:
+    """Split counts that do not divide the K steps (shares one step apart) give the unsplit sums to
+    rounding, and a row's result still ignores the other rows."""
+    from engine.kernels.gemv import GemvConfig, gemv
+
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    w = torch.randn(3584, 18944, dtype=torch.bfloat16, device=dev) * 18944**-0.5
+    x = torch.randn(64, 18944, dtype=torch.bfloat16, device=dev)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    for cfg in (GemvConfig(128, 128, 4, 4, 5), GemvConfig(32, 256, 4, 4, 3), GemvConfig(256, 64, 8, 3, 9)):
+        full = gemv(x, w, None, cfg)
+        assert rel_err(full, ref) < 1e-2, cfg
+        rows = (17, 40) if cfg.block_n != 32 else (1, 9)
+        for m in rows:
+            assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
+
+
+def test_lm_head_argmax_epilogue_is_torch_argmax() -> None:
+    """The lm_head's epilogue argmax gives the tokens logits.argmax gives, the first column among
+    equal maxima included, with the same logits, in the 16-row and the 64-row tile."""
+    from engine.kernels.gemv import gemv, gemv_argmax
+
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    n, k = 152064, 3584
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5
+    for m in (1, 7, 16, 17, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        logits, tokens = gemv_argmax(x, w, out_dtype=torch.float32)
+        assert torch.equal(logits, gemv(x, w, out_dtype=torch.float32))
+        assert torch.equal(tokens, logits.argmax(-1))
+    x = torch.randn(64, k, dtype=torch.bfloat16, device=dev)
+    tied = w.clone()
+    for row in range(64):  # each row's best column copied to later columns, in its strip and in others
+        best = int((x[row:row + 1].float() @ w.float().T).argmax())
+        for col in (best + 1, best + 700, n - 1):
+            if col < n:
+                tied[col] = w[best]
+        tied[max(best - 3, 0)] = w[best]  # and one before it: the first of them wins
+    logits, tokens = gemv_argmax(x, tied, out_dtype=torch.float32)
+    assert int(((logits == logits.max(-1, keepdim=True).values).sum(-1) > 1).sum()) >= 32  # the ties are real
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 def test_gated_gemv_is_gemv_then_silu_mul() -> None:
     """The decode MLP's SiLU·mul in the gate/up matmul's epilogue gives the bits of the matmul
     followed by the SiLU·mul kernel, at both tiles, and a row's result ignores its batch mates."""

@@ -6,7 +6,10 @@ kernels for the narrower ones (qkv, o_proj), reaching about two thirds of HBM ba
 adding a reduce kernel. Here each program gives a strip of output columns a slice of the K loop;
 the narrow shapes split K so that every SM streams weights (qkv has 72 column strips for 132
 SMs). A split's partial sums go to a float32 workspace, and the strip's last program to finish
-(an atomic count) adds them in split order, so the result is deterministic with no second kernel.
+(an atomic count) adds them in split order, so the result is deterministic with no second kernel;
+where the split count does not divide the K steps, shares differ by one step. With `gemv_argmax`
+(the lm_head of a greedy step) each program also keeps its strip's best value a row, and a small
+kernel picks the row's token from those, so the float32 logits are written but not read again.
 Rows past M are zero padding of the MMA tile, so a row's result does not depend on how many
 other rows ride along (tested).
 """
@@ -67,14 +70,14 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     cfg = (NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES).get(_shape_class(n, k))
     if cfg is None:
         return None
-    if k % (cfg.split_k * cfg.block_k):  # a shape the split does not divide: one program per strip
+    if k % cfg.block_k or k // cfg.block_k < cfg.split_k:  # too short to split: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
@@ -85,12 +88,15 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    k_begin = split * K_SPLIT
-    x_ptrs = X + offs_m[:, None] * s_xm + k_begin + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + k_begin + offs_k[None, :]
+    # A split's share of the K steps; shares differ by at most one step where SPLIT_K does not divide them
+    k_steps = K // BLOCK_K
+    k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
+    k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
+    x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    for k0 in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K (checked by the caller)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
@@ -122,6 +128,27 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, K_SPLIT, s_xm, s_wn,
             out = (silu * acc_up.to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
         tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+        if ARGMAX:  # each row's largest value in the strip and its first column, for `_argmax_kernel`
+            vals = tl.where(n_ok[None, :], out.to(tl.float32), float("-inf"))
+            best, col = tl.max(vals, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            strips = tl.num_programs(0)
+            tl.store(BEST + offs_m * strips + strip, best, mask=m_ok)
+            tl.store(BEST_COL + offs_m * strips + strip, strip * BLOCK_N + col, mask=m_ok)
+
+
+@triton.jit
+def _argmax_kernel(BEST, BEST_COL, TOKENS, STRIPS, STRIPS_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Each row's first column holding its largest value, from the strips' candidates: the lowest
+    strip among equal maxima, whose candidate is its own first, so ties go as torch.argmax's do."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, STRIPS_PAD)
+    vals = tl.load(BEST + row * STRIPS + offs, mask=offs < STRIPS, other=float("-inf"))
+    _, strip = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    col = tl.load(BEST_COL + row * STRIPS + strip)
+    tl.store(TOKENS + row, col.to(tl.int64))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -141,7 +168,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
-    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype)
+    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype)[0]
+
+
+def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                cfg: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv` (no bias) and each row's argmax over the stored values ([M] int64, the first column
+    among equal maxima, as torch.argmax): the lm_head of a greedy decode step, whose epilogue keeps
+    each strip's best so the logits are not read again. Unsplit tiles only."""
+    cfg = cfg or config_for(weight, x.shape[0])
+    assert cfg is not None and cfg.split_k == 1, f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
+    out, tokens = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True)
+    assert tokens is not None
+    return out, tokens
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
@@ -149,7 +188,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
     as `gemv` followed by SiLU·mul: each program streams a strip of gate rows and the matching up rows."""
     cfg = cfg or gated_config_for(weight, x.shape[0])
     assert cfg is not None, f"no gated tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    return _launch(x, weight, None, cfg, gated=True)
+    return _launch(x, weight, None, cfg, gated=True)[0]
 
 
 def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
@@ -161,24 +200,35 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-            gated: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            gated: bool, out_dtype: torch.dtype | None = None,
+            argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
     if gated:
         n //= 2
         assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
-    assert k % (cfg.split_k * cfg.block_k) == 0, f"K={k} is not a multiple of split_k x block_k in {cfg}"
+    assert k % cfg.block_k == 0 and k // cfg.block_k >= cfg.split_k, f"K={k} does not split as {cfg}"
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
-    partial = counts = out
+    partial = counts = best = best_col = tokens = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device)
+    if argmax:
+        assert cfg.split_k == 1 and not gated, "the argmax epilogue is for unsplit, ungated tiles"
+        best = torch.empty(m, strips, dtype=torch.float32, device=x.device)
+        best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
+        tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, m, n, k, k // cfg.split_k,
+        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
-    return out
+        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch.options())
+    if not argmax:
+        return out, None
+    _argmax_kernel[(m,)](best, best_col, tokens, strips, STRIPS_PAD=triton.next_power_of_2(strips), num_warps=4,
+                         **launch.options())
+    return out, tokens

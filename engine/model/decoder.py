@@ -157,6 +157,16 @@ class DecoderModel(nn.Module):
         return self._logits(x, delta)
 
     @torch.inference_mode()
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
+                       meta: DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step: float32 logits [B, V] and the greedy tokens [B] (their argmax, which the
+        lm_head's skinny matmul finds as it stores the logits, where it runs)."""
+        x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
+                                False, None)
+        h, _ = self.norm(x, delta)
+        return ops.linear_argmax(h, self.lm_head, self.kernels)
+
+    @torch.inference_mode()
     def prefill_slices(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: PrefillMeta,
                        layers_per_slice: int) -> Iterator[torch.Tensor | None]:
         """A prefill's forward (`last_only`) a slice of layers at a time: each step of the iterator
