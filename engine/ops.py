@@ -77,8 +77,10 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
 
 def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear` to float32 (the lm_head) and each row's argmax ([B] int64, the first among equal
-    maxima), from the skinny matmul's epilogue where an unsplit tile runs."""
-    if kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight):
+    maxima), from the skinny matmul's epilogue where its unsplit 64-row tile runs (batches of 17-64:
+    a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
+    if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
+            and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
         cfg = _gemv.config_for(layer.weight, x.shape[0])
         if cfg is not None and cfg.split_k == 1:
             return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg)
