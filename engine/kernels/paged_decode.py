@@ -54,8 +54,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
                   STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the kernel before has finished (engine.kernels.launch)
-        gdc_wait()
+    # The step's metadata and the rope tables are written before the step starts and by no kernel in
+    # it: read while the kernel before drains, then wait for it (engine.kernels.launch) to read q.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     if STRIDE_ON_DEVICE:  # packed tables whose row length changes step to step (CUDA graphs)
@@ -69,11 +69,14 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
-    if ROPE:  # Q is the qkv projection [B, (H + 2 Hkv) D]: rotate as loaded
+    if ROPE:
         pos = tl.load(POS + b).to(tl.int64)
-        row = Q + b * s_qb
         c = tl.load(COS + pos * s_cos + offs_d)
         s = tl.load(SIN + pos * s_cos + offs_d)
+    if PDL:
+        gdc_wait()
+    if ROPE:  # Q is the qkv projection [B, (H + 2 Hkv) D]: rotate as loaded
+        row = Q + b * s_qb
         c = c.to(Q.dtype.element_ty).to(tl.float32)
         s = s.to(Q.dtype.element_ty).to(tl.float32)
         q = _rotated(row, heads, gmask[:, None], offs_d, c, s, HEAD_DIM)
@@ -123,12 +126,12 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
 @triton.jit
 def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(CTX + b)  # the step's metadata: no kernel writes it, so read before the wait
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = tl.load(CTX + b)
     split_len = _split_len(ctx, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, NUM_SPLITS)
     used = offs_s < tl.cdiv(ctx, split_len)  # the slices past the context hold nothing: not read
