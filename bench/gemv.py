@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
-from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gemv
+from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gated_config_for, gemv, gemv_silu
+from engine.ops import silu_mul
 
 SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
           "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
@@ -37,12 +38,19 @@ def graph_us(calls: list[Callable[[], torch.Tensor]], replays: int = 20) -> floa
     return replay_ms(graph, replays) * 1e3 / len(calls)
 
 
+def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_mul(F.linear(x, w))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gemv", description=__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--layers", type=int, default=28, help="weight copies cycled through (lm_head: 4)")
     p.add_argument("--sweep", action="store_true", help="try every tile configuration, not only the default")
+    p.add_argument("--gated", action="store_true",
+                   help="gate_up as the decode step runs it: SiLU·mul in the epilogue (`gemv_silu`), each tile's "
+                        "block_n being its gate columns; cuBLAS's figure then includes the SiLU·mul kernel")
     p.add_argument("--json", default=None)
     p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
@@ -69,10 +77,16 @@ def main() -> None:
         floor_us = n * k * 2 / (hbm * 1e9) * 1e6
         for m in args.rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
-            ref = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+            gated = args.gated and name == "gate_up"
             pairs = list(zip(weights, biases, strict=True))
-            cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
-            engine_cfg = config_for(weights[0], m)
+            if gated:
+                ref = [silu_mul(F.linear(x, w)) for w in weights]
+                cublas = graph_us([partial(_cublas_silu, x, w) for w in weights])
+                engine_cfg = gated_config_for(weights[0], m)
+            else:
+                ref = [F.linear(x, w, b) for w, b in pairs]
+                cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
+                engine_cfg = config_for(weights[0], m)
             configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
             if args.sweep:
                 configs = list(narrow if m <= MAX_ROWS else wide)
@@ -88,10 +102,14 @@ def main() -> None:
             for cfg in configs:
                 if cfg is not None and (k % cfg.block_k or k // cfg.block_k < cfg.split_k):
                     continue
+                if gated and cfg is not None and cfg.split_k > 1:
+                    continue  # the gated tile is unsplit
                 try:
-                    got = gemv(x, weights[0], biases[0], cfg)
+                    got = gemv_silu(x, weights[0], cfg) if gated else gemv(x, weights[0], biases[0], cfg)
                     err = (got.float() - ref[0].float()).abs().max().item()
-                    us = graph_us([partial(gemv, x, w, b, cfg) for w, b in pairs])
+                    calls = ([partial(gemv_silu, x, w, cfg) for w in weights] if gated
+                             else [partial(gemv, x, w, b, cfg) for w, b in pairs])
+                    us = graph_us(calls)
                 except Exception as e:  # a tile that does not fit this GPU's shared memory
                     print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
                     continue
@@ -105,7 +123,8 @@ def main() -> None:
             print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
                   f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
-                             "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen)})
+                             "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
+                             "gated": gated})
         del weights, biases
         torch.cuda.empty_cache()
     if args.json:
