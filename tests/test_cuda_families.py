@@ -118,7 +118,9 @@ def test_llama3_8b_bf16_top1_matches_transformers() -> None:
     for step, (short, std) in enumerate(zip(report.shortfall, report.std, strict=True)):
         assert short <= 0.1 * std, (f"step {step}: our token's logit is {short:.4f} below transformers' top-1, "
                                     f"more than a tenth of the row's std {std:.4f}: not a near tie")
-    assert sum(a == b for a, b in zip(report.ours, report.theirs_top1, strict=True)) >= steps - 1
+    # Our token is transformers' top-1 at all steps but one: where their logits tie exactly, any of
+    # the tied tokens is (argmax would report the first).
+    assert sum(short == 0.0 for short in report.shortfall) >= steps - 1
 
 
 @pytest.mark.cuda
