@@ -6,6 +6,12 @@ from start to end. One program's loop (a block-table load, then its K and V tile
 latency, not by the HBM's bandwidth, so a layer takes as long as its longest program: a long history
 in a large batch is read by one or two programs a KV head, long after the rest of the batch is done.
 The cost is therefore priced from the longest context and the bucket, not only from the total tokens.
+
+The grid holds 192-256 programs on the H200's 132 SMs, about two an SM, and a program's loop runs
+slower beside another on its SM (12.4 GB/s at batch 64 of equal 1,024-token contexts) than alone
+(17.5 GB/s in `bench.decode_attention`'s rows with at most one program an SM). The longest program
+shares its SM while the batch's other programs run (about the mean context, cut the same way) and
+reads the rest of its history alone.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ BLOCK_N = 64                     # context tokens per inner step: a split is a w
 TARGET_PROGRAMS = 264
 ENGINE_TARGET_PROGRAMS_NOW = 528
 MAX_SPLITS = 64
+SMS = 132                        # the H200's SMs: a grid of at most this many programs runs one an SM
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # engine.cuda_graphs.bucket_sizes
 ENGINE_CONTEXT = 1024            # bench.engine's decode steps run at this context per sequence
 # A lab figure (bench/NOTES.md, the reverted "one wave of attention splits"): at batch 32 with 1,024-token
@@ -53,33 +60,51 @@ def split_tokens(context: int, splits: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionModel:
-    """A layer's split kernel: `launch_us` + the longest program's bytes at `program_gbps`, or the layer's
-    whole KV at the HBM rate when that is longer (never, with the engine's 256 programs at 12 GB/s)."""
+    """A layer's split kernel: `launch_us` + the longest program's time, or the layer's whole KV at the HBM rate
+    when that is longer (never, with the engine's 256 programs at 12 GB/s). The longest program reads at
+    `program_gbps` (beside another program on its SM) as many bytes as the batch's mean program holds, and the
+    rest at `alone_gbps` (alone on its SM, the others done); without `alone_gbps`, all at `program_gbps`."""
 
     launch_us: float
     program_gbps: float
     hbm_gbps: float
+    alone_gbps: float | None = None
 
-    def layer_us(self, bucket: int, longest: int, total_tokens: float) -> float:
-        program = split_tokens(max(1, longest), num_splits(bucket)) * HEAD_BYTES_PER_TOKEN
+    def layer_us(self, bucket: int, longest: int, total_tokens: float, batch: int = 0) -> float:
+        splits = num_splits(bucket)
+        program = split_tokens(max(1, longest), splits) * HEAD_BYTES_PER_TOKEN
+        shared = program
+        if self.alone_gbps is not None and batch > 0:
+            shared = min(program, split_tokens(max(1, math.ceil(total_tokens / batch)), splits) * HEAD_BYTES_PER_TOKEN)
+        alone = self.alone_gbps or self.program_gbps
+        program_us = shared / (self.program_gbps * 1e3) + (program - shared) / (alone * 1e3)
         whole = total_tokens * HEAD_BYTES_PER_TOKEN * KV_HEADS
-        return self.launch_us + max(program / (self.program_gbps * 1e3), whole / (self.hbm_gbps * 1e3))
+        return self.launch_us + max(program_us, whole / (self.hbm_gbps * 1e3))
 
     def step_ms(self, batch: int, longest: int, total_tokens: float, max_batch: int = 64) -> float:
-        return LAYERS * self.layer_us(bucket_for(batch, max_batch), longest, total_tokens) / 1e3
+        return LAYERS * self.layer_us(bucket_for(batch, max_batch), longest, total_tokens, batch) / 1e3
 
 
 def attention_points(engine: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Rows [1, longest program's bytes] -> µs a layer, from bench.engine's profile of the split kernel at
-    its batches (ENGINE_CONTEXT tokens each), and the lab's one-wave figure as a difference [0, Δbytes]."""
+    its batches (its `context` tokens each), and the lab's one-wave figure as a difference [0, Δbytes]."""
     xs, ys = [], []
+    context = int(engine.get("context", ENGINE_CONTEXT))
     for batch, kernels in engine.get("decode_profile", {}).items():
         split = [k for k in kernels if k["kernel"] == "_split_kernel"]
         if split:
-            tokens = split_tokens(ENGINE_CONTEXT, num_splits(bucket_for(int(batch))))
+            tokens = split_tokens(context, num_splits(bucket_for(int(batch))))
             xs.append([1.0, tokens * HEAD_BYTES_PER_TOKEN])
             ys.append(split[0]["us_per_step"] / LAYERS)
     one, two = (split_tokens(ENGINE_CONTEXT, s) for s in ONE_WAVE_SPLITS)
     xs.append([0.0, (one - two) * HEAD_BYTES_PER_TOKEN])
     ys.append(ONE_WAVE_STEP_MS_SLOWER * 1e3 / LAYERS)
     return np.array(xs), np.array(ys)
+
+
+def alone_points(rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [1, a program's bytes] -> µs a layer, from `bench.decode_attention`'s rows (equal contexts, a given
+    split count) whose grid has at most one program an SM: each program runs alone on its SM."""
+    alone = [r for r in rows if int(r["batch"]) * KV_HEADS * int(r["splits"]) <= SMS]
+    xs = [[1.0, split_tokens(int(r["context"]), int(r["splits"])) * HEAD_BYTES_PER_TOKEN] for r in alone]
+    return np.array(xs).reshape(-1, 2), np.array([float(r["us"]) for r in alone])

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.sim_attention import ENGINE_CONTEXT, AttentionModel, attention_points
+from bench.sim_attention import ENGINE_CONTEXT, AttentionModel, alone_points, attention_points
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = 28                      # Qwen2.5-7B, the preset every recorded run used
@@ -28,6 +28,7 @@ PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
 H200_SMS = 132
 PRESET = "qwen2.5-7b"  # the shape every recorded run served
 LATER_TURNS = "engine-later-turns-h200.json"  # `bench.engine --later-turns` on one H200
+ATTENTION_SWEEPS = "decode-attention*.json"   # `bench.decode_attention` on one H200, each split count timed
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,18 @@ class Costs:
     # None where no run timed later turns: such a prefill is then priced as one chunk
     later_turn: Fit | None = None
     later_turn_beside: tuple[Fit, ...] = ()  # the same turns beside decode batches: their excess, printed only
+    # the split kernel's program alone on its SM (bench.decode_attention): b0 + b1 * bytes; its rate 1/b1 prices the
+    # part of the longest program read after the batch's other programs are done. None: all at the shared rate
+    attention_alone: Fit | None = None
 
     def fits(self) -> list[Fit]:
-        return [self.attention, self.decode, self.prefill, self.chunk, self.layered, self.local_extra, self.partition,
-                self.kv, *([self.later_turn] if self.later_turn is not None else []), *self.later_turn_beside]
+        return [self.attention, *([self.attention_alone] if self.attention_alone is not None else []), self.decode,
+                self.prefill, self.chunk, self.layered, self.local_extra, self.partition, self.kv,
+                *([self.later_turn] if self.later_turn is not None else []), *self.later_turn_beside]
 
     @cached_property
     def attention_model(self) -> AttentionModel:  # built once: every simulated decode step prices with it
-        return attention_model_of(self.attention, self.hbm_gbps)
+        return attention_model_of(self.attention, self.hbm_gbps, self.attention_alone)
 
     def decode_ms(self, batch: int, context_tokens: float, longest: int, slowdown: float = 1.0) -> float:
         """One decode step of `batch` sequences holding `context_tokens` in all, the longest `longest`.
@@ -199,10 +204,13 @@ class Costs:
         return min(self.kv_send_ms, self.kv_handoff_ms(tokens))
 
 
-def attention_model_of(fit: Fit, hbm_gbps: float) -> AttentionModel:
-    """The split kernel's model from its fit: a0 µs a layer, a1 µs a byte of the longest program (its rate 1/a1)."""
+def attention_model_of(fit: Fit, hbm_gbps: float, alone: Fit | None = None) -> AttentionModel:
+    """The split kernel's model from its fit: a0 µs a layer, a1 µs a byte of the longest program (its rate 1/a1);
+    with `alone`, a program's rate alone on its SM is 1/b1 (its b0, the launch of a grid of a few programs, is
+    the profile's a0 in the model)."""
     launch_us, us_per_byte = fit.params
-    return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm_gbps)
+    alone_gbps = 1.0 / (alone.params[1] * 1e3) if alone is not None else None
+    return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm_gbps, alone_gbps)
 
 
 def fit_attention(results: Path) -> Fit:
@@ -211,13 +219,24 @@ def fit_attention(results: Path) -> Fit:
     return least_squares("decode attention a layer (a0 + a1*bytes)", x, y)
 
 
+def fit_attention_alone(results: Path) -> Fit | None:
+    """A program of the split kernel alone on its SM, against its bytes: every `bench.decode_attention` file's rows
+    whose grid has at most one program an SM (the recorded one: 1k and 4k contexts; a sweep with longer contexts
+    joins them as a file of its own). None without three such rows."""
+    rows = [row for path in sorted(results.glob(ATTENTION_SWEEPS)) for row in json.loads(path.read_text())["rows"]]
+    x, y = alone_points(rows)
+    if len(y) < 3 or np.linalg.matrix_rank(x) < 2:
+        return None
+    return least_squares("attention program alone (b0 + b1*bytes)", x, y)
+
+
 def fit_decode(results: Path, attention: AttentionModel) -> Fit:
     """The step beyond its attention, over every engine run's batches (each run's graphs go up to its largest)."""
-    rows = [(int(b), ms, max(map(int, run["decode_ms"]))) for run in _engine_runs(results)
-            for b, ms in run["decode_ms"].items()]
-    attn = np.array([attention.step_ms(b, ENGINE_CONTEXT, b * ENGINE_CONTEXT, top) for b, _, top in rows])
-    x = np.array([[1.0, b] for b, _, _ in rows])
-    y = np.array([ms for _, ms, _ in rows]) - attn
+    rows = [(int(b), ms, max(map(int, run["decode_ms"])), int(run.get("context", ENGINE_CONTEXT)))
+            for run in _engine_runs(results) for b, ms in run["decode_ms"].items()]
+    attn = np.array([attention.step_ms(b, ctx, b * ctx, top) for b, _, top, ctx in rows])
+    x = np.array([[1.0, b] for b, _, _, _ in rows])
+    y = np.array([ms for _, ms, _, _ in rows]) - attn
     fit = least_squares("decode step (d0 + d1*batch + attention)", x, y)
     return _requality(fit, x, y, offset=attn)
 
@@ -375,8 +394,8 @@ def fit_kv(results: Path, transport: str) -> tuple[Fit, float, float]:
 def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     engine = profiled_engine(results)
     hbm = float(engine["hbm_gbps_measured"])
-    attention = fit_attention(results)
-    model = attention_model_of(attention, hbm)
+    attention, alone = fit_attention(results), fit_attention_alone(results)
+    model = attention_model_of(attention, hbm, alone)
     prefill, decode = fit_prefill(results), fit_decode(results, model)
     a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
     kv, tail, send = fit_kv(results, transport)
@@ -384,7 +403,8 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     return Costs(attention=attention, decode=decode, prefill=prefill, chunk=fit_chunk(results, a_step_ms),
                  layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
                  partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm, kv_send_ms=send,
-                 later_turn=fit_later_turn(turns), later_turn_beside=tuple(fit_later_turn_beside(turns)))
+                 later_turn=fit_later_turn(turns), later_turn_beside=tuple(fit_later_turn_beside(turns)),
+                 attention_alone=alone)
 
 
 def describe(costs: Costs) -> Sequence[str]:

@@ -96,7 +96,48 @@ def test_a_long_history_slows_every_step_it_is_in() -> None:
     assert gaps[0] == pytest.approx(COSTS.decode_ms(8, context, 16385))
     assert gaps[18] == pytest.approx(COSTS.decode_ms(8, context + 18 * 8, 16385 + 18))
     assert gaps[19] == pytest.approx(COSTS.decode_ms(7, 7 * (1025 + 19), 1025 + 19))
-    assert gaps[:19].min() > 1.4 * gaps[19:].max()  # all 16k tokens at HBM bandwidth would add 0.2 ms
+    assert gaps[:19].min() > 1.3 * gaps[19:].max()  # all 16k tokens at HBM bandwidth would add 0.2 ms
+
+
+def test_a_long_program_reads_most_of_its_history_alone_on_its_sm() -> None:
+    """The longest program shares its SM at the profile's rate for as long as the batch's mean program runs, and
+    reads the rest alone at the rate `bench.decode_attention` measured with one program an SM; equal contexts (the
+    profile the shared rate was fitted to) are priced as before."""
+    model = COSTS.attention_model
+    assert COSTS.attention_alone is not None and model.alone_gbps is not None
+    assert 15 < model.alone_gbps < 20 and model.alone_gbps > model.program_gbps
+    shared_only = dataclasses.replace(model, alone_gbps=None)
+    for b in (1, 8, 32, 64):
+        assert model.step_ms(b, 1024, b * 1024) == pytest.approx(shared_only.step_ms(b, 1024, b * 1024))
+    # a 16k history among 31 of 1k: bucket 32, two splits, so 8k tokens a program, 512 of them beside another
+    total = 31 * 1024 + 16384
+    splits = attn.num_splits(attn.bucket_for(32))
+    program = attn.split_tokens(16384, splits) * attn.HEAD_BYTES_PER_TOKEN
+    mean = attn.split_tokens(-(-total // 32), splits) * attn.HEAD_BYTES_PER_TOKEN
+    expected = attn.LAYERS * (model.launch_us + mean / (model.program_gbps * 1e3)
+                              + (program - mean) / (model.alone_gbps * 1e3)) / 1e3
+    assert model.step_ms(32, 16384, total) == pytest.approx(expected)
+    assert model.step_ms(32, 16384, total) < 0.8 * shared_only.step_ms(32, 16384, total)
+
+
+def test_the_lone_program_fit_takes_every_attention_sweep(tmp_path: Path) -> None:
+    """The lone rate is fitted to the rows of every `decode-attention*.json` whose grid has at most one program an
+    SM; a sweep of longer contexts (python -m bench.decode_attention --contexts 16384 ...) joins as its own file."""
+    from bench.sim_costs import fit_attention_alone
+
+    assert fit_attention_alone(tmp_path) is None
+    recorded = json.loads((RESULTS / "decode-attention-h200.json").read_text())
+    (tmp_path / "decode-attention-h200.json").write_text(json.dumps(recorded))
+    alone = fit_attention_alone(tmp_path)
+    assert alone is not None and alone.points == 20 and alone.r2 > 0.98
+    # a synthetic 16k sweep at 10 GB/s a program: rows of one program an SM pull the rate down, others are left out
+    rows = [{"context": 16384, "batch": b, "splits": s,
+             "us": 4.0 + attn.split_tokens(16384, s) * attn.HEAD_BYTES_PER_TOKEN / 10e3}
+            for b in (1, 8, 64) for s in (1, 2)]
+    (tmp_path / "decode-attention-16k-h200.json").write_text(json.dumps({"rows": rows}))
+    longer = fit_attention_alone(tmp_path)
+    assert longer is not None and longer.points == 20 + 4  # batch 64 is 256 programs or more: not alone
+    assert 1.0 / (longer.params[1] * 1e3) < 1.0 / (alone.params[1] * 1e3)
 
 
 @pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "partitioned")],
