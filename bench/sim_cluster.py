@@ -186,6 +186,7 @@ class DecodeServer:
     busy: bool = False
     partition_until: float = 0.0
     join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
+    remote_backlog_tokens: int = 0  # uncached tokens of this server's remote prefills whose KV has not landed (auto)
     inbox: deque[SimRequest] = field(default_factory=deque)  # prompts prefilled elsewhere, for the next iteration
     # running sequences by context less the step they joined at (the longest is on top; finished ones are
     # dropped when they reach the top): the attention's cost follows the longest context
@@ -201,8 +202,10 @@ class DecodeServer:
         mode = self._placement(request)
         if mode == "disaggregated":
             request.where = "remote"
+            uncached = request.prompt - cached_of(self.cache, request)
+            self.remote_backlog_tokens += uncached  # decode_server.core.remote_prefill: its tokens in flight
             target = min(self.prefill_servers, key=lambda p: p.backlog)
-            target.submit(request, lambda: self._kv_arrived(request))
+            target.submit(request, lambda: self._kv_arrived(request, uncached))
             return
         request.where = "local"
         self.prefilling.append(_LocalPrefill(request, mode))
@@ -214,11 +217,14 @@ class DecodeServer:
             return d.mode
         uncached = request.prompt - cached_of(self.cache, request)
         thresholds = PlacementThresholds(d.auto_local_tokens, d.auto_idle_local_tokens, d.auto_remote_backlog_tokens)
-        backlog = min(p.backlog_tokens for p in self.prefill_servers)
+        # decode_server.core.place: this server's own remote prefills in flight (until their KV has landed) or the
+        # smallest backlog a prefill server reports, whichever is more
+        backlog = max(self.remote_backlog_tokens, min(p.backlog_tokens for p in self.prefill_servers))
         where = place(thresholds, PlacementInputs(uncached, self.running, backlog, True))
         return "disaggregated" if where == REMOTE else d.auto_local
 
-    def _kv_arrived(self, request: SimRequest) -> None:
+    def _kv_arrived(self, request: SimRequest, uncached: int = 0) -> None:
+        self.remote_backlog_tokens -= uncached
         self._handover(request)
 
     def _handover(self, request: SimRequest) -> None:

@@ -256,6 +256,25 @@ def test_auto_follows_the_decode_servers_rule() -> None:
     assert long and all(r.where == "remote" for r in long)
 
 
+def test_auto_counts_its_own_remote_prefills_until_their_kv_lands() -> None:
+    """The decode server weighs its own remote prefills in flight (from placement until the KV has landed) or the
+    prefill servers' reported backlog, whichever is more: a prompt whose job is done on the prefill server but whose
+    handoff is still under way keeps counting."""
+    clock = Clock()
+    deployment = Deployment(1, 1, "auto", auto_remote_backlog_tokens=4096)
+    prefill = PrefillServer(clock, COSTS, SERVING)
+    server = DecodeServer(0, clock, COSTS, deployment, SERVING, [prefill], lambda r: None)
+    first = SimRequest("a", "arrival", 0.0, 8192, 8)
+    server.submit(first)
+    assert first.where == "remote" and server.remote_backlog_tokens == prefill.backlog_tokens == 8192
+    prefill.backlog_tokens = 0  # its job is done (PrefillServer._finished); the handoff is not
+    server.running = 1  # somebody decodes here
+    second = SimRequest("b", "arrival", 0.0, 2048, 8)
+    assert server._placement(second) == deployment.auto_local
+    server._kv_arrived(first, 8192)
+    assert server.remote_backlog_tokens == 0 and server._placement(second) == "disaggregated"
+
+
 def test_slo_counts_like_client_load() -> None:
     result = simulate(Deployment(0, 1, "colocated"), COSTS, LOAD, SERVING)
     slo = Slo(ttft_ms=200, itl_ms=20)
