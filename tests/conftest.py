@@ -36,6 +36,11 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a against b, in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def write_tiny_checkpoint(folder: Path, seed: int = 0, family: str = "qwen2", max_shard_size: str | None = None,
                           **overrides: object) -> Path:
     """A tiny random checkpoint of one family, written by transformers itself (config.json + safetensors,

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import rel_err
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_skinny_gemv_matches_cublas_and_ignores_batch_mates() -> None:
