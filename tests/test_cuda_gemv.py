@@ -103,6 +103,41 @@ def test_gated_gemv_is_gemv_then_silu_mul() -> None:
             assert torch.equal(gemv_silu(x[:m], w), full[:m])
 
 
+def test_fused_norm_gives_the_norm_kernels_bits() -> None:
+    """Add + RMSNorm inside the next matmul (`gemv_norm`: qkv with its bias and split K, o_proj's
+    split, gate/up with SiLU·mul) gives the bits of the norm kernel then the matmul, at every row
+    count it takes, with and without a delta; the residual stream it returns is x + delta, and x is
+    left as it was."""
+    from engine.kernels import arrivals
+    from engine.kernels import gemv as g
+    from engine.kernels.fused import add_rms_norm
+
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    k = 3584
+    scale = k ** -0.5
+    weights = {"qkv": (torch.randn(4608, k, dtype=torch.bfloat16, device=dev) * scale, False),
+               "o_proj": (torch.randn(k, k, dtype=torch.bfloat16, device=dev) * scale, False),
+               "gate_up": (torch.randn(2 * 18944, k, dtype=torch.bfloat16, device=dev) * scale, True)}
+    bias = torch.randn(4608, dtype=torch.bfloat16, device=dev)
+    norm_w = (1 + 0.2 * torch.randn(k, device=dev)).to(torch.bfloat16)
+    for name, (w, gated) in weights.items():
+        b = bias if name == "qkv" else None
+        for m in range(1, g.NORM_MAX_ROWS + 1):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev) * 4
+            delta = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            for d in (delta, None):
+                before = x.clone()
+                out, residual = g.gemv_norm(x, g.AddRmsNorm(norm_w, 1e-6, d), w, b, gated)
+                assert torch.equal(x, before)
+                x_ref = x.clone()
+                h = add_rms_norm(x_ref, norm_w, 1e-6, d)
+                want = g.gemv_silu(h, w) if gated else g.gemv(h, w, b)
+                assert torch.equal(residual, x_ref), (name, m)
+                assert torch.equal(out, want), (name, m, d is None)
+    assert not arrivals.arrival_counts(dev).any()
+
+
 def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     """Split K: the partial sums are added in split order by whichever program comes last, so
     every call (eager, graphed, replayed many times, beside another stream's calls) gives the same

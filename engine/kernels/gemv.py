@@ -28,6 +28,8 @@ from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
+NORM_MAX_ROWS = 4     # add + RMSNorm inside the matmul that follows it (`gemv_norm`) up to this many rows
+NORM_MAX_K = 8192     # ... and rows this long: each program holds a whole row in registers to sum it
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,26 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr,
+def _row_inv_rms(X, DELTA, M, K, s_xm, eps, offs_m, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 K_PAD: tl.constexpr):
+    """1 / rms of each row of x (+ delta), summed as `fused.add_rms_norm` sums a row (one K_PAD-wide
+    vector, 4 warps), so the normalised operand has its bits."""
+    offs = tl.arange(0, K_PAD)
+    ok = offs < K
+    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for r in range(M):
+        x = tl.load(X + r * s_xm + offs, mask=ok, other=0.0)
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(DELTA + r * s_xm + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        inv = tl.where(offs_m == r, tl.rsqrt(tl.sum(xf * xf, 0) / K + eps), inv)
+    return inv
+
+
+@triton.jit
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W, RESIDUAL, M, N, K, s_xm, s_wn,
+                 s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
+                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, K_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
@@ -103,8 +123,19 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
+    if NORM:  # x is the residual stream (+ DELTA): add + RMSNorm here, in place of a kernel of their own
+        inv = _row_inv_rms(X, DELTA, M, K, s_xm, eps, offs_m, HAS_DELTA, BLOCK_M, K_PAD)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        if NORM:  # rounded where `fused.add_rms_norm` rounds: the sum, the normalised row, its product with the weight
+            if HAS_DELTA:
+                d = tl.load(DELTA + offs_m[:, None] * s_xm + offs_k[None, :] + k0, mask=m_ok[:, None], other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(d.dtype)
+                if strip == 0:  # one column strip writes the updated stream, each split its own K steps
+                    tl.store(RESIDUAL + offs_m[:, None] * s_xm + offs_k[None, :] + k0, x, mask=m_ok[:, None])
+            normed = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+            g = tl.load(NORM_W + k0 + offs_k).to(tl.float32)
+            x = (g[None, :] * normed.to(tl.float32)).to(normed.dtype)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
@@ -198,6 +229,35 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
     return _launch(x, weight, None, cfg, gated=True)[0]
 
 
+@dataclass(frozen=True)
+class AddRmsNorm:
+    """What `gemv_norm` applies to its input as it loads it: rms_norm(x + delta) * weight."""
+
+    weight: torch.Tensor
+    eps: float
+    delta: torch.Tensor | None = None
+
+
+def norm_supports(x: torch.Tensor, weight: torch.Tensor, norm: AddRmsNorm) -> bool:
+    """Whether `gemv_norm` takes these: a few contiguous rows, where each program re-reading the whole
+    rows for their norms costs less than a kernel of their own (at 16 rows it would read 114 KB)."""
+    return (x.shape[0] <= NORM_MAX_ROWS and supports(x, weight) and x.is_contiguous()
+            and norm.weight.dtype == x.dtype and norm.weight.is_contiguous() and x.shape[1] <= NORM_MAX_K
+            and (norm.delta is None or (norm.delta.shape == x.shape and norm.delta.is_contiguous())))
+
+
+def gemv_norm(x: torch.Tensor, norm: AddRmsNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv` (or with `gated`, `gemv_silu`) of rms_norm(x + delta) * norm.weight, the norm computed
+    as each program loads its input: -> (the product, x + delta). Same bits as `fused.add_rms_norm`
+    then the matmul, one kernel fewer. x is not written; the sum is a new tensor."""
+    assert norm_supports(x, weight, norm), f"no fused norm for {tuple(x.shape)} @ {tuple(weight.shape)}"
+    cfg = gated_config_for(weight, x.shape[0]) if gated else config_for(weight, x.shape[0])
+    assert cfg is not None
+    residual = x if norm.delta is None else torch.empty_like(x)
+    return _launch(x, weight, bias, cfg, gated=gated, norm=norm, residual=residual)[0], residual
+
+
 def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
     cfg = config_for(weight, rows)
@@ -207,8 +267,9 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-            gated: bool, out_dtype: torch.dtype | None = None,
-            argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            gated: bool, out_dtype: torch.dtype | None = None, argmax: bool = False,
+            norm: AddRmsNorm | None = None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
@@ -228,10 +289,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         best = torch.empty(m, strips, dtype=torch.float32, device=x.device)
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
         tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    delta = norm.delta if norm is not None and norm.delta is not None else x
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, delta,
+        norm.weight if norm is not None else x, residual if residual is not None else x, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
+        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, NORM=norm is not None,
+        HAS_DELTA=norm is not None and norm.delta is not None,
+        K_PAD=triton.next_power_of_2(k) if norm is not None else 16, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
     if not argmax:
