@@ -85,27 +85,32 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _row_inv_rms(X, DELTA, M, K, s_xm, eps, offs_m, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                 K_PAD: tl.constexpr):
+def _row_inv_rms(X, DELTA, RESIDUAL, M, K, s_xm, eps, offs_m, write, HAS_DELTA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, NORM_ROWS: tl.constexpr, K_PAD: tl.constexpr):
     """1 / rms of each row of x (+ delta), summed as `fused.add_rms_norm` sums a row (one K_PAD-wide
-    vector, 4 warps), so the normalised operand has its bits."""
+    vector, 4 warps) so the normalised operand has its bits; with `write`, x + delta stored. Rows
+    unrolled: a loop here would be software-pipelined into shared memory the main loop needs."""
     offs = tl.arange(0, K_PAD)
-    ok = offs < K
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for r in range(M):
-        x = tl.load(X + r * s_xm + offs, mask=ok, other=0.0)
-        if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(DELTA + r * s_xm + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-        xf = x.to(tl.float32)
-        inv = tl.where(offs_m == r, tl.rsqrt(tl.sum(xf * xf, 0) / K + eps), inv)
+    for r in tl.static_range(NORM_ROWS):
+        if r < M:
+            x = tl.load(X + r * s_xm + offs, mask=offs < K, other=0.0)
+            if HAS_DELTA:
+                d = tl.load(DELTA + r * s_xm + offs, mask=offs < K, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+                if write:
+                    tl.store(RESIDUAL + r * s_xm + offs, x, mask=offs < K)
+            xf = x.to(tl.float32)
+            inv = tl.where(offs_m == r, tl.rsqrt(tl.sum(xf * xf, 0) / K + eps), inv)
     return inv
 
 
 @triton.jit
 def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W, RESIDUAL, M, N, K, s_xm, s_wn,
                  s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, K_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, NORM_ROWS: tl.constexpr, K_PAD: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     strip = tl.program_id(0)
@@ -124,15 +129,14 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     if NORM:  # x is the residual stream (+ DELTA): add + RMSNorm here, in place of a kernel of their own
-        inv = _row_inv_rms(X, DELTA, M, K, s_xm, eps, offs_m, HAS_DELTA, BLOCK_M, K_PAD)
+        inv = _row_inv_rms(X, DELTA, RESIDUAL, M, K, s_xm, eps, offs_m, (strip == 0) & (split == 0), HAS_DELTA,
+                           BLOCK_M, NORM_ROWS, K_PAD)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         if NORM:  # rounded where `fused.add_rms_norm` rounds: the sum, the normalised row, its product with the weight
             if HAS_DELTA:
                 d = tl.load(DELTA + offs_m[:, None] * s_xm + offs_k[None, :] + k0, mask=m_ok[:, None], other=0.0)
                 x = (x.to(tl.float32) + d.to(tl.float32)).to(d.dtype)
-                if strip == 0:  # one column strip writes the updated stream, each split its own K steps
-                    tl.store(RESIDUAL + offs_m[:, None] * s_xm + offs_k[None, :] + k0, x, mask=m_ok[:, None])
             normed = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
             g = tl.load(NORM_W + k0 + offs_k).to(tl.float32)
             x = (g[None, :] * normed.to(tl.float32)).to(normed.dtype)
@@ -295,7 +299,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         norm.weight if norm is not None else x, residual if residual is not None else x, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, NORM=norm is not None,
-        HAS_DELTA=norm is not None and norm.delta is not None,
+        HAS_DELTA=norm is not None and norm.delta is not None, NORM_ROWS=NORM_MAX_ROWS,
         K_PAD=triton.next_power_of_2(k) if norm is not None else 16, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
