@@ -85,13 +85,16 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _row_inv_rms(X, DELTA, RESIDUAL, M, K, s_xm, eps, offs_m, write, HAS_DELTA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, NORM_ROWS: tl.constexpr, K_PAD: tl.constexpr):
-    """1 / rms of each row of x (+ delta), summed as `fused.add_rms_norm` sums a row (one K_PAD-wide
-    vector, 4 warps) so the normalised operand has its bits; with `write`, x + delta stored. Rows
-    unrolled: a loop here would be software-pipelined into shared memory the main loop needs."""
+def _add_rms_norm_rows(X, DELTA, NORM_W, RESIDUAL, NORMED, M, K, s_xm, eps, k_begin, k_end, write,
+                       HAS_DELTA: tl.constexpr, NORM_ROWS: tl.constexpr, K_PAD: tl.constexpr):
+    """rms_norm(x + delta) * weight of the M rows, summed and rounded as `fused.add_rms_norm` does (one
+    K_PAD-wide vector, 4 warps) so the matmul's operand has its bits. Each program stores columns
+    [k_begin, k_end) to NORMED for its own K loop to load as it loads x: every program that stores a
+    column stores the same bits. With `write`, x + delta goes to RESIDUAL. Rows unrolled: a loop
+    here would be software-pipelined into the shared memory the K loop needs."""
     offs = tl.arange(0, K_PAD)
-    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    g = tl.load(NORM_W + offs, mask=offs < K, other=0.0).to(tl.float32)
+    mine = (offs >= k_begin) & (offs < k_end)
     for r in tl.static_range(NORM_ROWS):
         if r < M:
             x = tl.load(X + r * s_xm + offs, mask=offs < K, other=0.0)
@@ -101,13 +104,14 @@ def _row_inv_rms(X, DELTA, RESIDUAL, M, K, s_xm, eps, offs_m, write, HAS_DELTA: 
                 if write:
                     tl.store(RESIDUAL + r * s_xm + offs, x, mask=offs < K)
             xf = x.to(tl.float32)
-            inv = tl.where(offs_m == r, tl.rsqrt(tl.sum(xf * xf, 0) / K + eps), inv)
-    return inv
+            normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)).to(x.dtype)
+            tl.store(NORMED + r * s_xm + offs, (g * normed.to(tl.float32)).to(x.dtype), mask=mine)
+    tl.debug_barrier()  # the K loop's loads of NORMED (other threads' stores) come after
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W, RESIDUAL, M, N, K, s_xm, s_wn,
-                 s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W, RESIDUAL, NORMED, M, N, K,
+                 s_xm, s_wn, s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, NORM_ROWS: tl.constexpr, K_PAD: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
@@ -128,18 +132,12 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    if NORM:  # x is the residual stream (+ DELTA): add + RMSNorm here, in place of a kernel of their own
-        inv = _row_inv_rms(X, DELTA, RESIDUAL, M, K, s_xm, eps, offs_m, (strip == 0) & (split == 0), HAS_DELTA,
-                           BLOCK_M, NORM_ROWS, K_PAD)
+    if NORM:  # X is the residual stream (+ DELTA): add + RMSNorm here, in place of a kernel of their own
+        _add_rms_norm_rows(X, DELTA, NORM_W, RESIDUAL, NORMED, M, K, s_xm, eps, k_begin, k_end,
+                           (strip == 0) & (split == 0), HAS_DELTA, NORM_ROWS, K_PAD)
+        x_ptrs = NORMED + offs_m[:, None] * s_xm + offs_k[None, :]
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        if NORM:  # rounded where `fused.add_rms_norm` rounds: the sum, the normalised row, its product with the weight
-            if HAS_DELTA:
-                d = tl.load(DELTA + offs_m[:, None] * s_xm + offs_k[None, :] + k0, mask=m_ok[:, None], other=0.0)
-                x = (x.to(tl.float32) + d.to(tl.float32)).to(d.dtype)
-            normed = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
-            g = tl.load(NORM_W + k0 + offs_k).to(tl.float32)
-            x = (g[None, :] * normed.to(tl.float32)).to(normed.dtype)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
@@ -296,7 +294,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     delta = norm.delta if norm is not None and norm.delta is not None else x
     _gemv_kernel[(strips, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, delta,
-        norm.weight if norm is not None else x, residual if residual is not None else x, m, n, k,
+        norm.weight if norm is not None else x, residual if residual is not None else x,
+        torch.empty_like(x) if norm is not None else x, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, NORM=norm is not None,
         HAS_DELTA=norm is not None and norm.delta is not None, NORM_ROWS=NORM_MAX_ROWS,
