@@ -68,11 +68,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def add_rms_norm_then(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       layer: torch.nn.Linear, kernels: KernelOptions,
                       gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`linear`, or with `gated` `gate_up_silu`, of rms_norm(x + delta) * weight; x + delta). At a
-    few decode rows the skinny matmul does the add and the norm as it loads its input (a launch
-    fewer, the same bits); elsewhere `add_rms_norm`, then the matmul."""
-    if (kernels.skinny_gemv and _fast(x) and x.shape[0] <= _gemv.NORM_MAX_ROWS
-            and _gemv.norm_supports(x, layer.weight, norm := _gemv.AddRmsNorm(weight, eps, delta))
+    """(`linear`, or with `gated` `gate_up_silu`, of rms_norm(x + delta) * weight; x + delta). Where
+    the skinny matmul runs (decode batches) it does the add and the norm itself, a launch fewer;
+    elsewhere `add_rms_norm`, then the matmul."""
+    norm = _gemv.AddRmsNorm(weight, eps, delta) if _fast(x) else None
+    if (kernels.skinny_gemv and norm is not None and _gemv.norm_supports(x, layer.weight, norm)
             and (not gated or (layer.bias is None and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None))):
         return _gemv.gemv_norm(x, norm, layer.weight, layer.bias, gated)
     h, x = add_rms_norm(x, weight, eps, delta)
