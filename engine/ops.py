@@ -65,20 +65,6 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, x
 
 
-def add_rms_norm_then(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      layer: torch.nn.Linear, kernels: KernelOptions,
-                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`linear`, or with `gated` `gate_up_silu`, of rms_norm(x + delta) * weight; x + delta). Where
-    the skinny matmul runs (decode batches) it does the add and the norm itself, a launch fewer;
-    elsewhere `add_rms_norm`, then the matmul."""
-    norm = _gemv.AddRmsNorm(weight, eps, delta) if _fast(x) else None
-    if (kernels.skinny_gemv and norm is not None and _gemv.norm_supports(x, layer.weight, norm)
-            and (not gated or (layer.bias is None and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None))):
-        return _gemv.gemv_norm(x, norm, layer.weight, layer.bias, gated)
-    h, x = add_rms_norm(x, weight, eps, delta)
-    return (gate_up_silu(h, layer, kernels) if gated else linear(h, layer, kernels)), x
-
-
 def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,

@@ -83,10 +83,9 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W, RESIDUAL, SUMSQ, M, N, K,
-                 s_xm, s_wn, s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     strip = tl.program_id(0)
@@ -104,20 +103,8 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    sumsq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # NORM: each row's squares, per column of the tile
-    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        if NORM:  # x is the residual stream: x (+ delta) times the norm's weight; 1 / rms scales the sums at the end
-            if HAS_DELTA:
-                d = tl.load(DELTA + offs_m[:, None] * s_xm + offs_k[None, :] + k0, mask=m_ok[:, None], other=0.0)
-                x = (x.to(tl.float32) + d.to(tl.float32)).to(d.dtype)
-                # the first column strip writes the updated stream, each split its own K steps
-                tl.store(RESIDUAL + offs_m[:, None] * s_xm + offs_k[None, :] + k0, x,
-                         mask=m_ok[:, None] & (strip == 0))
-            xf = x.to(tl.float32)
-            sumsq += xf * xf
-            x = (tl.load(NORM_W + k0 + offs_k).to(tl.float32)[None, :] * xf).to(x.dtype)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
@@ -130,8 +117,6 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W
         mn_ok = m_ok[:, None] & n_ok[None, :]
         part = PARTIAL + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part + split * BLOCK_M * N, acc, mask=mn_ok)
-        if NORM:  # the split's share of each row's squares, for the strip's last program
-            tl.store(SUMSQ + (split * BLOCK_M + offs_m) * tl.num_programs(0) + strip, tl.sum(sumsq, 1))
         tl.debug_barrier()  # every thread's partial is written before the count says so
         arrived = tl.atomic_add(COUNTS + strip, 1, sem="acq_rel", scope="gpu")
         last = arrived == SPLIT_K - 1
@@ -139,17 +124,8 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, DELTA, NORM_W
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(SPLIT_K):
                 acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-                if NORM:
-                    total += tl.load(SUMSQ + (i * BLOCK_M + offs_m) * tl.num_programs(0) + strip,
-                                     cache_modifier=".cg")
             tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
-    elif NORM:
-        total = tl.sum(sumsq, 1)
     if last:
-        if NORM:  # (x * w) @ W^T / rms(x): the norm's scale is one number a row, applied to the sums
-            inv_rms = tl.rsqrt(total / K + eps)
-            acc *= inv_rms[:, None]
-            acc_up *= inv_rms[:, None]
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(X.dtype.element_ty)  # rounded to the model dtype even where OUT is float32 (logits)
@@ -222,37 +198,6 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
     return _launch(x, weight, None, cfg, gated=True)[0]
 
 
-@dataclass(frozen=True)
-class AddRmsNorm:
-    """What `gemv_norm` applies to its input as it loads it: rms_norm(x + delta) * weight."""
-
-    weight: torch.Tensor
-    eps: float
-    delta: torch.Tensor | None = None
-
-
-def norm_supports(x: torch.Tensor, weight: torch.Tensor, norm: AddRmsNorm) -> bool:
-    """Whether `gemv_norm` takes these: wherever the skinny matmul runs, on contiguous rows."""
-    return (supports(x, weight) and x.is_contiguous() and norm.weight.dtype == x.dtype
-            and norm.weight.is_contiguous()
-            and (norm.delta is None or (norm.delta.shape == x.shape and norm.delta.is_contiguous())))
-
-
-def gemv_norm(x: torch.Tensor, norm: AddRmsNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv` (or with `gated`, `gemv_silu`) of rms_norm(x + delta) * norm.weight -> (the product,
-    x + delta), with no norm kernel before it: the K loop multiplies each tile of x + delta by the
-    norm's weight as it loads it and sums the squares alongside, and 1 / rms scales the products'
-    sums before the bias. Against the norm kernel then the matmul, the normalised operand is
-    rounded once before the scale instead of after it (differences of a bf16 step, tested). x is
-    not written; the sum is a new tensor."""
-    assert norm_supports(x, weight, norm), f"no fused norm for {tuple(x.shape)} @ {tuple(weight.shape)}"
-    cfg = gated_config_for(weight, x.shape[0]) if gated else config_for(weight, x.shape[0])
-    assert cfg is not None
-    residual = x if norm.delta is None else torch.empty_like(x)
-    return _launch(x, weight, bias, cfg, gated=gated, norm=norm, residual=residual)[0], residual
-
-
 def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
     cfg = config_for(weight, rows)
@@ -262,9 +207,8 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-            gated: bool, out_dtype: torch.dtype | None = None, argmax: bool = False,
-            norm: AddRmsNorm | None = None,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            gated: bool, out_dtype: torch.dtype | None = None,
+            argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
@@ -275,24 +219,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
-    partial = counts = best = best_col = tokens = sumsq = out
+    partial = counts = best = best_col = tokens = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device)
-        if norm is not None:
-            sumsq = torch.empty(cfg.split_k, block_m, strips, dtype=torch.float32, device=x.device)
     if argmax:
         assert cfg.split_k == 1 and not gated, "the argmax epilogue is for unsplit, ungated tiles"
         best = torch.empty(m, strips, dtype=torch.float32, device=x.device)
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
         tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    delta = norm.delta if norm is not None and norm.delta is not None else x
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, delta,
-        norm.weight if norm is not None else x, residual if residual is not None else x, sumsq, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, NORM=norm is not None,
-        HAS_DELTA=norm is not None and norm.delta is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
     if not argmax:

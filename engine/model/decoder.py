@@ -32,11 +32,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
-    def then(self, x: torch.Tensor, delta: torch.Tensor | None, layer: nn.Linear, kernels: ops.KernelOptions,
-             gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`layer` of this norm of x + delta, or its SiLU·mul with `gated`; x + delta)."""
-        return ops.add_rms_norm_then(x, delta, self.weight, self.eps, layer, kernels, gated)
-
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
     """Llama 3's scaling: long wavelengths slowed by `factor`, short ones kept, the band between
@@ -96,8 +91,9 @@ class DecoderLayer(nn.Module):
         """Returns (residual stream, this layer's MLP output still to be added to it). With
         `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
         goes on through attention and the MLP: no later layer reads the other rows."""
+        h, x = self.input_norm(x, delta)
         kernels = self.kernels
-        qkv, x = self.input_norm.then(x, delta, self.qkv, kernels)
+        qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         if isinstance(meta, DecodeMeta):
@@ -105,9 +101,8 @@ class DecoderLayer(nn.Module):
                                     self.num_kv_heads, self.head_dim)
         else:
             attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
-        gated, x = self.post_norm.then(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels),
-                                       self.gate_up, kernels, gated=True)
-        return x, ops.linear(gated, self.down, kernels)
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
+        return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
                            pool: KVPool, layer: int, meta: PrefillMeta,
