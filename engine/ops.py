@@ -65,17 +65,6 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, x
 
 
-def linear_add_rms_norm(inp: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                        kernels: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm(x, weight, eps, linear(inp, layer))`: at a few decode rows the skinny matmul
-    adds its product to the residual stream and normalises the rows in its epilogue (the same bits,
-    a launch fewer); elsewhere the matmul, then the norm kernel."""
-    if (kernels.skinny_gemv and _fast(inp) and inp.shape[0] <= _gemv.NORM_MAX_ROWS
-            and _gemv.add_norm_supports(inp, layer.weight, x, weight)):
-        return _gemv.gemv_add_rms_norm(inp, layer.weight, layer.bias, x, weight, eps), x
-    return add_rms_norm(x, weight, eps, linear(inp, layer, kernels))
-
-
 def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,

@@ -11,8 +11,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 
-DECODE_ROWS = 16  # the skinny matmul's narrow tile (`gemv.MAX_ROWS`)
-
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
@@ -38,11 +36,9 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     """x [T, N] (updated in place to x + delta when delta is given); returns rms_norm(x) * weight."""
     rows, n = x.shape
     out = torch.empty_like(x)
-    # Decode-sized batches sum a row with 4 warps, as the skinny matmul's norm epilogue does
-    # (`gemv.gemv_add_rms_norm`), so a row's bits do not depend on which of the two ran
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=4 if rows <= DECODE_ROWS else 8, **launch.options())
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                                  **launch.options())
     return out
 
 

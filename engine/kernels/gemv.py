@@ -28,7 +28,6 @@ from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
-NORM_MAX_ROWS = 4     # `gemv_add_rms_norm` up to this many rows
 
 
 @dataclass(frozen=True)
@@ -84,28 +83,8 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _norm_when_last_strip(RESIDUAL, NORM_W, OUT, COUNT, M, N, eps, NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr):
-    """The strip whose residual columns land last normalises the M rows: rms_norm(x) * weight into
-    OUT, summed and rounded as `fused.add_rms_norm` does (one N_PAD-wide vector a row, 4 warps), so
-    the rows have that kernel's bits without its launch. Rows unrolled: a loop here would be
-    software-pipelined into shared memory."""
-    tl.debug_barrier()  # every thread's columns are written before the count says so
-    if tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        offs = tl.arange(0, N_PAD)
-        w = tl.load(NORM_W + offs, mask=offs < N, other=0.0)
-        for r in tl.static_range(NORM_ROWS):
-            if r < M:
-                x = tl.load(RESIDUAL + r * N + offs, mask=offs < N, other=0.0, cache_modifier=".cg")
-                xf = x.to(tl.float32)
-                normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)).to(x.dtype)
-                tl.store(OUT + r * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=offs < N)
-        tl.atomic_xchg(COUNT, 0)  # ready for the next call on this stream
-
-
-@triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, RESIDUAL, NORM_W, NORM_COUNT, M, N, K, s_xm,
-                 s_wn, s_om, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 ADD_NORM: tl.constexpr, NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
@@ -154,15 +133,8 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, RESIDUAL, NOR
             gate = out.to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
             out = (silu * acc_up.to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
-        if ADD_NORM:  # the residual stream += out (as `fused.add_rms_norm` adds), then the rows' norm
-            res_ptrs = RESIDUAL + offs_m[:, None] * N + offs_n[None, :]
-            mn_ok = m_ok[:, None] & n_ok[None, :]
-            res = tl.load(res_ptrs, mask=mn_ok, other=0.0)
-            tl.store(res_ptrs, (res.to(tl.float32) + out.to(tl.float32)).to(res.dtype), mask=mn_ok)
-            _norm_when_last_strip(RESIDUAL, NORM_W, OUT, NORM_COUNT, M, N, eps, NORM_ROWS, N_PAD)
-        else:
-            out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
-            tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+        out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
+        tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
         if ARGMAX:  # each row's largest value in the strip and its first column, for `_argmax_kernel`
             vals = tl.where(n_ok[None, :], out.to(tl.float32), float("-inf"))
             best, col = tl.max(vals, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -226,27 +198,6 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
     return _launch(x, weight, None, cfg, gated=True)[0]
 
 
-def add_norm_supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether `gemv_add_rms_norm` takes these: up to NORM_MAX_ROWS rows (one program normalises
-    them all, one after another), contiguous, where the skinny matmul runs unsplit or split."""
-    n = weight.shape[0]
-    return (x.dim() == 2 and x.shape[0] <= NORM_MAX_ROWS and supports(x, weight)
-            and residual.shape == (x.shape[0], n) and residual.is_contiguous() and residual.dtype == x.dtype
-            and norm_weight.shape == (n,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
-            and triton.cdiv(n, config_for(weight, x.shape[0]).block_n) < MAX_COUNTS)  # type: ignore[union-attr]
-
-
-def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x @ W^T (+ bias), in place, and returns rms_norm(residual) * norm_weight: the bits
-    of `gemv` then `fused.add_rms_norm`, with no kernel of the norm's own (the last strip to land
-    normalises the rows)."""
-    assert add_norm_supports(x, weight, residual, norm_weight), "no fused add + norm for these shapes"
-    cfg = config_for(weight, x.shape[0])
-    assert cfg is not None
-    return _launch(x, weight, bias, cfg, gated=False, add_norm=(residual, norm_weight, eps))[0]
-
-
 def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
     cfg = config_for(weight, rows)
@@ -256,9 +207,8 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-            gated: bool, out_dtype: torch.dtype | None = None, argmax: bool = False,
-            add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            gated: bool, out_dtype: torch.dtype | None = None,
+            argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
@@ -278,16 +228,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         best = torch.empty(m, strips, dtype=torch.float32, device=x.device)
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
         tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    residual, norm_w, eps = add_norm if add_norm is not None else (out, out, 0.0)
-    if add_norm is not None:
-        counts = arrival_counts(x.device)
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, residual, norm_w,
-        counts[MAX_COUNTS - 1:] if add_norm is not None else out, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), eps,
-        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, ADD_NORM=add_norm is not None,
-        NORM_ROWS=NORM_MAX_ROWS, N_PAD=triton.next_power_of_2(n) if add_norm is not None else 16,
-        SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
     if not argmax:

@@ -47,43 +47,6 @@ def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _rotated_row(ROW, head, offs_d, c, s, HEAD_DIM: tl.constexpr):
-    """`_rotated` for one head, as a [HEAD_DIM] vector."""
-    half: tl.constexpr = HEAD_DIM // 2
-    x = tl.load(ROW + head * HEAD_DIM + offs_d)
-    partner = tl.load(ROW + head * HEAD_DIM + (offs_d + half) % HEAD_DIM)
-    dt = x.dtype
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    return ((x.to(tl.float32) * c).to(dt).to(tl.float32)
-            + (sign * partner.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
-def _kv_tile(KV, BT, b, s_bt, kvh, s_kv_kind, s_kv_slot, s_kv_head, t0, end, offs_d,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The pool's K and V rows of context tokens [t0, t0 + BLOCK_N) (zero past `end`)."""
-    offs_n = t0 + tl.arange(0, BLOCK_N)
-    valid = offs_n < end
-    block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-    base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
-    return tl.load(base, mask=valid[:, None], other=0.0), tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0)
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
-    """One tile of the online softmax: the running max, sum and output updated."""
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLOTS,
                   s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
                   s_rb, s_rh, s_cos, scale_log2,
@@ -110,43 +73,43 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         pos = tl.load(POS + b).to(tl.int64)
         c = tl.load(COS + pos * s_cos + offs_d)
         s = tl.load(SIN + pos * s_cos + offs_d)
-        # The slice's first tile too: no kernel in the step writes the pool's rows before the new token,
-        # and the new token's row is replaced below with the K and V this program rotates and stores
-        k_first, v_first = _kv_tile(KV, BT, b, s_bt, kvh, s_kv_kind, s_kv_slot, s_kv_head, start, end, offs_d,
-                                    BLOCK_SIZE, BLOCK_N)
     if PDL:
         gdc_wait()
-    if not ROPE:  # the rope kernel before this one stored the new token's K and V
-        k_first, v_first = _kv_tile(KV, BT, b, s_bt, kvh, s_kv_kind, s_kv_slot, s_kv_head, start, end, offs_d,
-                                    BLOCK_SIZE, BLOCK_N)
-    is_new = (start + tl.arange(0, BLOCK_N)) == ctx - 1
     if ROPE:  # Q is the qkv projection [B, (H + 2 Hkv) D]: rotate as loaded
         row = Q + b * s_qb
         c = c.to(Q.dtype.element_ty).to(tl.float32)
         s = s.to(Q.dtype.element_ty).to(tl.float32)
         q = _rotated(row, heads, gmask[:, None], offs_d, c, s, HEAD_DIM)
         if split == tl.cdiv(ctx, split_len) - 1:  # the slice ends at the new token: store its K and V first
-            k_new = _rotated_row(row, NUM_HEADS + kvh, offs_d, c, s, HEAD_DIM)
+            one = offs_g < 1
+            k_new = _rotated(row, NUM_HEADS + kvh + offs_g * 0, one[:, None], offs_d, c, s, HEAD_DIM)
             v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + offs_d)
             slot = tl.load(SLOTS + b).to(tl.int64)
             dst = KV + slot * s_kv_slot + kvh * s_kv_head
-            tl.store(dst + offs_d, k_new)
+            tl.store(dst + offs_g[:, None] * 0 + offs_d[None, :], k_new, mask=one[:, None])
             tl.store(dst + s_kv_kind + offs_d, v_new)
-            k_first = tl.where(is_new[:, None], k_new[None, :], k_first)
-            v_first = tl.where(is_new[:, None], v_new[None, :], v_first)
-            tl.debug_barrier()  # this program's loads of later tiles below see them
+            tl.debug_barrier()  # this program's loads below see them
     else:
         q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    if start < end:
-        m_i, l_i, acc = _attend_tile(q, k_first, v_first, (start + tl.arange(0, BLOCK_N)) < end, m_i, l_i, acc,
-                                     scale_log2, PRECISION)
-    for t0 in tl.range(start + BLOCK_N, end, BLOCK_N):
-        k, v = _kv_tile(KV, BT, b, s_bt, kvh, s_kv_kind, s_kv_slot, s_kv_head, t0, end, offs_d, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, (t0 + tl.arange(0, BLOCK_N)) < end, m_i, l_i, acc, scale_log2,
-                                     PRECISION)
+    for t0 in tl.range(start, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
+        k = tl.load(base, mask=valid[:, None], other=0.0)
+        v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     if PDL:
         gdc_launch_dependents()
     if NUM_SPLITS == 1:

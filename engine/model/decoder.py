@@ -85,14 +85,13 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, next_norm: RMSNorm, positions: torch.Tensor,
-                rope: RotaryTable, pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta,
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: RotaryTable,
+                pool: KVPool, layer: int, meta: PrefillMeta | DecodeMeta,
                 last_row_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """h is the residual stream x through this layer's input norm. Returns (the new stream through
-        `next_norm`, the new stream): each norm is taken with the matmul before it, which can do
-        both at decode batches. With `last_row_only` (a prefill's last layer) every row's KV is
-        stored but only the last row goes on through attention and the MLP: no later layer reads
-        the other rows."""
+        """Returns (residual stream, this layer's MLP output still to be added to it). With
+        `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
+        goes on through attention and the MLP: no later layer reads the other rows."""
+        h, x = self.input_norm(x, delta)
         kernels = self.kernels
         qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
@@ -102,10 +101,8 @@ class DecoderLayer(nn.Module):
                                     self.num_kv_heads, self.head_dim)
         else:
             attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
-        h, x = ops.linear_add_rms_norm(attn.reshape(x.shape[0], -1), self.o_proj, x, self.post_norm.weight,
-                                       self.post_norm.eps, kernels)
-        return ops.linear_add_rms_norm(ops.gate_up_silu(h, self.gate_up, kernels), self.down, x, next_norm.weight,
-                                       next_norm.eps, kernels)
+        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
+        return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
                            pool: KVPool, layer: int, meta: PrefillMeta,
@@ -155,17 +152,18 @@ class DecoderModel(nn.Module):
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Float32 logits [T, V] of the flattened `input_ids` [T]; with `last_only` (a prefill),
         of its last row alone [1, V]."""
-        h, _ = self._layers(*self._first_norm(input_ids), positions, pool, meta, range(len(self.layers)), last_only,
-                            on_layer_done)
-        return self._logits(h)
+        x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
+                                last_only, on_layer_done)
+        return self._logits(x, delta)
 
     @torch.inference_mode()
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
                        meta: DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: float32 logits [B, V] and the greedy tokens [B] (their argmax, which the
         lm_head's skinny matmul finds as it stores the logits, where it runs)."""
-        h, _ = self._layers(*self._first_norm(input_ids), positions, pool, meta, range(len(self.layers)), False,
-                            None)
+        x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
+                                False, None)
+        h, _ = self.norm(x, delta)
         return ops.linear_argmax(h, self.lm_head, self.kernels)
 
     @torch.inference_mode()
@@ -174,36 +172,25 @@ class DecoderModel(nn.Module):
         """A prefill's forward (`last_only`) a slice of layers at a time: each step of the iterator
         queues the next `layers_per_slice` layers and yields None, the last one also the logits and
         yields them [1, V]."""
-        h, x = self._first_norm(input_ids)
+        x, delta = self.embed(input_ids), None
         n = len(self.layers)
         for start in range(0, n, layers_per_slice):
-            h, x = self._layers(h, x, positions, pool, meta, range(start, min(n, start + layers_per_slice)), True, None)
+            x, delta = self._layers(x, delta, positions, pool, meta, range(start, min(n, start + layers_per_slice)),
+                                    True, None)
             if start + layers_per_slice < n:
                 yield None
-        yield self._logits(h)
+        yield self._logits(x, delta)
 
-    def _first_norm(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the embeddings through the first layer's input norm, the embeddings: the residual stream)."""
-        return self._norm_before(0)(self.embed(input_ids))
-
-    def _norm_before(self, layer: int) -> RMSNorm:
-        """Layer `layer`'s input norm; past the last layer, the final norm."""
-        norm = self.layers[layer].input_norm if layer < len(self.layers) else self.norm
-        assert isinstance(norm, RMSNorm)
-        return norm
-
-    def _layers(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, pool: KVPool,
+    def _layers(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, pool: KVPool,
                 meta: PrefillMeta | DecodeMeta, which: range, last_only: bool,
-                on_layer_done: Callable[[int], None] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, x) through the layers `which`: h ends normalised by the next layer's input norm, or by
-        the final norm after the last layer."""
+                on_layer_done: Callable[[int], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         last_layer = len(self.layers) - 1
         for i in which:
-            h, x = self.layers[i](h, x, self._norm_before(i + 1), positions, self.rope, pool, i, meta,
-                                  last_only and i == last_layer)
+            x, delta = self.layers[i](x, delta, positions, self.rope, pool, i, meta, last_only and i == last_layer)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return h, x
+        return x, delta
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        h, _ = self.norm(x, delta)
         return ops.linear(h, self.lm_head, self.kernels, out_dtype=torch.float32)
