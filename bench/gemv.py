@@ -100,7 +100,7 @@ def main() -> None:
                 continue
             best: tuple[float, GemvConfig | None] | None = None
             for cfg in configs:
-                if cfg is not None and (k % cfg.block_k or k // cfg.block_k < cfg.split_k):
+                if cfg is not None and not cfg.fits(k):
                     continue
                 if gated and cfg is not None and cfg.split_k > 1:
                     continue  # the gated tile is unsplit

@@ -25,7 +25,6 @@ KV_BYTES_PER_TOKEN = 57_344      # 28 layers x K and V x 4 KV heads x 128 x 2 by
 # SMs given to the prefill -> (decode step beside it, ms; prefill matmul rate as a share of the whole GPU's).
 PARTITION_ALONE_STEP_MS = 3.71
 PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
-H200_SMS = 132
 PRESET = "qwen2.5-7b"  # the shape every recorded run served
 LATER_TURNS = "engine-later-turns-h200.json"  # `bench.engine --later-turns` on one H200
 ATTENTION_SWEEPS = "decode-attention*.json"   # `bench.decode_attention` on one H200, each split count timed

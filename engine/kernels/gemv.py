@@ -38,6 +38,10 @@ class GemvConfig:
     num_stages: int = 6
     split_k: int = 1  # programs along K per column strip
 
+    def fits(self, k: int) -> bool:
+        """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
+        return k % self.block_k == 0 and k // self.block_k >= self.split_k
+
 
 # Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md), by the weight's shape
 # class: one tile for every batch of 1-16 rows, so a row's result is the same at each of them.
@@ -77,7 +81,7 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     cfg = (NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES).get(_shape_class(n, k))
     if cfg is None:
         return None
-    if k % cfg.block_k or k // cfg.block_k < cfg.split_k:  # too short to split: one program per strip
+    if not cfg.fits(k):  # too short to split: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
 
@@ -164,7 +168,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     k = weight.shape[1]
     cfg = config_for(weight, x.shape[0]) if x.dim() == 2 else None
     return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
-            and x.shape[1] == k and k % cfg.block_k == 0 and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.shape[1] == k and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
             and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
 
 
@@ -215,7 +219,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     if gated:
         n //= 2
         assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
-    assert k % cfg.block_k == 0 and k // cfg.block_k >= cfg.split_k, f"K={k} does not split as {cfg}"
+    assert cfg.fits(k), f"K={k} does not split as {cfg}"
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
