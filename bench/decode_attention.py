@@ -1,8 +1,10 @@
 """`python -m bench.decode_attention`: the paged decode attention kernel (`engine.kernels.paged_decode`)
 at Qwen2.5-7B's shape (28 query heads, 4 KV heads, head dim 128, blocks of 16 tokens), per batch
 size and context length, for each number of context splits, against HBM bandwidth; the split count
-the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over one KV
-layer per model layer (so nothing is served from L2), divided by the layer count."""
+the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over KV layers
+cycled through, divided by their count: at least `--layers`, and enough that together they hold
+three times the GPU's L2, so that each layer is read from HBM as in a step (a 1k context at batch 1
+is 2 MB a layer: eight of them would fit in an H200's 50 MB of L2)."""
 
 from __future__ import annotations
 
@@ -23,18 +25,21 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--layers", type=int, default=8, help="KV layers cycled through (more than L2 holds)")
+    p.add_argument("--layers", type=int, default=8, help="KV layers cycled through, at least (more if L2 holds them)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
-    print(f"HBM copy {hbm:.0f} GB/s")
+    l2_bytes = torch.cuda.get_device_properties(dev).L2_cache_size
+    print(f"HBM copy {hbm:.0f} GB/s, L2 {l2_bytes / 2**20:.0f} MiB")
     rows = []
     for ctx in args.contexts:
         for batch in args.batches:
             blocks = -(-ctx // BLOCK)
-            layers = [torch.randn(2, batch * blocks * BLOCK + BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
-                                  device=dev) for _ in range(args.layers)]
+            slots = batch * blocks * BLOCK + BLOCK
+            count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * 2)))
+            layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+                      for _ in range(count)]
             tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
