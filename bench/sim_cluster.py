@@ -74,7 +74,7 @@ class Serving:
     local prefill call (a whole prompt, a chunk or a slice) and a prefill server's prefill take under
     load beyond the engine's own; and what admitting a sequence adds to its first decode step, for a
     locally prefilled one and for one whose KV came from a prefill server (the receive's set-up and
-    completion), which is paid on `remote_join_steps` consecutive steps.
+    completion).
     """
 
     step_host_ms_per_seq: float = 0.0
@@ -82,7 +82,6 @@ class Serving:
     remote_prefill_ms: float = 0.0
     join_local_ms: float = 0.0
     join_remote_ms: float = 0.0
-    remote_join_steps: int = 1
 
 
 class Clock:
@@ -185,7 +184,6 @@ class DecodeServer:
     cache: dict[str, int] = field(default_factory=dict)
     busy: bool = False
     partition_until: float = 0.0
-    join_carry: deque[float] = field(default_factory=deque)  # admission costs still owed by the next steps
     remote_backlog_tokens: int = 0  # uncached tokens of this server's remote prefills whose KV has not landed (auto)
     inbox: deque[SimRequest] = field(default_factory=deque)  # prompts prefilled elsewhere, for the next iteration
     # running sequences by context less the step they joined at (the longest is on top; finished ones are
@@ -257,7 +255,7 @@ class DecodeServer:
 
     def _admit(self) -> float:
         """Ready sequences into the running batch; returns the milliseconds their admission adds to this step."""
-        carry = self.join_carry
+        added = 0.0
         while self.ready and self.running < self.deployment.max_batch:
             request = self.ready[0]
             need = request.prompt + request.output
@@ -270,13 +268,8 @@ class DecodeServer:
             self.context += request.prompt + 1
             heapq.heappush(self.by_context, (self.step - request.prompt - 1, id(request), request))
             self.finishing[self.step + request.output - 2].append(request)
-            remote = request.where == "remote"
-            steps = self.serving.remote_join_steps if remote else 1
-            while len(carry) < steps:
-                carry.append(0.0)
-            for k in range(steps):
-                carry[k] += self.serving.join_remote_ms if remote else self.serving.join_local_ms
-        return carry.popleft() if carry else 0.0
+            added += self.serving.join_remote_ms if request.where == "remote" else self.serving.join_local_ms
+        return added
 
     def _iteration(self) -> None:
         now = self.clock.now

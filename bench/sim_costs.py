@@ -218,12 +218,20 @@ def fit_attention(results: Path) -> Fit:
     return least_squares("decode attention a layer (a0 + a1*bytes)", x, y)
 
 
+def attention_sweep_rows(results: Path) -> list[dict[str, Any]]:
+    """Every `bench.decode_attention` file's rows, a shape (context, batch, splits) measured again in a later
+    file replacing the earlier row (decode-attention-b1-h200.json: batch 1 re-read from HBM where the first
+    sweep's layers fit in L2)."""
+    docs = [json.loads(path.read_text()) for path in results.glob(ATTENTION_SWEEPS)]
+    docs.sort(key=lambda doc: doc.get("date", ""))
+    rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in doc["rows"]}
+    return list(rows.values())
+
+
 def fit_attention_alone(results: Path) -> Fit | None:
-    """A program of the split kernel alone on its SM, against its bytes: every `bench.decode_attention` file's rows
-    whose grid has at most one program an SM (the recorded one: 1k and 4k contexts; a sweep with longer contexts
-    joins them as a file of its own). None without three such rows."""
-    rows = [row for path in sorted(results.glob(ATTENTION_SWEEPS)) for row in json.loads(path.read_text())["rows"]]
-    x, y = alone_points(rows)
+    """A program of the split kernel alone on its SM, against its bytes: the sweeps' rows whose grid has at most
+    one program an SM (1k and 4k contexts, and 16k as a file of its own). None without three such rows."""
+    x, y = alone_points(attention_sweep_rows(results))
     if len(y) < 3 or np.linalg.matrix_rank(x) < 2:
         return None
     return least_squares("attention program alone (b0 + b1*bytes)", x, y)

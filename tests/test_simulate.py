@@ -23,7 +23,7 @@ from decode_server.config import DecodeConfig
 
 COSTS = fit_costs()
 SERVING = Serving(step_host_ms_per_seq=0.08, local_call_ms=2.0, remote_prefill_ms=4.0, join_local_ms=4.0,
-                  join_remote_ms=6.0, remote_join_steps=2)
+                  join_remote_ms=6.0)
 LOAD = LoadSpec(rate=4.0, duration=10.0, prompt_len="uniform:512:4096", output_len="uniform:16:128",
                 long_prompt_frac=0.1, long_prompt_len=16384, background_users=4, seed=3)
 CHAT = Conversations(turns="uniform:2:4", new_tokens="64", think_s=0.5)
@@ -140,6 +140,25 @@ def test_the_lone_program_fit_takes_every_attention_sweep(tmp_path: Path) -> Non
     assert 1.0 / (longer.params[1] * 1e3) < 1.0 / (alone.params[1] * 1e3)
 
 
+def test_a_shape_measured_again_replaces_the_earlier_row(tmp_path: Path) -> None:
+    """A later sweep of the same (context, batch, splits) replaces the earlier row in the lone-program fit
+    (decode-attention-b1-h200.json re-read batch 1 from HBM where the first sweep's layers sat in L2)."""
+    from bench.sim_costs import attention_sweep_rows, fit_attention_alone
+
+    recorded = json.loads((RESULTS / "decode-attention-h200.json").read_text())
+    (tmp_path / "decode-attention-h200.json").write_text(json.dumps(recorded))
+    first = fit_attention_alone(tmp_path)
+    again = [{**r, "us": 2 * r["us"]} for r in recorded["rows"] if r["batch"] == 1]
+    (tmp_path / "decode-attention-zz-h200.json").write_text(json.dumps({"date": "2000-01-01", "rows": again}))
+    rows = attention_sweep_rows(tmp_path)
+    assert len(rows) == len(recorded["rows"])  # replaced, not added: the older date loses whatever the file name
+    assert first is not None and (second := fit_attention_alone(tmp_path)) is not None
+    assert second.points == first.points and second.params[1] == pytest.approx(first.params[1])
+    (tmp_path / "decode-attention-zz-h200.json").write_text(json.dumps({"date": "2099-01-01", "rows": again}))
+    later = fit_attention_alone(tmp_path)
+    assert later is not None and later.points == first.points and later.params[1] > first.params[1]
+
+
 @pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "partitioned")],
                          ids=lambda d: d.label())
 def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: Deployment) -> None:
@@ -151,6 +170,20 @@ def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: D
     ends = set(result.step_ends[0].tolist())
     later = [r for r in result.requests if r.finished and r.first_token > 1.0]  # once the batch runs
     assert later and sum(r.first_token in ends for r in later) >= 0.9 * len(later)
+
+
+@pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "colocated")],
+                         ids=lambda d: d.label())
+def test_a_join_cost_moves_the_mean_tpot_it_is_calibrated_on(deployment: Deployment) -> None:
+    """`calibrate` prices a sequence's admission from the training run's mean TPOT, which every admission adds
+    to: the figure has to rise with the cost, or the fixed point would walk away (as it did on the 90th
+    percentile gap, which a step with a long history decides)."""
+    def mean_tpot(join_ms: float) -> float:
+        serving = dataclasses.replace(SERVING, join_remote_ms=join_ms, join_local_ms=join_ms)
+        done = [r for r in simulate(deployment, COSTS, LOAD, serving).requests if r.finished and r.tpot is not None]
+        return sum(r.tpot for r in done if r.tpot is not None) / len(done)
+
+    assert mean_tpot(0.0) < mean_tpot(3.0) < mean_tpot(6.0)
 
 
 def test_a_prefill_server_takes_the_next_prompt_once_its_sends_are_done() -> None:
