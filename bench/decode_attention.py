@@ -4,7 +4,11 @@ size and context length, for each number of context splits, against HBM bandwidt
 the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over KV layers
 cycled through, divided by their count: at least `--layers`, and enough that together they hold
 three times the GPU's L2, so that each layer is read from HBM as in a step (a 1k context at batch 1
-is 2 MB a layer: eight of them would fit in an H200's 50 MB of L2)."""
+is 2 MB a layer: eight of them would fit in an H200's 50 MB of L2).
+
+With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
+a step with one long history among short ones, where the layer lasts as long as the long history's
+programs (bench.sim_attention prices it so)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--layers", type=int, default=8, help="KV layers cycled through, at least (more if L2 holds them)")
+    p.add_argument("--long-context", type=int, default=0, help="the first sequence's tokens (0: as the rest)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda:0")
@@ -35,15 +40,18 @@ def main() -> None:
     rows = []
     for ctx in args.contexts:
         for batch in args.batches:
-            blocks = -(-ctx // BLOCK)
+            longest = max(ctx, args.long_context)
+            blocks = -(-longest // BLOCK)
             slots = batch * blocks * BLOCK + BLOCK
             count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * 2)))
             layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
                       for _ in range(count)]
             tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            lens[0] = longest if args.long_context else ctx
+            tokens = int(lens.sum())
             q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            floor_us = batch * ctx * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
+            floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
             chosen = num_splits_for(batch, KV_HEADS)
             for splits in args.splits:
                 us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits)
@@ -51,7 +59,8 @@ def main() -> None:
                 mark = " <- engine" if splits == chosen else ""
                 print(f"ctx {ctx:>6} batch {batch:>3} splits {splits:>3}: {us:8.1f} us  floor {floor_us:7.1f} "
                       f"({floor_us / us:4.0%}){mark}", flush=True)
-                rows.append({"context": ctx, "batch": batch, "splits": splits, "us": round(us, 2),
+                long = {"long_context": longest} if args.long_context else {}
+                rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
                              "floor_us": round(floor_us, 2), "engine_choice": splits == chosen})
             del layers
             torch.cuda.empty_cache()

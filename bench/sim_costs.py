@@ -219,12 +219,12 @@ def fit_attention(results: Path) -> Fit:
 
 
 def attention_sweep_rows(results: Path) -> list[dict[str, Any]]:
-    """Every `bench.decode_attention` file's rows, a shape (context, batch, splits) measured again in a later
-    file replacing the earlier row (decode-attention-b1-h200.json: batch 1 re-read from HBM where the first
-    sweep's layers fit in L2)."""
+    """Every `bench.decode_attention` file's rows of equal contexts, a shape (context, batch, splits) measured
+    again in a later file replacing the earlier row (decode-attention-b1-h200.json: batch 1 re-read from HBM
+    where the first sweep's layers fit in L2)."""
     docs = [json.loads(path.read_text()) for path in results.glob(ATTENTION_SWEEPS)]
     docs.sort(key=lambda doc: doc.get("date", ""))
-    rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in doc["rows"]}
+    rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in doc["rows"] if "long_context" not in r}
     return list(rows.values())
 
 
