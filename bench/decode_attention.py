@@ -8,7 +8,8 @@ is 2 MB a layer: eight of them would fit in an H200's 50 MB of L2).
 
 With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
 a step with one long history among short ones, where the layer lasts as long as the long history's
-programs (bench.sim_attention prices it so)."""
+programs. Recorded as `attention-long-history-*.json`, those rows price that part of the step in
+the simulator (bench.sim_costs.fit_long_history)."""
 
 from __future__ import annotations
 

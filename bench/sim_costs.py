@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.sim_attention import ENGINE_CONTEXT, AttentionModel, alone_points, attention_points
+from bench.sim_attention import (
+    ENGINE_CONTEXT,
+    HEAD_BYTES_PER_TOKEN,
+    AttentionModel,
+    alone_points,
+    attention_points,
+    split_tokens,
+)
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = 28                      # Qwen2.5-7B, the preset every recorded run used
@@ -28,6 +35,7 @@ PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
 PRESET = "qwen2.5-7b"  # the shape every recorded run served
 LATER_TURNS = "engine-later-turns-h200.json"  # `bench.engine --later-turns` on one H200
 ATTENTION_SWEEPS = "decode-attention*.json"   # `bench.decode_attention` on one H200, each split count timed
+LONG_HISTORY = "attention-long-history*.json"  # the same with --long-context: one long history among short ones
 
 
 @dataclass(frozen=True)
@@ -115,15 +123,18 @@ class Costs:
     # the split kernel's program alone on its SM (bench.decode_attention): b0 + b1 * bytes; its rate 1/b1 prices the
     # part of the longest program read after the batch's other programs are done. None: all at the shared rate
     attention_alone: Fit | None = None
+    # the rest of a long history's program in a batch of short ones (bench.decode_attention --long-context), at the
+    # split counts the kernel picks: b1 * bytes. Where it was measured its rate prices that part, not the lone one's
+    long_history: Fit | None = None
 
     def fits(self) -> list[Fit]:
-        return [self.attention, *([self.attention_alone] if self.attention_alone is not None else []), self.decode,
+        return [self.attention, *[f for f in (self.attention_alone, self.long_history) if f is not None], self.decode,
                 self.prefill, self.chunk, self.layered, self.local_extra, self.partition, self.kv,
                 *([self.later_turn] if self.later_turn is not None else []), *self.later_turn_beside]
 
     @cached_property
     def attention_model(self) -> AttentionModel:  # built once: every simulated decode step prices with it
-        return attention_model_of(self.attention, self.hbm_gbps, self.attention_alone)
+        return attention_model_of(self.attention, self.hbm_gbps, self.attention_alone, self.long_history)
 
     def decode_ms(self, batch: int, context_tokens: float, longest: int, slowdown: float = 1.0) -> float:
         """One decode step of `batch` sequences holding `context_tokens` in all, the longest `longest`.
@@ -203,12 +214,18 @@ class Costs:
         return min(self.kv_send_ms, self.kv_handoff_ms(tokens))
 
 
-def attention_model_of(fit: Fit, hbm_gbps: float, alone: Fit | None = None) -> AttentionModel:
-    """The split kernel's model from its fit: a0 µs a layer, a1 µs a byte of the longest program (its rate 1/a1);
-    with `alone`, a program's rate alone on its SM is 1/b1 (its b0, the launch of a grid of a few programs, is
+def attention_model_of(fit: Fit, hbm_gbps: float, alone: Fit | None = None,
+                       long_history: Fit | None = None) -> AttentionModel:
+    """The split kernel's model from its fit: a0 µs a layer, a1 µs a byte of the longest program (its rate 1/a1).
+    The rest of the longest program, once the batch's others are done, reads at the long-history rows' rate where
+    they exist, else at a program's rate alone on its SM, 1/b1 (its b0, the launch of a grid of a few programs, is
     the profile's a0 in the model)."""
     launch_us, us_per_byte = fit.params
-    alone_gbps = 1.0 / (alone.params[1] * 1e3) if alone is not None else None
+    alone_gbps = None
+    if long_history is not None:
+        alone_gbps = 1.0 / (long_history.params[0] * 1e3)
+    elif alone is not None:
+        alone_gbps = 1.0 / (alone.params[1] * 1e3)
     return AttentionModel(launch_us, 1.0 / (us_per_byte * 1e3), hbm_gbps, alone_gbps)
 
 
@@ -226,6 +243,27 @@ def attention_sweep_rows(results: Path) -> list[dict[str, Any]]:
     docs.sort(key=lambda doc: doc.get("date", ""))
     rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in doc["rows"] if "long_context" not in r}
     return list(rows.values())
+
+
+def fit_long_history(results: Path, attention: Fit) -> Fit | None:
+    """The rest of a long history's program (its bytes beyond what the batch's mean program holds) against what the
+    layer took beyond the model's launch and shared part, at the split counts the kernel picked (`engine_choice`):
+    the case the simulator prices. None without such rows."""
+    launch_us, us_per_byte = attention.params
+    xs, ys = [], []
+    for path in sorted(results.glob(LONG_HISTORY)):
+        for r in json.loads(path.read_text())["rows"]:
+            if not r["engine_choice"]:
+                continue
+            batch, splits = int(r["batch"]), int(r["splits"])
+            tokens = (batch - 1) * int(r["context"]) + int(r["long_context"])
+            program = split_tokens(int(r["long_context"]), splits) * HEAD_BYTES_PER_TOKEN
+            shared = min(program, split_tokens(math.ceil(tokens / batch), splits) * HEAD_BYTES_PER_TOKEN)
+            xs.append([float(program - shared)])
+            ys.append(float(r["us"]) - launch_us - shared * us_per_byte)
+    if not ys:
+        return None
+    return least_squares("long history's rest (b1*bytes)", np.array(xs), np.array(ys))
 
 
 def fit_attention_alone(results: Path) -> Fit | None:
@@ -402,7 +440,8 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
     engine = profiled_engine(results)
     hbm = float(engine["hbm_gbps_measured"])
     attention, alone = fit_attention(results), fit_attention_alone(results)
-    model = attention_model_of(attention, hbm, alone)
+    long_history = fit_long_history(results, attention)
+    model = attention_model_of(attention, hbm, alone, long_history)
     prefill, decode = fit_prefill(results), fit_decode(results, model)
     a_step_ms = decode.params[0] + decode.params[1] + model.step_ms(1, ENGINE_CONTEXT, ENGINE_CONTEXT)
     kv, tail, send = fit_kv(results, transport)
@@ -411,7 +450,7 @@ def fit_costs(results: Path = RESULTS, transport: str = "nccl") -> Costs:
                  layered=fit_layered(results, prefill), local_extra=fit_local_extra(results, prefill),
                  partition=fit_partition(), kv=kv, kv_tail_ms=tail, hbm_gbps=hbm, kv_send_ms=send,
                  later_turn=fit_later_turn(turns), later_turn_beside=tuple(fit_later_turn_beside(turns)),
-                 attention_alone=alone)
+                 attention_alone=alone, long_history=long_history)
 
 
 def describe(costs: Costs) -> Sequence[str]:

@@ -140,6 +140,31 @@ def test_the_lone_program_fit_takes_every_attention_sweep(tmp_path: Path) -> Non
     assert 1.0 / (longer.params[1] * 1e3) < 1.0 / (alone.params[1] * 1e3)
 
 
+def test_the_long_history_rows_price_the_rest_of_the_longest_program(tmp_path: Path) -> None:
+    """Where `bench.decode_attention --long-context` rows exist, the rest of a long history's program is priced at
+    the rate they give at the split counts the kernel picked (its other rows are not a step the engine runs), and
+    the model takes that rate, not the lone one."""
+    from bench.sim_costs import attention_model_of, fit_long_history
+
+    assert fit_long_history(tmp_path, COSTS.attention) is None
+    launch_us, us_per_byte = COSTS.attention.params
+    rows = []
+    for batch, splits, chosen in ((8, 8, True), (24, 2, True), (24, 1, False)):
+        tokens = (batch - 1) * 1024 + 16384
+        program = attn.split_tokens(16384, splits) * attn.HEAD_BYTES_PER_TOKEN
+        shared = min(program, attn.split_tokens(-(-tokens // batch), splits) * attn.HEAD_BYTES_PER_TOKEN)
+        us = launch_us + shared * us_per_byte + (program - shared) / (10e3 if chosen else 1e3)  # 10 or 1 GB/s
+        rows.append({"context": 1024, "batch": batch, "long_context": 16384, "splits": splits, "us": us,
+                     "engine_choice": chosen})
+    (tmp_path / "attention-long-history-h200.json").write_text(json.dumps({"rows": rows}))
+    fit = fit_long_history(tmp_path, COSTS.attention)
+    assert fit is not None and fit.points == 2
+    model = attention_model_of(COSTS.attention, COSTS.hbm_gbps, COSTS.attention_alone, fit)
+    assert model.alone_gbps == pytest.approx(10.0)
+    recorded = fit_long_history(RESULTS, COSTS.attention)
+    assert recorded is not None and COSTS.attention_model.alone_gbps == pytest.approx(1.0 / (recorded.params[0] * 1e3))
+
+
 def test_a_shape_measured_again_replaces_the_earlier_row(tmp_path: Path) -> None:
     """A later sweep of the same (context, batch, splits) replaces the earlier row in the lone-program fit
     (decode-attention-b1-h200.json re-read batch 1 from HBM where the first sweep's layers sat in L2)."""
