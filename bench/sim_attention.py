@@ -9,9 +9,10 @@ The cost is therefore priced from the longest context and the bucket, not only f
 
 The grid holds 192-256 programs on the H200's 132 SMs, about two an SM, and a program's loop runs
 slower beside another on its SM (12.4 GB/s at batch 64 of equal 1,024-token contexts) than alone
-(17.5 GB/s in `bench.decode_attention`'s rows with at most one program an SM). The longest program
+(18.2 GB/s in `bench.decode_attention`'s rows with at most one program an SM). The longest program
 shares its SM while the batch's other programs run (about the mean context, cut the same way) and
-reads the rest of its history alone.
+reads the rest of its history after them, at the rate measured for that case (one 16k history among
+1k ones, `--long-context`: 16.5 GB/s).
 """
 
 from __future__ import annotations
