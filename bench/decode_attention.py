@@ -4,7 +4,7 @@ size and context length, for each number of context splits, against HBM bandwidt
 the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over KV layers
 cycled through, divided by their count: at least `--layers`, and enough that together they hold
 three times the GPU's L2, so that each layer is read from HBM as in a step (a 1k context at batch 1
-is 2 MB a layer: eight of them would fit in an H200's 50 MB of L2).
+is 2 MB a layer: eight of them would fit in an H200's L2, 60 MiB as the driver reports it).
 
 With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
 a step with one long history among short ones, where the layer lasts as long as the long history's

@@ -2,7 +2,7 @@
 weights were read into L2 while the kernel before them runs?
 
 At batch 1, qkv and o_proj take 11.6 and 9.6 µs against 7.8 and 6.1 at the copy bandwidth: their
-ramp and tail. If the weights were already in L2 (50 MB on an H200, a 26-33 MB weight fits),
+ramp and tail. If the weights were already in L2 (60 MiB on an H200, a 26-33 MB weight fits),
 another kernel could read them there during the attention. This times, one row through the
 engine's skinny matmul, each projection:
 - cold: one weight copy per layer in turn (as in a step);
