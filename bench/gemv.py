@@ -23,7 +23,7 @@ SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (
           "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
 
 
-def graph_us(calls: Sequence[Callable[[], torch.Tensor]], replays: int = 20) -> float:
+def graph_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
     """Microseconds per call, from CUDA-graph replays of all `calls` in a row."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

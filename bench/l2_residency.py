@@ -14,15 +14,16 @@ engine's skinny matmul, each projection:
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from bench.common import metadata, replay_ms, write_json
-from bench.gemv import SHAPES
+from bench.common import metadata, write_json
+from bench.gemv import SHAPES, graph_us
 from engine.kernels.gemv import gemv
 
 
@@ -45,47 +46,24 @@ def read_into_l2(weight: torch.Tensor, sink: torch.Tensor, programs: int, block:
     _read_kernel[(programs,)](words, words.numel(), sink, BLOCK=block, ITERS=iters, num_warps=4)
 
 
-def graph_us(body: Callable[[], None], calls: int, replays: int = 20) -> float:
-    """Microseconds per call of `body` (which makes `calls` calls), from CUDA-graph replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return replay_ms(graph, replays) * 1e3 / calls
-
-
 def _shape_row(name: str, layers: int, program_counts: list[int], sink: torch.Tensor,
                dev: torch.device) -> dict[str, Any]:
     n, k, _ = SHAPES[name]
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(layers)]
     x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
 
-    def cold() -> None:
-        for w in weights:
-            gemv(x, w)
+    def per_layer(calls: Sequence[Callable[[], object]]) -> float:  # µs a layer, from one graph of all the calls
+        return graph_us(calls) * len(calls) / layers
 
-    def hot() -> None:
-        for _ in weights:
-            gemv(x, weights[0])
-
-    row: dict[str, Any] = {"shape": name, "mb": round(n * k * 2 / 1e6, 1), "cold_us": round(graph_us(cold, layers), 2),
-                           "hot_us": round(graph_us(hot, layers), 2), "after_read": []}
+    row: dict[str, Any] = {"shape": name, "mb": round(n * k * 2 / 1e6, 1),
+                           "cold_us": round(per_layer([partial(gemv, x, w) for w in weights]), 2),
+                           "hot_us": round(per_layer([partial(gemv, x, weights[0]) for _ in weights]), 2),
+                           "after_read": []}
     print(f"{name}: cold {row['cold_us']} us, hot (one copy, from L2) {row['hot_us']} us", flush=True)
     for programs in program_counts:
-        def read(programs: int = programs) -> None:
-            for w in weights:
-                read_into_l2(w, sink, programs)
-
-        def read_then_matmul(programs: int = programs) -> None:
-            for w in weights:
-                read_into_l2(w, sink, programs)
-                gemv(x, w)
-
-        alone, both = graph_us(read, layers), graph_us(read_then_matmul, layers)
+        reads = [partial(read_into_l2, w, sink, programs) for w in weights]
+        alone = per_layer(reads)
+        both = per_layer([call for read, w in zip(reads, weights, strict=True) for call in (read, partial(gemv, x, w))])
         print(f"  read on {programs} programs {alone:.1f} us, then the matmul {both - alone:.1f} us", flush=True)
         row["after_read"].append({"programs": programs, "read_us": round(alone, 2), "gemv_us": round(both - alone, 2)})
     return row
