@@ -49,18 +49,18 @@ def main() -> None:
                       for _ in range(count)]
             tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-            lens[0] = longest if args.long_context else ctx
+            lens[0] = longest
             tokens = int(lens.sum())
             q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
             floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
             chosen = num_splits_for(batch, KV_HEADS)
+            long = {"long_context": longest} if args.long_context else {}
             for splits in args.splits:
                 us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits)
                                for kv in layers])
                 mark = " <- engine" if splits == chosen else ""
                 print(f"ctx {ctx:>6} batch {batch:>3} splits {splits:>3}: {us:8.1f} us  floor {floor_us:7.1f} "
                       f"({floor_us / us:4.0%}){mark}", flush=True)
-                long = {"long_context": longest} if args.long_context else {}
                 rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
                              "floor_us": round(floor_us, 2), "engine_choice": splits == chosen})
             del layers

@@ -59,6 +59,14 @@ def split_tokens(context: int, splits: int) -> int:
     return math.ceil(math.ceil(context / splits) / BLOCK_N) * BLOCK_N
 
 
+def longest_program_bytes(longest: int, total_tokens: float, batch: int, splits: int) -> tuple[int, int]:
+    """The longest program's bytes, and how many of them it reads beside the batch's other programs: as many as
+    the batch's mean program holds (its mean context cut the same way)."""
+    program = split_tokens(max(1, longest), splits) * HEAD_BYTES_PER_TOKEN
+    mean = split_tokens(max(1, math.ceil(total_tokens / batch)), splits) * HEAD_BYTES_PER_TOKEN
+    return program, min(program, mean)
+
+
 @dataclass(frozen=True)
 class AttentionModel:
     """A layer's split kernel: `launch_us` + the longest program's time, or the layer's whole KV at the HBM rate
@@ -73,10 +81,9 @@ class AttentionModel:
 
     def layer_us(self, bucket: int, longest: int, total_tokens: float, batch: int = 0) -> float:
         splits = num_splits(bucket)
-        program = split_tokens(max(1, longest), splits) * HEAD_BYTES_PER_TOKEN
-        shared = program
+        program = shared = split_tokens(max(1, longest), splits) * HEAD_BYTES_PER_TOKEN
         if self.alone_gbps is not None and batch > 0:
-            shared = min(program, split_tokens(max(1, math.ceil(total_tokens / batch)), splits) * HEAD_BYTES_PER_TOKEN)
+            program, shared = longest_program_bytes(longest, total_tokens, batch, splits)
         alone = self.alone_gbps or self.program_gbps
         program_us = shared / (self.program_gbps * 1e3) + (program - shared) / (alone * 1e3)
         whole = total_tokens * HEAD_BYTES_PER_TOKEN * KV_HEADS

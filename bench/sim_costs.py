@@ -16,14 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.sim_attention import (
-    ENGINE_CONTEXT,
-    HEAD_BYTES_PER_TOKEN,
-    AttentionModel,
-    alone_points,
-    attention_points,
-    split_tokens,
-)
+from bench.sim_attention import ENGINE_CONTEXT, AttentionModel, alone_points, attention_points, longest_program_bytes
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = 28                      # Qwen2.5-7B, the preset every recorded run used
@@ -255,10 +248,9 @@ def fit_long_history(results: Path, attention: Fit) -> Fit | None:
         for r in json.loads(path.read_text())["rows"]:
             if not r["engine_choice"]:
                 continue
-            batch, splits = int(r["batch"]), int(r["splits"])
-            tokens = (batch - 1) * int(r["context"]) + int(r["long_context"])
-            program = split_tokens(int(r["long_context"]), splits) * HEAD_BYTES_PER_TOKEN
-            shared = min(program, split_tokens(math.ceil(tokens / batch), splits) * HEAD_BYTES_PER_TOKEN)
+            batch, longest = int(r["batch"]), int(r["long_context"])
+            tokens = (batch - 1) * int(r["context"]) + longest
+            program, shared = longest_program_bytes(longest, tokens, batch, int(r["splits"]))
             xs.append([float(program - shared)])
             ys.append(float(r["us"]) - launch_us - shared * us_per_byte)
     if not ys:
