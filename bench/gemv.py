@@ -59,22 +59,15 @@ def main() -> None:
     p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2],
                    help="K splits; a count that does not divide the K steps gives shares one step apart")
     p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
-    p.add_argument("--stream-k", type=int, nargs="*", default=[],
-                   help="programs an SM for stream-K tiles added to the sweep (both tiles, K unsplit)")
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
               itertools.product((32, 64), (128, 256), (4,), (3, 4), args.narrow_splits)]
-    narrow += [GemvConfig(n, k, w, s, 1, sm) for n, k, w, s, sm in
-               itertools.product((32, 64), (128, 256), (4,), (3, 4), args.stream_k)]
     wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
                               args.wide_splits)]
-    wide += [GemvConfig(n, k, w, s, 1, sm) for n, k, w, s, sm in
-             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
-                               args.stream_k)]
     rows_out = []
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]
@@ -95,8 +88,8 @@ def main() -> None:
                 cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
                 engine_cfg = config_for(weights[0], m)
             configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
-            if args.sweep:  # the engine's own tile first, so its figure is always beside the others
-                configs = [engine_cfg] * (engine_cfg is not None) + list(narrow if m <= MAX_ROWS else wide)
+            if args.sweep:
+                configs = list(narrow if m <= MAX_ROWS else wide)
             elif engine_cfg is None:
                 configs = []
             if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
@@ -123,8 +116,7 @@ def main() -> None:
                 if best is None or us < best[0]:
                     best = (us, cfg)
                 if args.sweep:
-                    mark = " <- engine" if cfg == engine_cfg else ""
-                    print(f"  {name} m={m} {cfg}: {us:7.1f} us  max err {err:.3g}{mark}")
+                    print(f"  {name} m={m} {cfg}: {us:7.1f} us  max err {err:.3g}")
             assert best is not None
             chosen = best[1] or engine_cfg
             assert chosen is not None

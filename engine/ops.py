@@ -82,7 +82,7 @@ def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOption
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
             and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
         cfg = _gemv.config_for(layer.weight, x.shape[0])
-        if cfg is not None and cfg.split_k == 1 and not cfg.programs_per_sm:
+        if cfg is not None and cfg.split_k == 1:
             return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg)
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
     return logits, logits.argmax(dim=-1)

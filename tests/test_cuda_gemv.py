@@ -58,33 +58,6 @@ def test_uneven_split_k_sums_every_step_once() -> None:
             assert torch.equal(gemv(x[:m], w, None, cfg), full[:m])
 
 
-def test_stream_k_gemv_sums_every_step_once() -> None:
-    """Stream-K tiles (a fixed grid; each program an equal run of the strips' K steps, a strip cut
-    into pieces that its last holder adds in order): the matmul to rounding, with its bias, for both
-    tiles; a row's result ignores the other rows; the same bits on every call."""
-    from engine.kernels.gemv import GemvConfig, gemv, stream_k_grid
-
-    torch.manual_seed(6)
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    for n, k, has_bias in ((3584, 18944, False), (4608, 3584, True)):
-        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5
-        b = torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None
-        for cfg, rows, mates in ((GemvConfig(64, 256, 4, 4, 1, 1), 16, (1, 9)),
-                                 (GemvConfig(32, 128, 4, 3, 1, 2), 16, (1, 5)),
-                                 (GemvConfig(64, 128, 4, 4, 1, 1), 64, (17, 40))):
-            _, pieces = stream_k_grid(-(-n // cfg.block_n), k // cfg.block_k, sms * cfg.programs_per_sm)
-            assert pieces > 1  # strips are really cut
-            x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
-            ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-            full = gemv(x, w, b, cfg)
-            assert rel_err(full, ref) < 1e-2, cfg
-            assert torch.equal(gemv(x, w, b, cfg), full)
-            for m in mates:
-                assert torch.equal(gemv(x[:m], w, b, cfg), full[:m])
-            assert torch.equal(gemv(x, w, b, cfg, out_dtype=torch.float32), full.float())
-
-
 def test_lm_head_argmax_epilogue_is_torch_argmax() -> None:
     """The lm_head's epilogue argmax gives the tokens logits.argmax gives, the first column among
     equal maxima included, with the same logits, in the 16-row and the 64-row tile."""
@@ -143,9 +116,7 @@ def test_split_k_gemv_is_deterministic_in_graphs() -> None:
     qkv = torch.randn(4608, 3584, dtype=torch.bfloat16, device=dev) * 3584**-0.5
     bias = torch.randn(4608, dtype=torch.bfloat16, device=dev)
     down_cfg, qkv_cfg = g.config_for(down), g.config_for(qkv)
-    assert down_cfg is not None and qkv_cfg is not None
-    assert down_cfg.split_k > 1 or down_cfg.programs_per_sm, "down's K is cut (split or stream-K)"
-    assert qkv_cfg.split_k > 1 or qkv_cfg.programs_per_sm
+    assert down_cfg is not None and qkv_cfg is not None and down_cfg.split_k > 1 and qkv_cfg.split_k > 1
     x = torch.randn(16, 3584, dtype=torch.bfloat16, device=dev)
     xd = torch.randn(16, 18944, dtype=torch.bfloat16, device=dev)
     want_qkv, want_down = g.gemv(x, qkv, bias), g.gemv(xd, down)

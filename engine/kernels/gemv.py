@@ -16,7 +16,6 @@ other rows ride along (tested).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +37,6 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 6
     split_k: int = 1  # programs along K per column strip
-    # Stream-K when > 0: this many programs an SM, each taking an equal run of the (strip, K step)
-    # units in order, so that every SM streams the same bytes however few strips there are
-    programs_per_sm: int = 0
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -88,64 +84,6 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     if not cfg.fits(k):  # too short to split: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
-
-
-@triton.jit
-def _stream_k_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, M, N, K, s_xm, s_wn, s_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """`_gemv_kernel` without its GATED and ARGMAX epilogues, on a fixed grid: program p takes units
-    [p U / P, (p + 1) U / P) of the U = strips x K steps, strip by strip. A strip whose steps one
-    program holds is stored at once; otherwise each holder writes its piece and the last to arrive adds
-    the pieces in program order. The pieces depend on the grid and the shape only, never on M."""
-    if PDL:
-        gdc_wait()
-    p = tl.program_id(0)
-    programs = tl.num_programs(0)
-    k_steps = K // BLOCK_K
-    units = tl.cdiv(N, BLOCK_N) * k_steps
-    u = p * units // programs
-    u_end = (p + 1) * units // programs
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
-    while u < u_end:
-        strip = u // k_steps
-        seg_end = tl.minimum(u_end, (strip + 1) * k_steps)
-        offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range((u - strip * k_steps) * BLOCK_K, (seg_end - strip * k_steps) * BLOCK_K, BLOCK_K):
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc = tl.dot(x, tl.trans(w), acc)
-        if PDL:  # noqa: SIM102 (PDL is a constexpr: Triton drops the branch at compile time)
-            if seg_end == u_end:
-                gdc_launch_dependents()
-        # The programs holding this strip's first and last steps (the largest q with q U / P <= unit)
-        first = ((strip * k_steps + 1) * programs - 1) // units
-        last = ((strip + 1) * k_steps * programs - 1) // units
-        mn_ok = m_ok[:, None] & n_ok[None, :]
-        done = first == last
-        if first != last:
-            part = PARTIAL + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(part + (p - first) * BLOCK_M * N, acc, mask=mn_ok)
-            tl.debug_barrier()  # every thread's piece is written before the count says so
-            arrived = tl.atomic_add(COUNTS + strip, 1, sem="acq_rel", scope="gpu")
-            done = arrived == last - first
-            if done:  # the strip's other pieces are in: sum all in program order
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for i in range(0, last - first + 1):
-                    acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
-        if done:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            out = acc.to(X.dtype.element_ty)  # rounded to the model dtype even where OUT is float32
-            tl.store(OUT + offs_m[:, None] * s_om + offs_n[None, :], out, mask=mn_ok)
-        u = seg_end
 
 
 @triton.jit
@@ -250,8 +188,7 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | 
     among equal maxima, as torch.argmax): the lm_head of a greedy decode step, whose epilogue keeps
     each strip's best so the logits are not read again. Unsplit tiles only."""
     cfg = cfg or config_for(weight, x.shape[0])
-    assert cfg is not None and cfg.split_k == 1 and not cfg.programs_per_sm, \
-        f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
+    assert cfg is not None and cfg.split_k == 1, f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
     out, tokens = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True)
     assert tokens is not None
     return out, tokens
@@ -273,22 +210,6 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     return GemvConfig(cfg.block_n // 2, cfg.block_k, cfg.num_warps, cfg.num_stages)
 
 
-@functools.cache
-def stream_k_grid(strips: int, k_steps: int, programs: int) -> tuple[int, int]:
-    """Stream-K's programs (at most one a unit) and the most pieces any strip is cut into."""
-    units = strips * k_steps
-    programs = min(programs, units)
-    holders = [((s + 1) * k_steps * programs - 1) // units - ((s * k_steps + 1) * programs - 1) // units + 1
-               for s in range(strips)]
-    return programs, max(holders)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The GPU's SMs; in Triton's interpreter (CPU tensors) a small stand-in, so strips still split."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             gated: bool, out_dtype: torch.dtype | None = None,
             argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -302,16 +223,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
-    if cfg.programs_per_sm:
-        assert not gated and not argmax, "stream-K tiles have the plain epilogue only"
-        programs, pieces = stream_k_grid(strips, k // cfg.block_k, _sm_count(x.device) * cfg.programs_per_sm)
-        partial = torch.empty(pieces, block_m, n, dtype=torch.float32, device=x.device)
-        _stream_k_kernel[(programs,)](
-            x, weight, bias if bias is not None else weight, out, partial, arrival_counts(x.device), m, n, k,
-            x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **launch.options())
-        return out, None
     partial = counts = best = best_col = tokens = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
