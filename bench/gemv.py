@@ -59,16 +59,22 @@ def main() -> None:
     p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2],
                    help="K splits; a count that does not divide the K steps gives shares one step apart")
     p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
+    p.add_argument("--narrow-block-n", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--narrow-block-k", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--narrow-stages", type=int, nargs="+", default=[3, 4],
+                   help="pipeline stages: one program an SM streams (stages - 1) tiles ahead")
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
-              itertools.product((32, 64), (128, 256), (4,), (3, 4), args.narrow_splits)]
+              itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
+                                args.narrow_splits)]
     wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
                               args.wide_splits)]
     rows_out = []
+    sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]
         copies = 4 if name == "lm_head" else args.layers
@@ -88,8 +94,8 @@ def main() -> None:
                 cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
                 engine_cfg = config_for(weights[0], m)
             configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
-            if args.sweep:
-                configs = list(narrow if m <= MAX_ROWS else wide)
+            if args.sweep:  # the engine's own tile first, so its figure is always beside the others
+                configs = [engine_cfg] * (engine_cfg is not None) + list(narrow if m <= MAX_ROWS else wide)
             elif engine_cfg is None:
                 configs = []
             if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
@@ -116,7 +122,10 @@ def main() -> None:
                 if best is None or us < best[0]:
                     best = (us, cfg)
                 if args.sweep:
-                    print(f"  {name} m={m} {cfg}: {us:7.1f} us  max err {err:.3g}")
+                    sweep_rows.append({"shape": name, "rows": m, "config": vars(cfg or engine_cfg), "us": round(us, 2),
+                                       "engine_choice": cfg in (None, engine_cfg)})
+                    mark = " <- engine" if cfg in (None, engine_cfg) else ""
+                    print(f"  {name} m={m} {cfg or engine_cfg}: {us:7.1f} us  max err {err:.3g}{mark}")
             assert best is not None
             chosen = best[1] or engine_cfg
             assert chosen is not None
@@ -129,7 +138,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
-                               "rows": rows_out})
+                               "rows": rows_out, **({"sweep": sweep_rows} if args.sweep else {})})
 
 
 if __name__ == "__main__":
