@@ -95,7 +95,8 @@ def main() -> None:
                 engine_cfg = config_for(weights[0], m)
             configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
             if args.sweep:  # the engine's own tile first, so its figure is always beside the others
-                configs = [engine_cfg] * (engine_cfg is not None) + list(narrow if m <= MAX_ROWS else wide)
+                tiles = narrow if m <= MAX_ROWS else wide
+                configs = [engine_cfg] * (engine_cfg is not None) + [c for c in tiles if c != engine_cfg]
             elif engine_cfg is None:
                 configs = []
             if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
@@ -122,10 +123,11 @@ def main() -> None:
                 if best is None or us < best[0]:
                     best = (us, cfg)
                 if args.sweep:
-                    sweep_rows.append({"shape": name, "rows": m, "config": vars(cfg or engine_cfg), "us": round(us, 2),
-                                       "engine_choice": cfg in (None, engine_cfg)})
-                    mark = " <- engine" if cfg in (None, engine_cfg) else ""
-                    print(f"  {name} m={m} {cfg or engine_cfg}: {us:7.1f} us  max err {err:.3g}{mark}")
+                    tile = cfg or engine_cfg
+                    sweep_rows.append({"shape": name, "rows": m, "config": vars(tile), "us": round(us, 2),
+                                       "engine_choice": tile == engine_cfg})
+                    mark = " <- engine" if tile == engine_cfg else ""
+                    print(f"  {name} m={m} {tile}: {us:7.1f} us  max err {err:.3g}{mark}")
             assert best is not None
             chosen = best[1] or engine_cfg
             assert chosen is not None

@@ -63,7 +63,7 @@ NARROW_ROW_TILES: dict[str, GemvConfig] = {
 WIDE_ROW_TILES: dict[str, GemvConfig] = {
     "vocab": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),  # lm_head: 256.0 us against 259.3
     "wide": GemvConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
-    # down: 6 stages alone 40.3 us against 40.6 at 4, and a batch-64 step 0.06 ms shorter (bench/NOTES.md)
+    # down: 6 stages alone 40.3 us against 40.6 at 4; a batch-64 step 0.01-0.06 ms shorter by card (bench/NOTES.md)
     "deep": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6, split_k=2),
 }
 
