@@ -75,17 +75,20 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
+                  tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear` to float32 (the lm_head) and each row's argmax ([B] int64, the first among equal
-    maxima), from the skinny matmul's epilogue where its unsplit 64-row tile runs (batches of 17-64:
-    a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
+    maxima; written into `tokens` when given), from the skinny matmul's epilogue where its unsplit
+    64-row tile runs (batches of 17-64: a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
             and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
         cfg = _gemv.config_for(layer.weight, x.shape[0])
         if cfg is not None and cfg.split_k == 1:
-            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg)
+            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens)
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
-    return logits, logits.argmax(dim=-1)
+    if tokens is None:
+        return logits, logits.argmax(dim=-1)
+    return logits, torch.argmax(logits, dim=-1, out=tokens)
 
 
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
@@ -143,11 +146,15 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return q, k, v
 
 
-def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
-    """A decode step's input tokens taken from the previous step's sampled ones on the device:
-    ids[i] = previous[sources[i]] where sources[i] >= 0 (the rest were given by the host)."""
+def embed(ids: torch.Tensor, weight: torch.Tensor,
+          feed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The embedding rows of `ids` [B]. With `feed` (sources, previous), a row whose source is >= 0
+    takes its token from previous[source] instead: the last step's tokens, still on the device (a
+    step queued before they were read back). On CUDA the feed and the gather are one launch."""
+    if feed is None:
+        return F.embedding(ids, weight)
+    sources, previous = feed
     if _fast(ids):
-        _fused.feed_tokens(ids, sources, previous)
-        return
+        return _fused.embed_fed(ids, sources, previous, weight)
     fed = previous[sources.clamp(min=0)].to(ids.dtype)
-    ids.copy_(torch.where(sources >= 0, fed, ids))
+    return F.embedding(torch.where(sources >= 0, fed, ids), weight)

@@ -57,20 +57,19 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_blocks, device, reserved_blocks=1)
         self.use_kernel = device.type == "cuda"
         if device.type == "cuda":  # compiled now, not at a request's second token
-            self._warm_feed_tokens()
+            self._warm_fed_embedding()
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
 
-    def _warm_feed_tokens(self) -> None:
-        """Compile `ops.feed_tokens` for the CUDA graphs' int32 staging and the eager path's int64 rows."""
+    def _warm_fed_embedding(self) -> None:
+        """Compile the fed embedding (`ops.embed`) for the eager path's int64 rows; the CUDA graphs
+        compile their int32 one as they are captured."""
         with torch.cuda.device(self.device):  # Triton launches on the thread's current device
-            previous = torch.zeros(2, dtype=torch.long, device=self.device)
-            for dtype in (torch.int32, torch.long):
-                ops.feed_tokens(torch.zeros(2, dtype=dtype, device=self.device),
-                                torch.tensor([-1, 0], dtype=dtype, device=self.device), previous)
+            ids = torch.zeros(2, dtype=torch.long, device=self.device)
+            ops.embed(ids, self.model.embed.weight, (torch.tensor([-1, 0], device=self.device), ids))
 
     def bind_thread(self) -> None:
         """Make this thread's current CUDA device the runner's (Triton launches on the current one)."""
@@ -141,9 +140,10 @@ class ModelRunner:
         ids, positions, slots, tables, lens = (t.to(self.device, non_blocking=True)
                                                for t in self.decode_meta_tensors(seqs))
         rows = sources(seqs)
+        feed = None
         if rows is not None:
             assert previous is not None, "a row takes its token from the previous step: pass that step's tokens"
-            ops.feed_tokens(ids, torch.from_numpy(rows).to(self.device, non_blocking=True), previous)
+            feed = (torch.from_numpy(rows).to(self.device, non_blocking=True), previous)
         max_context = max(s.position for s in seqs) + 1
         meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
-        return self.model.decode_forward(ids, positions, self.pool, meta)
+        return self.model.decode_forward(ids, positions, self.pool, meta, feed=feed)

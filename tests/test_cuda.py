@@ -155,18 +155,20 @@ def test_fused_ops_match_pytorch() -> None:
     assert rel_err(kv.cpu(), kv_ref2) < 1e-2
 
 
-def test_feed_tokens_takes_the_previous_steps_tokens_at_every_batch_size() -> None:
-    from engine.kernels.fused import feed_tokens
+def test_fed_embedding_takes_the_previous_steps_tokens_at_every_batch_size() -> None:
+    """Rows with a source take previous[source]'s embedding, the rest their own id's, for the CUDA
+    graphs' int32 metadata and the eager path's int64 rows alike."""
+    from engine.kernels.fused import embed_fed
 
     dev = torch.device("cuda")
+    weight = torch.randn(1300, 3584, dtype=torch.bfloat16, device=dev)
     previous = torch.arange(1000, 1300, dtype=torch.long, device=dev)
     for dtype in (torch.int32, torch.long):
         for n in (1, 2, 17, 300):
             ids = torch.full((n,), 7, dtype=dtype, device=dev)
             sources = torch.tensor([-1 if i % 3 == 0 else (i * 7) % 300 for i in range(n)], dtype=dtype, device=dev)
-            feed_tokens(ids, sources, previous)
             want = torch.where(sources >= 0, previous[sources.clamp(min=0)].to(dtype), 7)
-            assert torch.equal(ids, want)
+            assert torch.equal(embed_fed(ids, sources, previous, weight), weight[want.long()])
 
 
 def test_fused_gate_up_silu_matches_cublas_then_silu_mul(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,6 +289,41 @@ def test_graph_tokens_equal_eager(batch: int) -> None:
     graphed = generate(make_runner(cuda_graphs=True, **kwargs), prompts, 40)  # type: ignore[arg-type]
     eager = generate(make_runner(cuda_graphs=False, **kwargs), prompts, 40)  # type: ignore[arg-type]
     assert graphed == eager
+
+
+def test_graph_step_takes_its_tokens_from_any_previous_step() -> None:
+    """A graph step whose rows take their tokens from the step before gets the eager path's logits,
+    whichever that step was: a graph step on either side of buffers (fed inside the graph), a
+    sampled copy of its tokens, or an eager step wider than the largest graph (both gathered first)."""
+    from engine.decode_batch import DecodeSeq
+    from engine.offline import make_runner
+
+    kwargs = dict(preset="tiny", device="cuda:0", dtype=torch.bfloat16, max_batch_size=4, max_model_len=1024)
+    graphed = make_runner(cuda_graphs=True, **kwargs)  # type: ignore[arg-type]
+    eager = make_runner(cuda_graphs=False, **kwargs)  # type: ignore[arg-type]
+    prompts = [[(i * 7 + j * 13) % 256 for i in range(20 + 15 * j)] for j in range(6)]
+    results = []
+    for runner in (graphed, eager):
+        tables = [runner.pool.allocator.allocate(runner.pool.blocks_needed(len(p) + 8)) for p in prompts]
+        for prompt, table in zip(prompts, tables, strict=True):
+            runner.prefill(prompt, table, 0)
+        pos = [len(p) for p in prompts]
+        members = list(range(6))  # the sequence in each row of the last step
+        logits, tokens = runner.decode([DecodeSeq(3, pos[j], tables[j]) for j in members])  # eager: 6 > 4
+        steps = [logits]
+        for picks, copy in (([5, 3, 0], False), ([2, 0, 1], False), ([1, 2], True), ([0, 1], False)):
+            members = [members[row] for row in picks]
+            for j in members:
+                pos[j] += 1
+            seqs = [DecodeSeq(0, pos[j], tables[j], row) for j, row in zip(members, picks, strict=True)]
+            logits, tokens = runner.decode(seqs, tokens.clone() if copy else tokens)
+            steps.append(logits)
+        results.append([step.float().cpu() for step in steps])
+        for table in tables:
+            runner.pool.allocator.free(table)
+    for graph_logits, eager_logits in zip(*results, strict=True):
+        assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+        assert (graph_logits - eager_logits).abs().max() < 5e-2
 
 
 def test_programmatic_dependent_launch_changes_no_token() -> None:

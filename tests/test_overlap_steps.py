@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
@@ -20,9 +21,14 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    return make_runner(preset="tiny", max_model_len=1024)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """The eager CPU path, and on a GPU the CUDA graphs: their two sides of buffers, the feed inside
+    the graph, sampled tokens gathered into the graph's buffer."""
+    if request.param == "cpu":
+        return make_runner(preset="tiny", max_model_len=1024)
+    return make_runner(preset="tiny", device="cuda:0", dtype=torch.bfloat16, max_model_len=1024, cuda_graphs=True)
 
 
 

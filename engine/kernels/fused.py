@@ -148,26 +148,25 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return q, k, v
 
 
-FEED_BLOCK = 128
-
-
-# N is not specialized (Triton would compile apart for N == 1): a batch growing from one sequence
-# to two must not stop the engine thread for a compile.
-@triton.jit(do_not_specialize=["N"])
-def _feed_tokens_kernel(IDS, SOURCES, PREVIOUS, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+@triton.jit
+def _embed_fed_kernel(IDS, SOURCES, PREVIOUS, W, OUT, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        live = offs < N
-        src = tl.load(SOURCES + offs, mask=live, other=-1)
-        fed = tl.load(PREVIOUS + src, mask=live & (src >= 0), other=0)
-        tl.store(IDS + offs, fed.to(IDS.dtype.element_ty), mask=live & (src >= 0))
+    row = tl.program_id(0).to(tl.int64)
+    src = tl.load(SOURCES + row).to(tl.int64)
+    fed = tl.load(PREVIOUS + tl.maximum(src, 0))  # PREVIOUS holds one token at least
+    token = tl.where(src >= 0, fed, tl.load(IDS + row).to(tl.int64))
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    tl.store(OUT + row * H + offs, tl.load(W + token * H + offs, mask=mask), mask=mask)
 
 
-def feed_tokens(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
-    """ids[i] = previous[sources[i]] where sources[i] >= 0, in one launch; one compiled kernel for
-    every batch size (per dtype of ids and sources)."""
-    _feed_tokens_kernel[(1,)](ids, sources, previous, ids.shape[0], BLOCK=FEED_BLOCK, num_warps=4,
-                              **launch.options())
+def embed_fed(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of the step's tokens, a row's token being previous[sources[i]] where
+    sources[i] >= 0 and ids[i] elsewhere: the token feed and the gather as one launch."""
+    rows, hidden = ids.shape[0], weight.shape[1]
+    out = torch.empty(rows, hidden, dtype=weight.dtype, device=weight.device)
+    _embed_fed_kernel[(rows,)](ids, sources, previous, weight, out, hidden, BLOCK=triton.next_power_of_2(hidden),
+                               num_warps=4, **launch.options())
+    return out

@@ -184,15 +184,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                cfg: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cfg: GemvConfig | None = None, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv` (no bias) and each row's argmax over the stored values ([M] int64, the first column
     among equal maxima, as torch.argmax): the lm_head of a greedy decode step, whose epilogue keeps
-    each strip's best so the logits are not read again. Unsplit tiles only."""
+    each strip's best so the logits are not read again; the tokens go to `tokens` [M] when given.
+    Unsplit tiles only."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None and cfg.split_k == 1, f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    out, tokens = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True)
-    assert tokens is not None
-    return out, tokens
+    out, picked = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True, tokens=tokens)
+    assert picked is not None
+    return out, picked
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
@@ -213,7 +214,7 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             gated: bool, out_dtype: torch.dtype | None = None,
-            argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            argmax: bool = False, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
@@ -224,7 +225,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
-    partial = counts = best = best_col = tokens = out
+    partial = counts = best = best_col = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device)
@@ -232,7 +233,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         assert cfg.split_k == 1 and not gated, "the argmax epilogue is for unsplit, ungated tiles"
         best = torch.empty(m, strips, dtype=torch.float32, device=x.device)
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
-        tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+        if tokens is None:
+            tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     _gemv_kernel[(strips, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),

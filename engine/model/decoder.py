@@ -158,13 +158,16 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
-                       meta: DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
+                       meta: DecodeMeta, feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: float32 logits [B, V] and the greedy tokens [B] (their argmax, which the
-        lm_head's skinny matmul finds as it stores the logits, where it runs)."""
-        x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
-                                False, None)
+        lm_head's skinny matmul finds as it stores the logits, where it runs; written into `tokens`
+        when given). `feed` (sources, previous): rows with a source >= 0 take their input token from
+        previous[source], the last step's tokens on the device (`ops.embed`)."""
+        x = ops.embed(input_ids, self.embed.weight, feed)
+        x, delta = self._layers(x, None, positions, pool, meta, range(len(self.layers)), False, None)
         h, _ = self.norm(x, delta)
-        return ops.linear_argmax(h, self.lm_head, self.kernels)
+        return ops.linear_argmax(h, self.lm_head, self.kernels, tokens)
 
     @torch.inference_mode()
     def prefill_slices(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: PrefillMeta,
