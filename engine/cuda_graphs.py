@@ -55,7 +55,7 @@ class _Side:
         self.sources_np = self.host[4 * n:5 * n]
         self.table_rows = TableRows()
         self.uploaded = torch.cuda.Event()  # its last upload is done: the pinned buffer is free
-        self.read = torch.cuda.Event()  # its last graph is done: the device buffers are free
+        self.graph_done = torch.cuda.Event()  # its last graph has run: the device buffers are free
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -132,13 +132,13 @@ class DecodeGraphs:
         tables[n:b, 0] = 0
         upload = off + 1 + b * width
         compute = torch.cuda.current_stream(self.pool.device)
-        self._uploads.wait_event(s.read)  # the graph that last read this side has run
+        self._uploads.wait_event(s.graph_done)  # the graph that last read this side has run
         with torch.cuda.stream(self._uploads):
             s.staging[:upload].copy_(s.staging_host[:upload], non_blocking=True)
             s.uploaded.record()
         compute.wait_event(s.uploaded)
         s.graphs[b].replay()
-        s.read.record(compute)
+        s.graph_done.record(compute)
         self._next = 1 - side
         return s.logits[b][:n], s.tokens[:n]
 
