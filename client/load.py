@@ -36,6 +36,8 @@ SIGMA = the underlying normal's sigma). Prompts are random token ids in [0, 256)
 
 goodput (vLLM's definition): completed requests per second whose TTFT <= --slo-ttft-ms and
 whose TPOT (time per output token after the first) <= --slo-itl-ms; an SLO left out is no limit.
+per-token goodput: the same TTFT limit, and each request's own inter-token gaps: their P99
+<= --slo-itl-p99-ms and their longest <= --slo-itl-max-ms (a mean TPOT hides a single long stall).
 
 --compare NAME=TARGETS[@MODE[:CHUNK]] ...: one run per item, the same seeded load each time.
   TARGETS is host:port[,host:port...] (round-robin), or empty for --target's list; MODE
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("measure and report")
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT limit in ms")
     out.add_argument("--slo-itl-ms", type=float, help="goodput: TPOT limit in ms (vLLM's definition)")
+    out.add_argument("--slo-itl-p99-ms", type=float,
+                     help="per-token goodput: limit in ms on the P99 of each request's own inter-token gaps")
+    out.add_argument("--slo-itl-max-ms", type=float,
+                     help="per-token goodput: limit in ms on each request's longest inter-token gap")
     out.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline per request, s (300)")
     out.add_argument("--no-warmup", action="store_true", help="skip the one short request per server first")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -172,7 +178,9 @@ async def run_deployments(spec: LoadSpec, runs: Sequence[Deployment], timeout_s:
 def report(args: argparse.Namespace, argv: Sequence[str], spec: LoadSpec, slo: Slo,
            results: Sequence[RunResult], summaries: Sequence[Summary]) -> dict[str, Any]:
     params = {**vars(spec), "planned_arrivals": len(build_plan(spec).arrivals), "slo_ttft_ms": slo.ttft_ms,
-              "slo_itl_ms": slo.itl_ms, "request_timeout_s": args.request_timeout,
+              "slo_itl_ms": slo.itl_ms, "slo_itl_p99_ms": slo.itl_p99_ms,
+              "slo_itl_max_ms": slo.itl_max_ms,
+              "request_timeout_s": args.request_timeout,
               "distinct_ids": bool(args.distinct_ids and args.compare)}
     runs = {}
     for result, summary in zip(results, summaries, strict=True):
@@ -194,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec, runs = load_spec(args), deployments(args)
     except ValueError as e:
         parser.error(str(e))
-    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_itl_p99_ms, args.slo_itl_max_ms)
     try:
         results = run_event_loop(run_deployments(spec, runs, args.request_timeout, args.tls_ca,
                                                  warmup=not args.no_warmup, progress=not args.no_progress,

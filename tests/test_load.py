@@ -133,6 +133,22 @@ def test_summary_follows_vllm_definitions() -> None:
     assert summarize(result, Slo())["goodput_rps"] == 1.0  # no SLO: every completed request counts
 
 
+def test_per_token_goodput_sees_a_stall_the_mean_hides() -> None:
+    # 100 gaps of 10 ms and one of 500 ms: TPOT ~14.9 ms meets a 50 ms mean, its P99 gap does not
+    times = [0.1 + 0.01 * i for i in range(100)]
+    stalled = Record("r0", "arrival", "t", 10, 101, False, 0.0, [*times, times[-1] + 0.5])
+    smooth = Record("r1", "arrival", "t", 10, 101, False, 0.0, [0.1 + 0.01 * i for i in range(101)])
+    result = RunResult(Deployment("d", ("t",)), [stalled, smooth], duration_s=1.0)
+    assert summarize(result, Slo(ttft_ms=200, itl_ms=50, itl_p99_ms=50))["goodput_itl_p99_rps"] == 2.0  # P99 misses it
+    s = summarize(result, Slo(ttft_ms=200, itl_ms=50, itl_max_ms=50))
+    assert s["goodput_rps"] == 2.0 and s["goodput_itl_p99_rps"] == 1.0
+    stalls = Record("r2", "arrival", "t", 10, 100, False, 0.0, [t + 0.5 * (i // 20) for i, t in enumerate(times)])
+    stalled_often = RunResult(Deployment("d", ("t",)), [stalls], duration_s=1.0)
+    assert summarize(stalled_often, Slo(itl_p99_ms=50))["goodput_itl_p99_rps"] == 0.0  # 4 stalls in 99 gaps
+    assert summarize(result, Slo(ttft_ms=200, itl_ms=50))["goodput_itl_p99_rps"] == 2.0  # no per-token limit
+    assert summarize(result, Slo(ttft_ms=50, itl_p99_ms=1000))["goodput_itl_p99_rps"] == 0.0  # TTFT still counts
+
+
 # --- real runs ------------------------------------------------------------------------------------
 def test_load_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
     decode, _ = pair
