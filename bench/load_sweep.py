@@ -13,6 +13,7 @@ PREDICTION = Path("bench/results/simulate-prediction-2xh200.json")
 def sweep_point(rate: float, run: dict[str, Any]) -> dict[str, Any]:
     """The figures of one deployment at one rate that the sweep compares."""
     point = {"rate": rate, "completed": run["completed"], "failed": run["failed"], "goodput_rps": run["goodput_rps"],
+             "goodput_itl_p99_rps": run.get("goodput_itl_p99_rps"),
              "request_throughput": run["request_throughput"],
              "ttft_ms": {k: run["ttft_ms"][k] for k in ("p50", "p99")},
              "itl_ms": {k: run["itl_ms"][k] for k in ("p50", "p99")}, "tpot_ms": {"p50": run["tpot_ms"]["p50"]}}
