@@ -1,0 +1,222 @@
+"""`python -m bench.readme_tables`: the README's and docs/results.md's headline tables, rendered from
+the JSON files in bench/results between `<!-- table:NAME -->` and `<!-- /table -->` markers.
+
+A figure in those tables is never typed: `--check` (and tests/test_readme_tables.py) fails when a
+table in a document differs from what its JSON renders, and `python -m bench.headline` re-measures
+the files and rewrites the tables. Each table opens with its provenance (date, hardware, commit,
+command, file) and, where the run measured it, what the card held: its HBM copy rate and its
+sustained bf16 matmul rate, so that figures from different cards can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("bench/results")
+DOCUMENTS = (Path("README.md"), Path("docs/results.md"))
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+Doc = dict[str, Any]
+
+
+def load(name: str) -> Doc:
+    return json.loads((RESULTS / name).read_text())
+
+
+def runs(doc: Doc) -> Iterator[Doc]:
+    """A results file's runs, newest first: the file's own, then each `previous`."""
+    while doc:
+        yield doc
+        doc = doc.get("previous") or {}
+
+
+def card(doc: Doc) -> str:
+    held = doc.get("card")
+    if not held:
+        return "the card's rates were not measured in this run"
+    return (f"the card held {held['hbm_gbps']:,.0f} GB/s HBM copy and {held['bf16_tflops_sustained']:,.0f} "
+            "TFLOP/s of sustained bf16 matmul")
+
+
+def provenance(doc: Doc, file: str, extra: str = "") -> str:
+    where = f"[`{file}`](bench/results/{file})"
+    return (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, {where}; "
+            f"{card(doc)}{extra}.*")
+
+
+def ms(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f} ms" if value >= 100 else f"{value:.{digits}f} ms"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+# --- the A/B scenario ---------------------------------------------------------------------------
+SCENARIO_LABELS = {
+    ("alone", None): "A alone",
+    ("colocated", None): "colocated: B's whole prefill on A's GPU",
+    ("chunked", 512): "chunked, 512 tokens a step",
+    ("chunked", 2048): "chunked, 2,048 tokens a step",
+    ("layered", None): "layered: B's prompt a slice of layers a step",
+}
+
+
+def scenario_label(row: Doc, one_gpu: bool) -> str:
+    mode = row["mode"]
+    if mode == "partitioned":
+        return f"partitioned: B's prefill on {row['prefill_sms']} of the 132 SMs, beside A's steps"
+    if mode == "disaggregated":
+        how = "two processes time-sharing the GPU" if one_gpu else "B's prefill on the other GPU"
+        return f"disaggregated, KV over {row.get('kv_transport', '?')}: {how}"
+    return SCENARIO_LABELS.get((mode, row.get("chunk_size")), str(mode))
+
+
+def scenario_rows(file: str, b_len: int, order: list[tuple[str, Any, str | None]]) -> tuple[Doc, list[list[str]]]:
+    """The rows at `b_len` in `order` (mode, chunk size or SM count, transport), each from the newest
+    run that has it; a row from an older run than the file's own names its commit."""
+    newest = load(file)
+    rows = []
+    for mode, size, transport in order:
+        for run in runs(newest):
+            found = [r for r in run["rows"] if r["b_len"] == b_len and r["mode"] == mode
+                     and (r.get("chunk_size") if mode == "chunked" else r.get("prefill_sms")) in (size, None)
+                     and (transport is None or r.get("kv_transport", run.get("kv_transport")) == transport)]
+            if found:
+                row = {**found[0], "kv_transport": found[0].get("kv_transport", run.get("kv_transport"))}
+                label = scenario_label(row, "1x" in run["hardware"])
+                if run is not newest:
+                    label += f" ({run['commit']})"
+                same = row["a_tokens_match_solo"] and row.get("b_first_token_matches") in (True, None)
+                rows.append([label, ms(row["a_median_gap_ms"], 2), ms(row["a_worst_gap_ms"]), str(row["a_slow_gaps"]),
+                             ms(row["b_ttft_ms"]), "yes" if same else "**no**"])
+                break
+    return newest, rows
+
+
+SCENARIO_HEADER = ["B = 32k tokens", "A's median gap", "A's worst gap", "A's slow gaps", "B's TTFT",
+                   "tokens identical"]
+
+
+def scenario_2xh200() -> str:
+    order = [("alone", None, "nccl"), ("disaggregated", None, "nccl"), ("disaggregated", None, "cuda-ipc"),
+             ("disaggregated", None, "nixl"), ("colocated", None, None), ("chunked", 512, None),
+             ("chunked", 2048, None), ("layered", None, None)]
+    doc, rows = scenario_rows("scenario-2xh200.json", 32768, order)
+    return provenance(doc, "scenario-2xh200.json") + "\n\n" + table(SCENARIO_HEADER, rows)
+
+
+def scenario_h200() -> str:
+    order = [("alone", None, None), ("colocated", None, None), ("chunked", 512, None), ("chunked", 2048, None),
+             ("layered", None, None), ("partitioned", 72, None), ("disaggregated", None, "cuda-ipc"),
+             ("disaggregated", None, "nixl")]
+    doc, rows = scenario_rows("scenario-h200.json", 32768, order)
+    return provenance(doc, "scenario-h200.json") + "\n\n" + table(SCENARIO_HEADER, rows)
+
+
+# --- many users ---------------------------------------------------------------------------------
+def slo_text(params: Doc) -> str:
+    text = (f"goodput counts requests with TTFT ≤ {params['slo_ttft_ms'] / 1e3:g} s "
+            f"and TPOT ≤ {params['slo_itl_ms']:g} ms")
+    if params.get("slo_itl_p99_ms") is not None:
+        text += f"; per-token goodput, TTFT as before and each request's P99 gap ≤ {params['slo_itl_p99_ms']:g} ms"
+    return text
+
+
+def load_h200() -> str:
+    file = "load-h200.json"
+    doc = load(file)
+    per_token = doc["params"].get("slo_itl_p99_ms") is not None
+    header = ["mode", "goodput (TPOT SLO)", *(["goodput (per-token SLO)"] if per_token else []), "ITL p99",
+              "ITL max", "TTFT p99"]
+    rows = []
+    for name, run in doc["runs"].items():
+        if name in ("prefix-cache", "no-prefix-cache"):
+            continue
+        label = name if not run.get("prefill_sms") else f"{name}, {run['prefill_sms']} SMs"
+        rows.append([label, f"{run['goodput_rps']:.2f} req/s",
+                     *([f"{run['goodput_itl_p99_rps']:.2f} req/s"] if per_token else []),
+                     ms(run["itl_ms"]["p99"]), ms(run["itl_ms"]["max"]), ms(run["ttft_ms"]["p99"])])
+    return provenance(doc, file, "; " + slo_text(doc["params"])) + "\n\n" + table(header, rows)
+
+
+LOAD_2X_LABELS = {"partitioned": "partitioned, one decode server per GPU", "layered": "layered, one per GPU",
+                  "colocated": "colocated, one per GPU", "split": "split pair: prefill GPU + decode GPU",
+                  "auto": "`auto` on the split pair"}
+
+
+def load_2xh200() -> str:
+    file = "load-2xh200.json"
+    doc = load(file)
+    rates = doc["params"]["rates"]
+    per_token = doc["params"].get("slo_itl_p99_ms") is not None
+    header = ["goodput (requests/s) at", *[f"{r:g} /s" for r in rates]]
+    rows = []
+    for name, points in sorted(doc["sweep"].items(), key=lambda kv: -kv[1][0]["goodput_rps"]):
+        cells = [f"{p['goodput_rps']:.1f}" + (f" / {p['goodput_itl_p99_rps']:.1f}" if per_token else "")
+                 for p in points]
+        rows.append([LOAD_2X_LABELS.get(name, name), *cells])
+    note = "; " + slo_text(doc["params"]) + (" (cells: TPOT / per-token)" if per_token else "")
+    return provenance(doc, file, note) + "\n\n" + table(header, rows)
+
+
+# --- the engine ---------------------------------------------------------------------------------
+def engine_h200() -> str:
+    file = "engine-h200.json"
+    doc = load(file)
+    held = {"card": {"hbm_gbps": doc["hbm_gbps_measured"], "bf16_tflops_sustained": doc["bf16_tflops_sustained"]}}
+    rows = [[f"decode step, batch {b}", ms(doc["decode_ms"][str(b)], 3),
+             f"{doc['decode_tok_per_s'][str(b)]:,.0f} tokens/s", ms(doc["decode_floor_ms"][str(b)], 3)]
+            for b in (1, 64) if str(b) in doc["decode_ms"]]
+    rows += [[f"prefill, {int(n) // 1024}k tokens", ms(t), f"{int(n) / t * 1e3:,.0f} tokens/s", "-"]
+             for n, t in doc["prefill_ms"].items()]
+    header = [f"{doc['preset']}, {doc['context']}-token context", "time", "rate", "HBM floor"]
+    return provenance({**doc, **held}, file) + "\n\n" + table(header, rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
+    "load-2xh200": load_2xh200, "engine-h200": engine_h200,
+}
+
+
+def render(text: str) -> str:
+    """`text` with every marked table rendered anew from its JSON."""
+    def fill(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise KeyError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        return f"{m[1]}{TABLES[name]()}\n{m[4]}"
+    return BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.readme_tables", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="exit 1 if a document's tables differ from their JSON")
+    args = p.parse_args(argv)
+    stale = []
+    for path in DOCUMENTS:
+        old = path.read_text()
+        new = render(old)
+        if new != old:
+            stale.append(str(path))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        sys.exit(f"error: tables differ from bench/results in {', '.join(stale)}; run python -m bench.readme_tables")
+    print(("stale: " if args.check else "rewrote: ") + (", ".join(stale) or "nothing") if stale or not args.check
+          else "tables match bench/results")
+
+
+if __name__ == "__main__":
+    main()

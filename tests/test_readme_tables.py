@@ -1,0 +1,49 @@
+"""The README's and docs/results.md's headline tables are what their JSON files render: a figure is
+never typed by hand (bench.readme_tables)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import readme_tables
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize("document", readme_tables.DOCUMENTS, ids=str)
+def test_tables_are_what_their_files_render(document: Path) -> None:
+    text = document.read_text()
+    assert readme_tables.BLOCK.search(text), f"{document} has no rendered table"
+    assert readme_tables.render(text) == text, f"run python -m bench.readme_tables: {document} differs"
+
+
+def test_every_table_is_in_the_readme() -> None:
+    names = {m["name"] for m in readme_tables.BLOCK.finditer(Path("README.md").read_text())}
+    assert names == set(readme_tables.TABLES)
+
+
+def test_a_changed_figure_changes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = json.loads(Path("bench/results/engine-h200.json").read_text())
+    doc["decode_ms"]["1"] = 9.876
+    (tmp_path / "engine-h200.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    assert "9.876 ms" in readme_tables.engine_h200()
+    text = "<!-- table:engine-h200 -->\nstale\n<!-- /table -->\n"
+    assert "stale" not in readme_tables.render(text) and "9.876 ms" in readme_tables.render(text)
+
+
+def test_check_fails_on_a_typed_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    typed = tmp_path / "README.md"
+    typed.write_text("<!-- table:engine-h200 -->\n| typed | 1 ms |\n<!-- /table -->\n")
+    monkeypatch.setattr(readme_tables, "DOCUMENTS", (typed,))
+    with pytest.raises(SystemExit, match="tables differ"):
+        readme_tables.main(["--check"])
+    assert "typed" in typed.read_text()  # --check writes nothing
