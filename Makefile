@@ -14,7 +14,7 @@ DECODE_ARGS ?=
 B_LEN ?= 4096
 SCENARIO_ARGS ?= --b-len $(B_LEN) --json $(RUN_DIR)/scenario.json --plot $(RUN_DIR)/scenario.png
 
-.PHONY: install proto serve-prefill serve-decode stop demo test soak lint
+.PHONY: install proto serve-prefill serve-decode stop demo test soak lint results
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -47,6 +47,10 @@ test: install
 
 soak: install
 	$(PYTHON) -m pytest -q -m soak -p no:cacheprovider tests/test_soak.py tests/test_chaos.py
+
+# Re-measure every README table on the GPUs present and render the tables anew (bench/results).
+results: install
+	$(PYTHON) -m bench.headline
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -47,3 +47,21 @@ def test_check_fails_on_a_typed_table(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(SystemExit, match="tables differ"):
         readme_tables.main(["--check"])
     assert "typed" in typed.read_text()  # --check writes nothing
+
+
+def test_headline_keeps_the_runs_it_replaces() -> None:
+    from bench.headline import HISTORY, with_history
+
+    old: dict = {}
+    for k in range(HISTORY + 2):
+        old = with_history({"commit": f"c{k}", "rows": [k]}, old or None)
+    chain = [run["commit"] for run in readme_tables.runs(old)]
+    assert chain == [f"c{k}" for k in range(HISTORY + 1, 1, -1)]  # newest first, HISTORY runs in all
+
+
+def test_headline_refuses_a_machine_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import headline
+
+    monkeypatch.setattr(headline, "gpu_count", lambda: 0)
+    with pytest.raises(SystemExit, match="no measurement runs on 0 GPU"):
+        headline.main([])
