@@ -50,5 +50,5 @@ soak: install
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests
+	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench planner tests
 	lint-imports --no-logo
