@@ -6,7 +6,7 @@ pool, as the decode server publishes a finished prompt. A later turn is that pre
 random tokens: `PrefixCache.acquire` gives its block table with the prefix's blocks in it, and the
 timed span is the one the servers record as the prompt's prefill (`prefill_s`): `runner.prefill`
 of the uncached tokens from the cached length on, then the first token sampled and read back
-(`BatchScheduler._first_token`, the prefill worker's read). Its private blocks go back after each
+(`LocalPrefill._first_token`, the prefill worker's read). Its private blocks go back after each
 turn, the prefix stays cached.
 
 Beside a decode batch (`batch` > 0): `batch` sequences of `context` tokens decode as the colocated
