@@ -54,5 +54,5 @@ results: install
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests
+	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench planner tests
 	lint-imports --no-logo

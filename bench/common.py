@@ -14,6 +14,8 @@ import torch
 
 from client.provenance import git_commit
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def hardware() -> str:
     if torch.cuda.is_available():
@@ -22,11 +24,18 @@ def hardware() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _module_run() -> str:
+    """The running benchmark's module (`bench.micro.gemv`), from its file's path under the repository."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        return ".".join(script.relative_to(REPO).with_suffix("").parts)
+    except ValueError:  # a script outside this tree: its folder and name
+        return script.parent.name + "." + script.stem
+
+
 def metadata() -> dict[str, Any]:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "hardware": hardware(), "commit": git_commit(),
-            "command": "python -m " + " ".join([Path(sys.argv[0]).parent.name + "." + Path(sys.argv[0]).stem,
-                                                *sys.argv[1:]]),
-            "torch": torch.__version__}
+            "command": "python -m " + " ".join([_module_run(), *sys.argv[1:]]), "torch": torch.__version__}
 
 
 def write_json(path: str | Path, doc: dict[str, Any]) -> None:

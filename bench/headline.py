@@ -45,17 +45,18 @@ class Measurement:
 
 
 MEASUREMENTS = (
-    Measurement("engine-h200", 1, ["bench.engine", "--batches", "1", "8", "32", "64", "--prefill-lens", "4096",
-                                   "32768"], 150),
-    Measurement("scenario-h200", 1, ["bench.scenario", "--kv-transport", "cuda-ipc", "--scenario-args",
+    Measurement("engine-h200", 1, ["bench.micro.engine_steps", "--batches", "1", "8", "32", "64",
+                                   "--prefill-lens", "4096", "32768"], 150),
+    Measurement("scenario-h200", 1, ["bench.e2e.all_modes", "--kv-transport", "cuda-ipc", "--scenario-args",
                                      f"--b-len 32768 --modes {SCENARIO_MODES}"], 180),
-    Measurement("load-h200", 1, ["bench.load", "--devices", "cuda:0", "--server-args", "--prefill-sms 72",
+    Measurement("load-h200", 1, ["bench.e2e.deployments", "--devices", "cuda:0", "--server-args", "--prefill-sms 72",
                                  "--load-args", LOAD], 240),
-    Measurement("scenario-2xh200", 2, ["bench.scenario", "--prefill-device", "cuda:0", "--decode-device", "cuda:1",
+    Measurement("scenario-2xh200", 2, ["bench.e2e.all_modes", "--prefill-device", "cuda:0",
+                                       "--decode-device", "cuda:1",
                                        "--kv-transport", "nccl", "cuda-ipc", "--scenario-args",
                                        "--b-len 32768 --modes alone,disaggregated,colocated,chunked:512,"
                                        "chunked:2048,layered"], 300),
-    Measurement("load-2xh200", 2, ["bench.load", "--devices", "cuda:0", "cuda:1", "--kv-transport", "nccl",
+    Measurement("load-2xh200", 2, ["bench.e2e.deployments", "--devices", "cuda:0", "cuda:1", "--kv-transport", "nccl",
                                    "--load-args", LOAD_2X, "--rates", "2", "4", "8", "--only", "auto", "split",
                                    "colocated", "layered", "partitioned"], 600),
 )

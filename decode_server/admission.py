@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_server.sequence import Rejected, Sequence
+from decode_server.sequence import Rejected, RequestSequence
 from engine.kv_cache import KVPool, OutOfBlocks
 from engine.prefix_cache import PrefixCache
 
 
 @dataclass
 class _Waiter:
-    seq: Sequence
+    seq: RequestSequence
     need: int
     admitted: asyncio.Future[None]
 
@@ -43,7 +43,7 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def reserve(self, seq: Sequence) -> None:
+    async def reserve(self, seq: RequestSequence) -> None:
         """Put every block the request can need in `seq.block_table` (and the tokens its cached blocks
         hold in `seq.prefilled`), waiting behind earlier requests for as long as it takes; raises
         Rejected (RESOURCE_EXHAUSTED) past the limits."""
@@ -74,7 +74,7 @@ class Admission:
                 self._waiters.remove(waiter)
                 self._admit_waiters()  # this one may have been the head of the queue
 
-    def _take(self, seq: Sequence, need: int) -> bool:
+    def _take(self, seq: RequestSequence, need: int) -> bool:
         """The sequence's blocks, cached prefix first, if the pool has them now (a waiter holds none)."""
         try:
             seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt, need)
@@ -83,7 +83,7 @@ class Admission:
         seq.timing.cached_tokens = seq.prefilled
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: RequestSequence) -> None:
         """Any thread: the sequence's blocks go back (once: its table is emptied) to the cache, or
         to the pool, and the requests waiting get them on the event loop."""
         with self._lock:

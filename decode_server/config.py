@@ -89,7 +89,8 @@ class DecodeConfig(ServerConfig):
     kv_checksum: str = field(default="on", metadata=opt(
         "per-layer checksums of every remote prefill's KV, computed on the device on both sides; a mismatch "
         "fails the request DATA_LOSS and drops the pairing", choices=("on", "off")))
-    # mode auto; the defaults come from bench.placement and the prefill rate on two H200s (docs/prefix-cache.md)
+    # mode auto; the defaults come from bench.e2e.auto_thresholds and the prefill rate on two H200s
+    # (docs/prefix-cache.md)
     auto_local_mode: str = field(default="colocated", metadata=opt(
         "mode auto: how a prompt kept here is prefilled", choices=LOCAL_MODES))
     auto_local_tokens: int = field(default=512, metadata=opt(

@@ -6,7 +6,7 @@ answered; nothing here knows the front end's call object.
 A request's way: `accept` -> `Admission.reserve` (its KV blocks) -> for a remote prefill,
 `PrefillRouter.prefill` (the prefill server's first token and KV) -> `BatchScheduler.submit`
 (local prefill, decode steps; tokens out through the sequence's `RequestOutput`) ->
-`Generation.tokens` -> `finish` (the request log). Its blocks go back in the scheduler, also when
+`Generation.run` -> `finish` (the request log). Its blocks go back in the scheduler, also when
 the request ends before it got there (`BatchScheduler.let_go`).
 """
 
@@ -26,7 +26,7 @@ from decode_server.config import DecodeConfig, PrefillMode
 from decode_server.placement import LOCAL, REMOTE, PlacementInputs, place
 from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.scheduler import BatchScheduler
-from decode_server.sequence import Rejected, Sequence, TokenOutput
+from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from decode_server.timing import Timing
 from engine.sampling import SamplingParams
 from serving.loop_lag import LoopLagProbe
@@ -53,34 +53,26 @@ class Request:
 
 
 class Generation:
-    """One accepted request. `tokens()` runs it, yielding its tokens and raising Rejected with the
-    status that ends it otherwise; `cancel()` may come from any thread (e.g. a call's done callback)."""
+    """One accepted request. `run()` takes it through the server, yielding its tokens and raising
+    Rejected with the status that ends it otherwise; `cancel()` may come from any thread (e.g. a
+    call's done callback)."""
 
-    def __init__(self, core: DecodeCore, seq: Sequence) -> None:
+    def __init__(self, core: DecodeCore, seq: RequestSequence) -> None:
         self.core, self.seq = core, seq
         self.submitted = False  # the scheduler owns the sequence (and its blocks)
 
     def cancel(self) -> None:
         self.seq.cancelled.set()
 
-    async def tokens(self) -> AsyncGenerator[TokenOutput, None]:
-        core, seq, timing = self.core, self.seq, self.seq.timing
-        await core.admission.reserve(seq)
-        timing.admitted = time.perf_counter()
-        metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
-        core.place(seq)
-        first_token = None
-        if seq.mode == PrefillMode.DISAGGREGATED:
-            core.scheduler.expect_handover()
-            try:
-                first_token = await core.remote_prefill(seq)
-            except BaseException:
-                core.scheduler.handover_ended()
-                raise
-        core.scheduler.submit(seq, first_token)
-        self.submitted = True
+    async def run(self) -> AsyncGenerator[TokenOutput, None]:
+        """Reserve its KV blocks, place its prefill, hand it to the scheduler (after the remote
+        prefill, where it was placed there), then stream its tokens."""
+        seq, timing = self.seq, self.seq.timing
+        await self._reserve()
+        self.core.place(seq)
+        await self._submit()
         last = timing.arrival
-        while True:
+        while True:  # the tokens as the scheduler hands them out, timed for the metrics
             out = await seq.out.next()
             if isinstance(out, Rejected):
                 raise out
@@ -95,6 +87,20 @@ class Generation:
                 metrics.E2E.observe(now - timing.arrival)
                 metrics.REQUEST_SUCCESS.labels(out.finish_reason).inc()
                 return
+
+    async def _reserve(self) -> None:
+        timing = self.seq.timing
+        await self.core.admission.reserve(self.seq)
+        timing.admitted = time.perf_counter()
+        metrics.QUEUE_TIME.observe(timing.admitted - timing.arrival)
+
+    async def _submit(self) -> None:
+        core, seq = self.core, self.seq
+        if seq.mode == PrefillMode.DISAGGREGATED:
+            await core.scheduler.submit_after_remote_prefill(seq, core.remote_prefill(seq))
+        else:
+            core.scheduler.submit(seq)
+        self.submitted = True
 
 
 class DecodeCore:
@@ -132,7 +138,7 @@ class DecodeCore:
         if request.request_id in self.in_flight:
             raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
         self.in_flight.add(request.request_id)
-        seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
+        seq = RequestSequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
                        request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms)
         return Generation(self, seq)
@@ -166,7 +172,7 @@ class DecodeCore:
             "mode": None, "prompt_tokens": None, "output_tokens": 0,
             **Timing(arrival=arrival).to_log(time.perf_counter())}))
 
-    def place(self, seq: Sequence) -> None:
+    def place(self, seq: RequestSequence) -> None:
         """Where the admitted sequence's prefill runs: mode auto picks here (--auto-local-mode) or a
         prefill server from its uncached tokens, who decodes here, and the remote prefills in flight."""
         if seq.mode == PrefillMode.AUTO:
@@ -179,7 +185,7 @@ class DecodeCore:
             seq.mode = PrefillMode.DISAGGREGATED if remote else PrefillMode(self.cfg.auto_local_mode)
         seq.timing.placement = REMOTE if seq.mode == PrefillMode.DISAGGREGATED else LOCAL
 
-    async def remote_prefill(self, seq: Sequence) -> int:
+    async def remote_prefill(self, seq: RequestSequence) -> int:
         """Prefill on a prefill server; its KV lands in this request's blocks. Returns the first token.
 
         A failure that a second try may cure is retried once, with the same blocks: after

@@ -253,7 +253,7 @@ class Reply:
     async def run(self, generation: Generation) -> web.StreamResponse:
         answer = Answer()
         self.prompt_tokens = len(generation.seq.prompt)
-        async with aclosing(generation.tokens()) as tokens:
+        async with aclosing(generation.run()) as tokens:
             async for out in tokens:
                 piece = self.detok.step(out.token_id) if self.detok is not None else ""
                 answer.tokens += 1

@@ -125,7 +125,7 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
     else:
         prompt, token_ids = _prompt(body.data.get("prompt"))
     fields = RequestFields(
-        request_id, token_ids, prompt, True, max_tokens,
+        request_id=request_id, token_ids=token_ids, prompt=prompt, max_new_tokens=max_tokens,
         temperature=body.float32("temperature", 1.0), top_p=body.float32("top_p", 1.0),
         top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=body.integer("seed", 0, 0, 2**64), stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),

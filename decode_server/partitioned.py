@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_server.sequence import Sequence
+from decode_server.sequence import RequestSequence
 from engine.green_context import SmPartitions
 from engine.runner import ModelRunner
 from engine.sampling import sample
@@ -44,7 +44,7 @@ class _Cancelled(Exception):
 class PrefillDone:
     """A partitioned prefill ended, its kernels finished: the first token, or why there is none."""
 
-    seq: Sequence
+    seq: RequestSequence
     token: int | None
     error: Exception | None  # None with no token: it was cancelled
     started: float           # perf_counter when the prefill began on the device's share
@@ -55,7 +55,7 @@ class PartitionedPrefill:
     def __init__(self, runner: ModelRunner, partitions: SmPartitions, default_sms: int,
                  post: Callable[[PrefillDone], None]) -> None:
         self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
-        self._jobs: queue.Queue[Sequence | None] = queue.Queue()
+        self._jobs: queue.Queue[RequestSequence | None] = queue.Queue()
         self._ready = threading.Event()
         self._setup_failed: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="partitioned-prefill")
@@ -73,11 +73,11 @@ class PartitionedPrefill:
         self._jobs.put_nowait(None)
         self._thread.join(timeout=10)
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: RequestSequence) -> None:
         """From the engine thread: prefill `seq` after those submitted before it."""
         self._jobs.put_nowait(seq)
 
-    def sms_for(self, seq: Sequence) -> int:
+    def sms_for(self, seq: RequestSequence) -> int:
         return seq.prefill_sms or self.default_sms
 
     def _loop(self) -> None:
@@ -96,7 +96,7 @@ class PartitionedPrefill:
         while (seq := self._jobs.get()) is not None:
             self.post(self._prefill(seq, host))
 
-    def _prefill(self, seq: Sequence, host: torch.Tensor) -> PrefillDone:
+    def _prefill(self, seq: RequestSequence, host: torch.Tensor) -> PrefillDone:
         started = time.perf_counter()
         if seq.cancelled.is_set():
             return PrefillDone(seq, None, None, started, started)

@@ -32,6 +32,7 @@ from engine.transport.handshake import (
     supported_transports,
 )
 from serving.grpc_common import GRPC_OPTIONS, StatusError
+from serving.kv_release import KV_LEASE_S
 from serving.token_ids import TokenIds
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ HANDSHAKE_TIMEOUT_S = 3.0  # a tiny RPC: a peer that can't answer it in time is 
 REJOIN_WAIT_S = 2 * PROBE_EVERY_S  # with no prefill server in the rotation, how long a request waits for one
 RELEASE_TIMEOUT_S = 1.0    # a Release's wait for an answer, and the pause before it is sent again
 BACKLOG_FRESH_S = 2.0      # a prefill server's backlog report older than this is not used (mode auto)
-RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lease (prefill_server.worker.LEASE_S)
 
 
 class PrefillFailed(StatusError):
@@ -322,7 +322,7 @@ class PrefillRouter:
         """Tell the prefill server it may free the request's blocks; a server that can't hear it now (frozen,
         restarting) is told again until it does, or until its lease would have freed them anyway."""
         request = prefill_pb2.ReleaseRequest(request_id=request_id, peer_id=peer.peer_id)
-        give_up = time.monotonic() + RELEASE_FOR_S
+        give_up = time.monotonic() + KV_LEASE_S  # then the prefill server's lease frees them
         while True:
             try:
                 await peer.stub.Release(request, timeout=RELEASE_TIMEOUT_S)

@@ -23,9 +23,10 @@ MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per co
 TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event loop
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestFields:
-    """A request before any check. As in the proto, 0 / "" / empty mean unset."""
+    """A request before any check. As in the proto, 0 / "" / empty mean unset. Built by keyword only:
+    fourteen fields of like types are too easy to swap by position."""
 
     request_id: str
     token_ids: TokenIds = ()          # kept as the field it came in: no per-token work on the event loop

@@ -65,7 +65,7 @@ class RequestOutput:
 
 
 @dataclass
-class Sequence:
+class RequestSequence:
     request_id: str
     prompt: TokenIds  # read with numpy on the engine thread (serving.token_ids)
     max_new_tokens: int

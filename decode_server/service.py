@@ -38,9 +38,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     @staticmethod
     def _fields(request: decode_pb2.GenerateRequest, request_id: str) -> RequestFields:
         s = request.sampling
-        return RequestFields(request_id, request.token_ids, request.prompt, True, request.max_new_tokens,
-                             s.temperature, s.top_p, s.top_k, s.seed, request.stop_token_ids, request.ignore_eos,
-                             request.prefill_mode, request.chunk_size, request.prefill_sms)
+        return RequestFields(request_id=request_id, token_ids=request.token_ids, prompt=request.prompt,
+                             max_new_tokens=request.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                             top_k=s.top_k, seed=s.seed, stop_token_ids=request.stop_token_ids,
+                             ignore_eos=request.ignore_eos, prefill_mode=request.prefill_mode,
+                             chunk_size=request.chunk_size, prefill_sms=request.prefill_sms)
 
     # --- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request: decode_pb2.GenerateRequest | bytes,  # type: ignore[override]
@@ -96,7 +98,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     async def _responses(self, generation: Generation) -> AsyncIterator[decode_pb2.GenerateResponse]:
         detok = StreamDetokenizer(self.tokenizer) if self.tokenizer else None
         seq = generation.seq
-        async for out in generation.tokens():
+        async for out in generation.run():
             yield decode_pb2.GenerateResponse(
                 token_id=out.token_id, index=out.index, text=detok.step(out.token_id) if detok else "",
                 finish_reason=out.finish_reason, request_id=seq.request_id,

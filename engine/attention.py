@@ -23,7 +23,7 @@ from engine.ops import expand_kv, rope_and_store
 
 def attention_rows(tokens: int, device: torch.device) -> int:
     """Rows a whole prompt's attention runs on. cuDNN builds an execution plan for every new shape
-    (50-60 ms on an H200, `bench.attention --new-lengths`), so on CUDA prompts are padded to one of
+    (50-60 ms on an H200, `bench.micro.attention --new-lengths`), so on CUDA prompts are padded to one of
     eight lengths per octave (at most 12.5% more rows; powers of two exactly): a server meets a
     bounded set of shapes and builds their plans once (`prepare_prefill_plans`). Causal attention
     leaves the real rows untouched by the zero rows after them."""
@@ -67,7 +67,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
                       meta: PrefillMeta) -> torch.Tensor:
     """Causal attention of a prefill chunk (q [T, H, D], k/v [T, Hkv, D]) -> [T, H, D]. A whole
     prompt comes padded to `meta.rows` and runs token-major with grouped KV heads as they are
-    (cuDNN's fastest layout at this shape, `bench.attention --new-lengths`); a chunk after a cached
+    (cuDNN's fastest layout at this shape, `bench.micro.attention --new-lengths`); a chunk after a cached
     prefix reads the prefix from the pool."""
     if meta.whole_prompt:
         return whole_prompt_attention(q, k, v)[:meta.new_slots.numel()]

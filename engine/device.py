@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -22,12 +21,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"unsupported dtype {dtype}")
-
-
-@dataclass(frozen=True)
-class Placement:
-    device: torch.device
-    dtype: torch.dtype
 
 
 def resolve_device(requested: str, role: str) -> torch.device:

@@ -25,8 +25,8 @@ except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hoppe
     _gate_up = None  # type: ignore[assignment]
 
 # The fused gate/up kernel from this many rows on. Measured faster in the engine's 4k, 16k and 32k
-# prefills (`python -m bench.engine` against `--no-fused-gate-up`); alone at 1-2k rows
-# (`python -m bench.fused_mlp`) it is 4-32% slower.
+# prefills (`python -m bench.micro.engine_steps` against `--no-fused-gate-up`); alone at 1-2k rows
+# (`python -m bench.micro.fused_mlp`) it is 4-32% slower.
 FUSED_GATE_UP_MIN_ROWS = 4096
 
 

@@ -25,14 +25,13 @@ from engine.transport.grpc_wire import encode_kv
 from engine.warmup import WarmUp
 from prefill_server import metrics
 from prefill_server.kv_lease import KVLeases
+from serving.kv_release import KV_LEASE_S
 from serving.token_ids import TokenIds, as_array
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
 Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
-# How long a finished job's blocks wait for the decode side's Release: it has the KV by then or is gone.
-LEASE_S = 60.0
 
 
 @dataclass
@@ -65,7 +64,7 @@ class PrefillWorker:
     """Runs jobs; a finished job's blocks (whatever its outcome) go to `leases`, held for its decode side."""
 
     def __init__(self, runner: ModelRunner, cache: PrefixCache, warm_up: bool = False,
-                 lease_s: float = LEASE_S) -> None:
+                 lease_s: float = KV_LEASE_S) -> None:
         self.runner, self.cache = runner, cache
         self.warm_up = warm_up  # prefill every kind of prompt once before `start` returns (engine.warmup)
         self.leases = KVLeases(cache.release, lease_s)

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from client.event_loop import run_event_loop
+from serving.event_loop import run_event_loop
 from serving.server_config import ServerConfig
 
 log = logging.getLogger(__name__)

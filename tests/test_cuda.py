@@ -430,7 +430,7 @@ def test_layered_prefill_between_graph_steps_keeps_every_token() -> None:
     from decode_server.admission import Admission
     from decode_server.config import PrefillMode
     from decode_server.scheduler import BatchScheduler
-    from decode_server.sequence import Sequence, TokenOutput
+    from decode_server.sequence import RequestSequence, TokenOutput
     from engine.offline import generate, make_runner
     from engine.sampling import SamplingParams
 
@@ -442,17 +442,17 @@ def test_layered_prefill_between_graph_steps_keeps_every_token() -> None:
     loop = asyncio.new_event_loop()  # the outputs' readers' loop; the test reads them itself
     scheduler = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4,
                                layer_slice_tokens=8000)  # one layer a slice
-    seqs: dict[str, Sequence] = {}
+    seqs: dict[str, RequestSequence] = {}
 
     def submit(name: str, tokens: list[int], new: int, mode: PrefillMode) -> None:
-        seq = seqs[name] = Sequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512)
+        seq = seqs[name] = RequestSequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512)
         loop.run_until_complete(scheduler.admission.reserve(seq))
         scheduler.submit(seq)
 
     submit("a", a_prompt, 40, PrefillMode.COLOCATED)
     scheduler.step()
     submit("b", b_prompt, 10, PrefillMode.LAYERED)
-    while (scheduler.running or scheduler.ready or scheduler.prefilling or scheduler.num_waiting
+    while (scheduler.running or scheduler.ready or scheduler.local.prefilling or scheduler.num_waiting
            or scheduler.step_in_flight):
         scheduler.step()
     loop.close()

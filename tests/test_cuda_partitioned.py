@@ -65,7 +65,7 @@ def test_a_decodes_with_its_graphs_while_b_prefills_in_a_green_context(runner, p
     from decode_server.admission import Admission
     from decode_server.config import PrefillMode
     from decode_server.scheduler import BatchScheduler
-    from decode_server.sequence import Sequence, TokenOutput
+    from decode_server.sequence import RequestSequence, TokenOutput
     from engine.offline import generate
     from engine.sampling import SamplingParams
 
@@ -76,10 +76,10 @@ def test_a_decodes_with_its_graphs_while_b_prefills_in_a_green_context(runner, p
                        prefill_sms=half_the_sms(partitions))
     s.start()
     try:
-        seqs: dict[str, Sequence] = {}
+        seqs: dict[str, RequestSequence] = {}
 
-        def submit(name: str, tokens: list[int], new: int, mode: PrefillMode) -> Sequence:
-            seq = seqs[name] = Sequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512)
+        def submit(name: str, tokens: list[int], new: int, mode: PrefillMode) -> RequestSequence:
+            seq = seqs[name] = RequestSequence(name, tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 512)
             loop.run_until_complete(s.admission.reserve(seq))
             s.submit(seq)
             return seq
@@ -112,31 +112,31 @@ def test_cancelled_mid_prefill_frees_its_blocks_after_the_green_kernels(runner, 
     from decode_server.admission import Admission
     from decode_server.config import PrefillMode
     from decode_server.scheduler import BatchScheduler
-    from decode_server.sequence import Sequence, TokenOutput
+    from decode_server.sequence import RequestSequence, TokenOutput
     from engine.offline import generate
     from engine.sampling import SamplingParams
 
     s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=partitions,
                        prefill_sms=half_the_sms(partitions))
-    assert s.partitioned is not None
-    s.partitioned.start()  # the test steps the scheduler itself
+    assert s.local.partitioned is not None
+    s.local.partitioned.start()  # the test steps the scheduler itself
     try:
         free = runner.pool.allocator.num_free
-        gone = Sequence("gone", [(i * 5) % 1000 for i in range(16384)], 8, SamplingParams(), frozenset(),
+        gone = RequestSequence("gone", [(i * 5) % 1000 for i in range(16384)], 8, SamplingParams(), frozenset(),
                         frozenset(), PrefillMode.PARTITIONED, 512)
         loop.run_until_complete(s.admission.reserve(gone))
         s.submit(gone)
         s.step()
-        assert s.in_partition == [gone]
+        assert s.local.in_partition == [gone]
         gone.cancelled.set()
         s.step()
-        if s.in_partition:  # still prefilling: the blocks wait for its kernels
+        if s.local.in_partition:  # still prefilling: the blocks wait for its kernels
             assert runner.pool.allocator.num_free == free - len(gone.block_table)
         deadline = time.perf_counter() + 60
-        while s.in_partition and time.perf_counter() < deadline:
+        while s.local.in_partition and time.perf_counter() < deadline:
             s.step()
-        assert not s.in_partition and runner.pool.allocator.num_free == free
-        after = Sequence("after", [(i * 3) % 1000 for i in range(2000)], 6, SamplingParams(), frozenset(),
+        assert not s.local.in_partition and runner.pool.allocator.num_free == free
+        after = RequestSequence("after", [(i * 3) % 1000 for i in range(2000)], 6, SamplingParams(), frozenset(),
                          frozenset(), PrefillMode.PARTITIONED, 512)
         loop.run_until_complete(s.admission.reserve(after))
         s.submit(after)
@@ -145,4 +145,4 @@ def test_cancelled_mid_prefill_frees_its_blocks_after_the_green_kernels(runner, 
         assert [o.token_id for o in after.out.taken() if isinstance(o, TokenOutput)] == \
             generate(runner, [list(after.prompt)], 6)[0]
     finally:
-        s.partitioned.stop()
+        s.local.partitioned.stop()

@@ -74,8 +74,8 @@ def test_first_mismatch() -> None:
 
 
 def test_checksum_benchmark_runs_on_the_cpu() -> None:
-    """bench.kv_checksum end to end with the tiny preset: both layouts timed beside a real prefill."""
-    from bench.kv_checksum import measure
+    """bench.micro.kv_checksum end to end with the tiny preset: both layouts timed beside a real prefill."""
+    from bench.micro.kv_checksum import measure
 
     row = measure("tiny", 256, torch.device("cpu"))
     assert row["prefill_ms"] > 0 and row["one_run_ms"] > 0 and row["scattered_ms"] > 0

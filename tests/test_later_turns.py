@@ -1,4 +1,4 @@
-"""Later turns: `bench.engine --later-turns` on the CPU's tiny model, and the simulator's fit of its rows."""
+"""Later turns: `bench.micro.engine_steps --later-turns` on the CPU's tiny model, and the planner's fit of its rows."""
 
 from __future__ import annotations
 
@@ -10,23 +10,25 @@ from typing import Any
 
 import pytest
 
-from bench import engine
-from bench.later_turns import LaterTurns
-from bench.sim_costs import LATER_TURNS, RESULTS, Costs, fit_costs, fit_later_turn, later_turn_rows
+from bench.micro import engine_steps as engine
+from bench.micro.later_turns import LaterTurns
 from engine.offline import make_runner
+from planner.costs import LATER_TURNS, RESULTS, Costs, fit_costs, fit_later_turn, later_turn_rows
 
 TRUE = (4.0, 0.03, 0.0004, 2e-6)  # f0 ms, ms a new token, ms a prefix token, ms a new token's attention token
 
 
 def test_bench_engine_times_later_turns_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "later.json"
-    monkeypatch.setattr(sys, "argv", ["bench/engine.py", "--later-turns", "--preset", "tiny", "--device", "cpu",
+    monkeypatch.setattr(sys, "argv", ["bench/micro/engine_steps.py", "--later-turns", "--preset", "tiny",
+                                      "--device", "cpu",
                                       "--prefix-lens", "32", "64", "--new-lens", "16", "40",
                                       "--later-turn-batches", "0", "2", "--context", "24", "--repeats", "1",
                                       "--json", str(out)])
     engine.main()
     doc = json.loads(out.read_text())
-    assert doc["preset"] == "tiny" and doc["device"] == "cpu" and doc["command"].startswith("python -m bench.engine")
+    assert doc["preset"] == "tiny" and doc["device"] == "cpu"
+    assert doc["command"].startswith("python -m bench.micro.engine_steps")
     rows = doc["later_turns"]
     assert [(r["batch"], r["prefix"], r["new"]) for r in rows] == [
         (b, p, n) for b in (0, 2) for p in (32, 64) for n in (16, 40)]
@@ -37,7 +39,7 @@ def test_bench_engine_times_later_turns_on_the_cpu(tmp_path: Path, monkeypatch: 
 
 
 def test_later_turns_on_a_share_of_the_sms_are_marked_and_not_fitted() -> None:
-    from bench.later_turns import measure
+    from bench.micro.later_turns import measure
     from engine.green_context import Unconfined
 
     runner = make_runner(preset="tiny")
@@ -138,10 +140,10 @@ def test_without_later_turns_a_cached_prefill_is_one_chunk(tmp_path: Path) -> No
 
 
 def test_the_decode_loop_reads_the_same_tokens_overlapped_or_not() -> None:
-    """The benchmarks' decode loop (bench.engine's step, the later turns' running batch): queued before
+    """The benchmarks' decode loop (bench.micro.engine_steps's step, the later turns' running batch): queued before
     the last step's tokens are read back, its rows fed those tokens on the device, it reads back what the
     plain loop reads, a step later."""
-    from bench.decode_loop import DecodeLoop
+    from bench.micro.decode_loop import DecodeLoop
 
     reads: dict[bool, list[list[int]]] = {}
     for overlap in (True, False):

@@ -10,7 +10,7 @@ import pytest
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
 from decode_server.scheduler import BatchScheduler
-from decode_server.sequence import Output, Rejected, Sequence, TokenOutput
+from decode_server.sequence import Output, Rejected, RequestSequence, TokenOutput
 from engine.offline import generate, make_runner
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -32,8 +32,8 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(i * 29 + salt * 7 + 3) % 256 for i in range(n)]
 
 
-def make_seq(s: BatchScheduler, tokens: list[int], new: int, mode: PrefillMode) -> Sequence:
-    seq = Sequence(f"{mode}-{len(tokens)}", tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 64)
+def make_seq(s: BatchScheduler, tokens: list[int], new: int, mode: PrefillMode) -> RequestSequence:
+    seq = RequestSequence(f"{mode}-{len(tokens)}", tokens, new, SamplingParams(), frozenset(), frozenset(), mode, 64)
     s.loop.run_until_complete(s.admission.reserve(seq))
     return seq
 
@@ -44,16 +44,16 @@ class Seen:
     def __init__(self) -> None:
         self.outputs: dict[str, list[Output]] = {}
 
-    def __call__(self, seq: Sequence) -> list[Output]:
+    def __call__(self, seq: RequestSequence) -> list[Output]:
         self.outputs.setdefault(seq.request_id, []).extend(seq.out.taken())
         return self.outputs[seq.request_id]
 
-    def tokens(self, seq: Sequence) -> list[int]:
+    def tokens(self, seq: RequestSequence) -> list[int]:
         return [o.token_id for o in self(seq) if isinstance(o, TokenOutput)]
 
 
 def busy(s: BatchScheduler) -> bool:
-    return bool(s.running or s.prefilling or s.ready or s.num_waiting or s.step_in_flight)
+    return bool(s.running or s.local.prefilling or s.ready or s.num_waiting or s.step_in_flight)
 
 
 @pytest.mark.parametrize("layers_per_slice", [1, 3])
@@ -90,12 +90,12 @@ def test_cancelled_between_slices_frees_its_blocks_and_the_next_prompt_starts_af
     s.submit(gone)
     s.step()
     s.step()
-    assert s.layered is not None and s.layered.seq is gone
+    assert s.local.layered is not None and s.local.layered.seq is gone
     gone.cancelled.set()
     after = make_seq(s, prompt(180, 4), 6, PrefillMode.LAYERED)
     s.submit(after)
     while busy(s):
         s.step()
-    assert seen(gone) == [] and s.layered is None
+    assert seen(gone) == [] and s.local.layered is None
     assert seen.tokens(after) == generate(runner, [prompt(180, 4)], 6)[0]
     assert runner.pool.allocator.num_free == free_before

@@ -233,12 +233,12 @@ def test_failures_are_counted_by_status_not_raised(pair: tuple[ServerProcess, Se
 
 
 def test_bench_load_two_device_layout(tmp_path: Path) -> None:
-    """`bench.load --devices A B` starts the split pair and one decode server per device, and sends the
+    """`bench.e2e.deployments --devices A B` starts the split pair and one decode server per device, and sends the
     same load to each deployment (on the CPU here: the layout and the wiring, not the speed)."""
     out = tmp_path / "load.json"
     load_args = ("--rate 4 --duration 1.5 --prompt-len uniform:16:64 --output-len 6 --background-users 1 "
                  "--long-prompt-frac 0.25 --long-prompt-len 300 --seed 3")
-    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.e2e.deployments", "--preset", "tiny", "--devices", "cpu", "cpu",
                            "--kv-cache-gb", "0.1", "--port", str(free_port_run(4)), "--load-args", load_args,
                            "--server-args", "--gil-switch-ms 1", "--json", str(out), "--logs", str(tmp_path / "logs"),
                            "--plot", str(tmp_path / "load.png")],
@@ -266,12 +266,12 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
 
 
 def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> None:
-    """`bench.load --cache-compare --merge`: a multi-turn load against a decode server with its prefix
+    """`bench.e2e.deployments --cache-compare --merge`: a multi-turn load against a decode server with its prefix
     cache and one without, added to an existing results file whose runs stay as they were."""
     out = tmp_path / "load.json"
     out.write_text(json.dumps({"runs": {"colocated": {"completed": 7}}, "date": "then", "commit": "old"}))
     load_args = "--rate 4 --duration 1 --prompt-len 120 --turn-prompt-len 20 --turns 3 --output-len 6 --seed 3"
-    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.e2e.deployments", "--preset", "tiny", "--devices", "cpu",
                            "--cache-compare", "--merge", "--kv-cache-gb", "0.05", "--port", str(free_port_run(2)),
                            "--load-args", load_args, "--json", str(out), "--logs", str(tmp_path / "logs")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -288,7 +288,7 @@ def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> Non
 
 
 def test_bench_load_rate_sweep_with_the_prediction_beside(tmp_path: Path) -> None:
-    """`bench.load --rates`: the servers start once, the load runs per rate (each with its own id salt), and
+    """`bench.e2e.deployments --rates`: the servers start once, the load runs per rate (each with its own id salt), and
     the JSON holds each deployment's points by rate beside the recorded prediction, plotted."""
     out, prediction = tmp_path / "sweep.json", tmp_path / "prediction.json"
     predicted = [{"rate": r, "goodput_rps": g, "ttft_ms": {"p50": 1.0}, "itl_ms": {"p99": 2.0}}
@@ -296,7 +296,7 @@ def test_bench_load_rate_sweep_with_the_prediction_beside(tmp_path: Path) -> Non
     prediction.write_text(json.dumps({"date": "then", "commit": "abc", "runs": {"colocated": {"sweep": predicted}}}))
     load_args = "--duration 0.6 --prompt-len uniform:16:48 --output-len 4 --slo-ttft-ms 60000 --slo-itl-ms 6e4 --seed 5"
     port = free_port_run(1)
-    done = subprocess.run([sys.executable, "-m", "bench.load", "--preset", "tiny", "--devices", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.e2e.deployments", "--preset", "tiny", "--devices", "cpu",
                            "--kv-cache-gb", "0.05", "--port", str(port), "--load-args", load_args, "--rates", "3", "6",
                            "--compare", f"colocated=127.0.0.1:{port}@colocated", f"layered=127.0.0.1:{port}@layered",
                            "--prediction", str(prediction), "--json", str(out), "--plot", str(tmp_path / "sweep.png"),

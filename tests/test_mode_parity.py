@@ -1,4 +1,4 @@
-"""`bench.mode_parity` on the CPU: every prefill mode leaves the whole prompt's sequence behind
+"""`bench.micro.mode_parity` on the CPU: every prefill mode leaves the whole prompt's sequence behind
 (float32, tiny preset), and the comparison names where two runs part and by how much."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.mode_parity import Run, compare, run
+from bench.micro.mode_parity import Run, compare, run
 from engine.offline import make_runner
 
 

@@ -185,9 +185,9 @@ def test_aborted_pair_refuses_new_sends_and_receives(pairs: tuple[NcclPair, Nccl
 
 
 def test_endpoint_benchmark_moves_every_byte() -> None:
-    """bench.kv_transfer --mode endpoints for nccl (here its Gloo form on two CPU 'devices'): each
+    """bench.e2e.kv_transfer --mode endpoints for nccl (here its Gloo form on two CPU 'devices'): each
     repeat's pool arrives bit for bit, checked before the next repeat starts."""
-    from bench import kv_endpoints_gpu
+    from bench.e2e import kv_endpoints_gpu
 
     rows = kv_endpoints_gpu.rows("nccl", "tiny", 300, 2, ("cpu", "cpu"))
     assert len(rows) == 2 and all(r["bitwise_equal"] and r["bytes"] == 300 * 512 for r in rows)

@@ -14,7 +14,7 @@ import torch
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
 from decode_server.scheduler import BatchScheduler
-from decode_server.sequence import Rejected, Sequence, TokenOutput
+from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from engine.host_read import TokenReader
 from engine.offline import generate, make_runner
 from engine.runner import ModelRunner
@@ -37,18 +37,18 @@ def prompt(n: int, salt: int) -> list[int]:
 
 
 def busy(s: BatchScheduler) -> bool:
-    return bool(s.running or s.prefilling or s.ready or s.num_waiting or s.step_in_flight)
+    return bool(s.running or s.local.prefilling or s.ready or s.num_waiting or s.step_in_flight)
 
 
 def submit(s: BatchScheduler, name: str, tokens: list[int], new: int, params: SamplingParams | None = None,
-           stop: frozenset[int] = frozenset(), eos: frozenset[int] = frozenset()) -> Sequence:
-    seq = Sequence(name, tokens, new, params or SamplingParams(), stop, eos, PrefillMode.COLOCATED, 64)
+           stop: frozenset[int] = frozenset(), eos: frozenset[int] = frozenset()) -> RequestSequence:
+    seq = RequestSequence(name, tokens, new, params or SamplingParams(), stop, eos, PrefillMode.COLOCATED, 64)
     s.loop.run_until_complete(s.admission.reserve(seq))
     s.submit(seq)
     return seq
 
 
-def tokens_of(seq: Sequence) -> tuple[list[int], str]:
+def tokens_of(seq: RequestSequence) -> tuple[list[int], str]:
     outs = seq.out.taken()
     assert not any(isinstance(o, Rejected) for o in outs)
     toks = [o for o in outs if isinstance(o, TokenOutput)]
@@ -97,7 +97,7 @@ def test_a_sequence_leaving_while_its_next_step_is_queued_keeps_its_blocks_until
             free_at_read.append(allocator.num_free)
             return super().take()
 
-    s._step_readers = [Watching(runner.device), Watching(runner.device)]
+    s.decode.readers = [Watching(runner.device), Watching(runner.device)]
     stays = submit(s, "stays", prompt(60, 7), 30)
     leaves = submit(s, "leaves", prompt(90, 8), 30)
     held = len(leaves.block_table)

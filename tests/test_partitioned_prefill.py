@@ -51,9 +51,9 @@ def started(runner: ModelRunner, loop: asyncio.AbstractEventLoop, gate: Gated) -
     """A scheduler with its partitioned-prefill thread running (the test drives `step` itself)."""
     s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=gate,
                        prefill_sms=64, overlap_steps=False)  # each step's token counted as it is sampled
-    assert s.partitioned is not None
+    assert s.local.partitioned is not None
     gate.go.set()  # the thread's start-up enters the partition once
-    s.partitioned.start()
+    s.local.partitioned.start()
     gate.inside.clear()
     gate.go.clear()
     gate.asked.clear()
@@ -85,7 +85,7 @@ def test_a_decodes_while_b_prefills_beside_it_and_both_get_their_reference_token
     for n in range(5):
         s.step()
         assert len(seen.tokens(a)) == 3 + n  # A keeps its step every iteration, B's prefill or not
-    assert seen(b) == [] and s.in_partition == [b]
+    assert seen(b) == [] and s.local.in_partition == [b]
     gate.go.set()
     run_until_done(s)
     assert seen.tokens(a) == a_alone
@@ -93,7 +93,7 @@ def test_a_decodes_while_b_prefills_beside_it_and_both_get_their_reference_token
     assert gate.asked == [64]
     assert not any(isinstance(o, Rejected) for o in seen(a) + seen(b))
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
-    s.partitioned.stop()  # type: ignore[union-attr]
+    s.local.partitioned.stop()  # type: ignore[union-attr]
 
 
 def test_cancelled_mid_prefill_frees_its_blocks_only_once_the_prefill_is_done(
@@ -120,7 +120,7 @@ def test_cancelled_mid_prefill_frees_its_blocks_only_once_the_prefill_is_done(
     assert seen.tokens(after) == generate(runner, [prompt(180, 4)], 6)[0]
     assert gate.asked == [64, 32]
     assert runner.pool.allocator.num_free == free_before
-    s.partitioned.stop()  # type: ignore[union-attr]
+    s.local.partitioned.stop()  # type: ignore[union-attr]
 
 
 def test_a_failed_partitioned_prefill_fails_that_request_only(
@@ -140,7 +140,7 @@ def test_a_failed_partitioned_prefill_fails_that_request_only(
     assert isinstance(failure, Rejected) and "green context is gone" in str(failure)
     assert seen.tokens(a) == generate(runner, [a_prompt], 12)[0]
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
-    s.partitioned.stop()  # type: ignore[union-attr]
+    s.local.partitioned.stop()  # type: ignore[union-attr]
 
 
 def test_without_green_contexts_a_partitioned_prompt_is_prefilled_by_layers(

@@ -1,11 +1,11 @@
-"""bench.roofline draws the recorded decode steps against the bandwidth roof (on the CPU, from the files)."""
+"""bench.micro.roofline draws the recorded decode steps against the bandwidth roof (on the CPU, from the files)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.roofline import plot, projection_points, step_points
+from bench.micro.roofline import plot, projection_points, step_points
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ from decode_server.admission import Admission
 from decode_server.config import DecodeConfig, PrefillMode
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.scheduler import BatchScheduler
-from decode_server.sequence import Rejected, Sequence, TokenOutput
+from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from engine.host_read import TokenReader
 from engine.offline import generate, make_runner
 from engine.runner import ModelRunner
@@ -43,7 +43,7 @@ def core_for(runner: ModelRunner, **limits: int) -> DecodeCore:
 
 
 async def run(generation: Generation) -> list[int]:
-    return await drain(generation.tokens())
+    return await drain(generation.run())
 
 
 async def drain(outputs: AsyncIterator[TokenOutput]) -> list[int]:
@@ -81,7 +81,8 @@ def test_a_remote_first_token_is_appended_on_the_scheduler_thread(runner: ModelR
     async def main() -> tuple[list[int], list[str]]:
         core = core_for(runner)
         scheduler = core.scheduler
-        seq = Sequence("remote", tokens, 7, SamplingParams(), frozenset(), frozenset(), PrefillMode.DISAGGREGATED, 64)
+        seq = RequestSequence("remote", tokens, 7, SamplingParams(), frozenset(), frozenset(),
+                              PrefillMode.DISAGGREGATED, 64)
         await core.admission.reserve(seq)
         runner.prefill(tokens, seq.block_table, 0)
         threads: list[str] = []
@@ -141,22 +142,25 @@ def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runne
         scheduler = core.scheduler
         reader, twin = HeldReader(runner), HeldReader(runner)  # decode steps alternate two readers
         twin.armed, twin.held, twin.released = reader.armed, reader.held, reader.released
-        scheduler._step_readers = [reader, twin]
-        b = Sequence("b", b_prompt, 5, SamplingParams(), frozenset(), frozenset(), PrefillMode.DISAGGREGATED, 64)
+        scheduler.decode.readers = [reader, twin]
+        b = RequestSequence("b", b_prompt, 5, SamplingParams(), frozenset(), frozenset(), PrefillMode.DISAGGREGATED, 64)
         await core.admission.reserve(b)
         runner.prefill(b_prompt, b.block_table, 0)  # as a transfer would
         scheduler.start()
         a = core.accept(request("a", prompt(30, 9), 400))
-        a_stream = a.tokens()
+        a_stream = a.run()
         for _ in range(2):  # A is decoding
             await a_stream.__anext__()
         a_tokens = asyncio.ensure_future(drain(a_stream))
         try:
-            scheduler.expect_handover()  # B's remote prefill is under way
+            remote_prefill: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            submitted = asyncio.ensure_future(scheduler.submit_after_remote_prefill(b, remote_prefill))
+            await asyncio.sleep(0)  # B's remote prefill is under way
             reader.armed.set()
             assert await asyncio.to_thread(reader.held.wait, 10)
             steps_at_handover = scheduler.steps
-            scheduler.submit(b, first_token=b_alone[0])
+            remote_prefill.set_result(b_alone[0])  # its KV is in the pool: the first token is handed over
+            await submitted
             first = await asyncio.wait_for(b.out.next(), 5)  # before the fix: only once the step is released
             steps_at_first = scheduler.steps
             assert not reader.released.is_set()
@@ -196,7 +200,7 @@ def test_a_request_let_go_before_the_scheduler_had_it_frees_its_blocks_for_the_n
         core.scheduler.start()
         try:
             a = core.accept(request("a", prompt(big - 8, 5), 8))
-            await core.admission.reserve(a.seq)  # as Generation.tokens does first
+            await core.admission.reserve(a.seq)  # as Generation.run does first
             b = core.accept(request("b", prompt(4 * per_block, 6), 4))
             b_tokens = asyncio.ensure_future(run(b))
             await asyncio.sleep(0.05)

@@ -117,8 +117,9 @@ def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(scenario_pa
     rows = json.loads(scenario.read_text())["rows"]
     assert [r["prefill_sms"] for r in rows] == [None, None, None, 16, 32]
     assert all(r["b_tokens_match_reference"] for r in rows[1:])
-    proc = subprocess.run([sys.executable, "-m", "bench.sm_split", str(scenario), "--b-len", "512", "--table",
-                           str(table), "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench.e2e.partitioned_splits", str(scenario), "--b-len", "512",
+                           "--table", str(table), "--plot", str(png)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     loaded = SplitTable.load(table)
     assert [r.prefill_sms for r in loaded.rows] == [16, 32]

@@ -32,7 +32,7 @@ def test_the_engine_warms_every_path_before_it_serves(caplog: pytest.LogCaptureF
         try:
             generation = core.accept(Request("after", token_ids(prompt), 6, SamplingParams(), frozenset(), True,
                                              PrefillMode.CHUNKED, 32, 0.0))
-            tokens = [out.token_id async for out in generation.tokens()]
+            tokens = [out.token_id async for out in generation.run()]
             core.finish(generation, "OK")
             return tokens
         finally:

@@ -67,7 +67,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-ROPE_BLOCK_T = 16  # tokens a program for prefills (`python -m bench.rope`)
+ROPE_BLOCK_T = 16  # tokens a program for prefills (`python -m bench.micro.rope`)
 
 
 @triton.jit

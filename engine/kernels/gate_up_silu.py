@@ -27,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 STAGES = 4       # 4 x 48 KB of operands + a 32 KB output tile: within the 227 KB an SM gives a block
-GROUP_M = 16     # row tiles that share each column strip of the weights while it is in L2 (bench.fused_mlp)
+GROUP_M = 16     # row tiles that share each column strip of the weights while it is in L2 (bench.micro.fused_mlp)
 NUM_WARPS = 8    # two warpgroups, each 64 rows of the tile
 
 

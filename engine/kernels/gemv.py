@@ -43,7 +43,7 @@ class GemvConfig:
         return k % self.block_k == 0 and k // self.block_k >= self.split_k
 
 
-# Tiles chosen by `python -m bench.gemv --sweep` on an H200 (bench/NOTES.md), by the weight's shape
+# Tiles chosen by `python -m bench.micro.gemv --sweep` on an H200 (bench/NOTES.md), by the weight's shape
 # class: one tile for every batch of 1-16 rows, so a row's result is the same at each of them.
 _NARROW_WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 NARROW_ROW_TILES: dict[str, GemvConfig] = {
@@ -57,7 +57,7 @@ NARROW_ROW_TILES: dict[str, GemvConfig] = {
 }
 
 
-# Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.gemv --sweep --rows 64`,
+# Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.micro.gemv --sweep --rows 64`,
 # at 64 rows: gate_up 68.9 us against 71.9, down 41.1 against 41.8 and its reduce kernel); qkv and
 # o_proj stay with cuBLAS (12.3 and 9.4 us against 14.1 and 11.6).
 WIDE_ROW_TILES: dict[str, GemvConfig] = {

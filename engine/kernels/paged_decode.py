@@ -23,7 +23,7 @@ from engine.kernels import launch
 
 BLOCK_N = 64      # context tokens per inner step
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
-# (1k tokens) and 18% (4k), at batch 32 four beat two by 4% and 15% (`python -m bench.decode_attention`)
+# (1k tokens) and 18% (4k), at batch 32 four beat two by 4% and 15% (`python -m bench.micro.decode_attention`)
 TARGET_PROGRAMS = 528
 
 

@@ -1,0 +1,74 @@
+"""`python -m bench.micro.decode_attention`: the paged decode attention kernel (`engine.kernels.paged_decode`)
+at Qwen2.5-7B's shape (28 query heads, 4 KV heads, head dim 128, blocks of 16 tokens), per batch
+size and context length, for each number of context splits, against HBM bandwidth; the split count
+the engine picks (`num_splits_for`) is marked. Each figure is one CUDA-graph replay over KV layers
+cycled through, divided by their count: at least `--layers`, and enough that together they hold
+three times the GPU's L2, so that each layer is read from HBM as in a step (a 1k context at batch 1
+is 2 MB a layer: eight of them would fit in an H200's L2, 60 MiB as the driver reports it).
+
+With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
+a step with one long history among short ones, where the layer lasts as long as the long history's
+programs. Recorded as `attention-long-history-*.json`, those rows price that part of the step in
+the simulator (planner.costs.fit_long_history)."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from bench.common import measure_hbm_gbps, metadata, write_json
+from bench.micro.gemv import graph_us
+from engine.kernels.paged_decode import num_splits_for, paged_decode_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.micro.decode_attention", description=__doc__)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--layers", type=int, default=8, help="KV layers cycled through, at least (more if L2 holds them)")
+    p.add_argument("--long-context", type=int, default=0, help="the first sequence's tokens (0: as the rest)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda:0")
+    hbm = measure_hbm_gbps(dev)
+    l2_bytes = torch.cuda.get_device_properties(dev).L2_cache_size
+    print(f"HBM copy {hbm:.0f} GB/s, L2 {l2_bytes / 2**20:.0f} MiB")
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            longest = max(ctx, args.long_context)
+            blocks = -(-longest // BLOCK)
+            slots = batch * blocks * BLOCK + BLOCK
+            count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * 2)))
+            layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+                      for _ in range(count)]
+            tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            lens[0] = longest
+            tokens = int(lens.sum())
+            q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
+            chosen = num_splits_for(batch, KV_HEADS)
+            long = {"long_context": longest} if args.long_context else {}
+            for splits in args.splits:
+                us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits)
+                               for kv in layers])
+                mark = " <- engine" if splits == chosen else ""
+                print(f"ctx {ctx:>6} batch {batch:>3} splits {splits:>3}: {us:8.1f} us  floor {floor_us:7.1f} "
+                      f"({floor_us / us:4.0%}){mark}", flush=True)
+                rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
+                             "floor_us": round(floor_us, 2), "engine_choice": splits == chosen})
+            del layers
+            torch.cuda.empty_cache()
+    if args.json:
+        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
+                               "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

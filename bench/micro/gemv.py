@@ -1,0 +1,147 @@
+"""`python -m bench.micro.gemv`: decode-time projections (Qwen2.5-7B shapes, bf16) through cuBLAS and
+through the Triton skinny matmul (`engine.kernels.gemv`), as a fraction of HBM bandwidth.
+
+Each figure is one CUDA-graph replay over one weight copy per layer (so nothing is served from
+L2, as in a real step), divided by the layer count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
+from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gated_config_for, gemv, gemv_silu
+from engine.ops import silu_mul
+
+SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
+          "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
+
+
+def graph_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Microseconds per call, from CUDA-graph replays of all `calls` in a row."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return replay_ms(graph, replays) * 1e3 / len(calls)
+
+
+def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_mul(F.linear(x, w))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.micro.gemv", description=__doc__)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--layers", type=int, default=28, help="weight copies cycled through (lm_head: 4)")
+    p.add_argument("--sweep", action="store_true", help="try every tile configuration, not only the default")
+    p.add_argument("--gated", action="store_true",
+                   help="gate_up as the decode step runs it: SiLU·mul in the epilogue (`gemv_silu`), each tile's "
+                        "block_n being its gate columns; cuBLAS's figure then includes the SiLU·mul kernel")
+    p.add_argument("--json", default=None)
+    p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
+    p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--wide-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--wide-stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2],
+                   help="K splits; a count that does not divide the K steps gives shares one step apart")
+    p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
+    p.add_argument("--narrow-block-n", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--narrow-block-k", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--narrow-stages", type=int, nargs="+", default=[3, 4],
+                   help="pipeline stages: one program an SM streams (stages - 1) tiles ahead")
+    args = p.parse_args()
+    dev = torch.device("cuda:0")
+    hbm = measure_hbm_gbps(dev)
+    print(f"HBM copy {hbm:.0f} GB/s (read + write)")
+    narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
+              itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
+                                args.narrow_splits)]
+    wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
+            itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
+                              args.wide_splits)]
+    rows_out = []
+    sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
+    for name in args.shapes:
+        n, k, has_bias = SHAPES[name]
+        copies = 4 if name == "lm_head" else args.layers
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(copies)]
+        biases = [torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None for _ in range(copies)]
+        floor_us = n * k * 2 / (hbm * 1e9) * 1e6
+        for m in args.rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            gated = args.gated and name == "gate_up"
+            pairs = list(zip(weights, biases, strict=True))
+            if gated:
+                ref = [silu_mul(F.linear(x, w)) for w in weights]
+                cublas = graph_us([partial(_cublas_silu, x, w) for w in weights])
+                engine_cfg = gated_config_for(weights[0], m)
+            else:
+                ref = [F.linear(x, w, b) for w, b in pairs]
+                cublas = graph_us([partial(F.linear, x, w, b) for w, b in pairs])
+                engine_cfg = config_for(weights[0], m)
+            configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
+            if args.sweep:  # the engine's own tile first, so its figure is always beside the others
+                tiles = narrow if m <= MAX_ROWS else wide
+                configs = [engine_cfg] * (engine_cfg is not None) + [c for c in tiles if c != engine_cfg]
+            elif engine_cfg is None:
+                configs = []
+            if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
+                print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
+                      f"({floor_us / cublas:4.0%})", flush=True)
+                rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+                                 "cublas_us": round(cublas, 2), "gemv_us": None, "gemv_config": None})
+                continue
+            best: tuple[float, GemvConfig | None] | None = None
+            for cfg in configs:
+                if cfg is not None and not cfg.fits(k):
+                    continue
+                if gated and cfg is not None and cfg.split_k > 1:
+                    continue  # the gated tile is unsplit
+                try:
+                    got = gemv_silu(x, weights[0], cfg) if gated else gemv(x, weights[0], biases[0], cfg)
+                    err = (got.float() - ref[0].float()).abs().max().item()
+                    calls = ([partial(gemv_silu, x, w, cfg) for w in weights] if gated
+                             else [partial(gemv, x, w, b, cfg) for w, b in pairs])
+                    us = graph_us(calls)
+                except Exception as e:  # a tile that does not fit this GPU's shared memory
+                    print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+                if args.sweep:
+                    tile = cfg or engine_cfg
+                    sweep_rows.append({"shape": name, "rows": m, "config": vars(tile), "us": round(us, 2),
+                                       "engine_choice": tile == engine_cfg})
+                    mark = " <- engine" if tile == engine_cfg else ""
+                    print(f"  {name} m={m} {tile}: {us:7.1f} us  max err {err:.3g}{mark}")
+            assert best is not None
+            chosen = best[1] or engine_cfg
+            assert chosen is not None
+            print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
+                  f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
+            rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+                             "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
+                             "gated": gated})
+        del weights, biases
+        torch.cuda.empty_cache()
+    if args.json:
+        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
+                               "rows": rows_out, **({"sweep": sweep_rows} if args.sweep else {})})
+
+
+if __name__ == "__main__":
+    main()
