@@ -55,6 +55,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.scheduler import BatchScheduler
     from decode_server.service import DecodeService, add_to_server
     from decode_server.sm_split import open_partitions
+    from decode_server.step_trace import StepTrace
     from engine.prefix_cache import PrefixCache
     from serving.loop_lag import LoopLagProbe
 
@@ -68,10 +69,11 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     cache = PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=cfg.prefix_cache)
     admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop, cache)
     partitions, prefill_sms = open_partitions(cfg, runner.device)
+    trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
                                die_after_steps=faults.engine_die_after_steps, partitions=partitions,
                                prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type),
-                               overlap_steps=cfg.overlap_steps)
+                               overlap_steps=cfg.overlap_steps, trace=trace)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None
@@ -120,6 +122,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         loop_lag.stop()
     if router is not None:
         await router.close()
+    if trace is not None:
+        trace.close()
     return code
 
 

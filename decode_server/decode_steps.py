@@ -19,6 +19,7 @@ import torch
 from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.sequence import RequestSequence
+from decode_server.step_trace import StepMarks, StepTrace
 from engine.host_read import TokenReader
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
@@ -49,6 +50,7 @@ class StepInFlight:
     tokens: torch.Tensor          # its sampled tokens on the device: the next step's inputs
     reader: TokenReader
     started: float
+    marks: StepMarks | None  # --step-trace
     rows: dict[int, int] = field(init=False)                            # id(seq) -> row
     release_after: list[RequestSequence] = field(default_factory=list)  # blocks it still writes: freed once done
 
@@ -58,9 +60,10 @@ class StepInFlight:
 
 class DecodeSteps:
     def __init__(self, runner: ModelRunner, admission: Admission, sink: TokenSink, max_batch_size: int,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, trace: StepTrace | None = None) -> None:
         self.runner, self.admission, self.sink = runner, admission, sink
         self.overlap = overlap
+        self.trace = trace
         # two readers, used in turn: one may hold the step in flight
         self.readers = [TokenReader(runner.device, max(1, max_batch_size)) for _ in range(2)]
         self.in_flight: StepInFlight | None = None
@@ -100,6 +103,7 @@ class DecodeSteps:
         """Queue a decode step of `seqs` and the read-back of its tokens; a sequence in `previous`
         takes its input token from that step's tokens, still on the device."""
         t0 = time.perf_counter()
+        marks = self.trace.begin_step(len(seqs), self.runner.device) if self.trace is not None else None
         rows = previous.rows if previous is not None else {}
         batch, indices = [], []
         for s in seqs:
@@ -109,20 +113,25 @@ class DecodeSteps:
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
         tokens = sample(logits, [s.params for s in seqs], indices, greedy)
+        if marks is not None and self.trace is not None:
+            self.trace.step_queued(marks)
         self._launched += 1
         reader = self.readers[self._launched % 2]  # the other may hold the step in flight
         reader.start(tokens)
-        return StepInFlight(seqs, tokens, reader, t0)
+        return StepInFlight(seqs, tokens, reader, t0, marks)
 
     def _read(self, step: StepInFlight, running: list[RequestSequence]) -> set[int]:
         """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it
         ended on the step before, or was cancelled) is dropped."""
+        read_s = time.perf_counter()
         while self.sink.remote_first_token_due() and not step.reader.ready():
             self.sink.take_arrivals(FIRST_TOKEN_POLL_S)  # an arrived first token leaves now, not after the step
         tokens = step.reader.take()
         now = time.perf_counter()
         elapsed = now - max(step.started, self._tokens_at)  # from the later of its launch and the last tokens out
         self._tokens_at = now
+        if step.marks is not None and self.trace is not None:
+            self.trace.step_read(step.marks, read_s, now)
         self.steps += 1
         metrics.DECODE_STEP.observe(elapsed)
         for seq in step.release_after:

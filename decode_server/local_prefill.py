@@ -23,6 +23,7 @@ from decode_server.admission import Admission
 from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestSequence
+from decode_server.step_trace import StepTrace
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.runner import ModelRunner
@@ -58,7 +59,7 @@ class LocalPrefill:
 
     def __init__(self, runner: ModelRunner, admission: Admission, sink: PromptSink, max_batch_size: int,
                  layer_slice_tokens: int, partitions: SmPartitions | None, prefill_sms: int,
-                 post_done: Callable[[PrefillDone], None]) -> None:
+                 post_done: Callable[[PrefillDone], None], trace: StepTrace | None = None) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
         steps (their `PrefillDone` goes to `post_done`); without them a partitioned prompt is
         prefilled as a layered one."""
@@ -66,7 +67,7 @@ class LocalPrefill:
         self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.prefilling: deque[RequestSequence] = deque()  # on this thread, FIFO
         self.layered: LayeredPrefill | None = None
-        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, post_done)
+        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, post_done, trace)
                             if partitions is not None else None)
         self.in_partition: list[RequestSequence] = []  # on the partitioned-prefill thread; freed on its PrefillDone
         self.first_tokens = TokenReader(runner.device, max(1, max_batch_size))  # engine thread only

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from decode_server.sequence import RequestSequence
+from decode_server.step_trace import StepTrace
 from engine.green_context import SmPartitions
 from engine.runner import ModelRunner
 from engine.sampling import sample
@@ -53,8 +54,9 @@ class PrefillDone:
 
 class PartitionedPrefill:
     def __init__(self, runner: ModelRunner, partitions: SmPartitions, default_sms: int,
-                 post: Callable[[PrefillDone], None]) -> None:
+                 post: Callable[[PrefillDone], None], trace: StepTrace | None = None) -> None:
         self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
+        self.trace = trace
         self._jobs: queue.Queue[RequestSequence | None] = queue.Queue()
         self._ready = threading.Event()
         self._setup_failed: BaseException | None = None
@@ -107,12 +109,14 @@ class PartitionedPrefill:
 
         token: int | None = None
         error: Exception | None = None
+        queued = started
         try:
             with self.partitions.confine(self.sms_for(seq)):
                 try:
                     logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
                                                  on_layer_done=stop_if_cancelled)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
+                    queued = time.perf_counter()
                 finally:  # whatever was queued must finish before the scheduler may free the blocks
                     if self.runner.device.type == "cuda":
                         torch.cuda.current_stream(self.runner.device).synchronize()
@@ -121,4 +125,8 @@ class PartitionedPrefill:
             pass
         except Exception as e:  # this request fails; the thread goes on with the next
             error = e
-        return PrefillDone(seq, token, error, started, time.perf_counter())
+        finished = time.perf_counter()
+        if self.trace is not None:
+            self.trace.prefill(seq.request_id, len(seq.prompt) - seq.prefilled, self.sms_for(seq), started, queued,
+                               finished)
+        return PrefillDone(seq, token, error, started, finished)

@@ -33,6 +33,7 @@ from decode_server.decode_steps import DecodeSteps
 from decode_server.local_prefill import LocalPrefill
 from decode_server.partitioned import PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, RequestSequence
+from decode_server.step_trace import StepTrace
 from engine.green_context import SmPartitions
 from engine.runner import ModelRunner
 
@@ -49,7 +50,7 @@ class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
                  layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
                  partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False,
-                 overlap_steps: bool = True) -> None:
+                 overlap_steps: bool = True, trace: StepTrace | None = None) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
         steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
         local prefill path once before `start` returns (engine.warmup). `overlap_steps`: queue each
@@ -63,10 +64,10 @@ class BatchScheduler:
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
         self._inbox: queue.Queue[_Arrival | PrefillDone | None] = queue.Queue()
         self.local = LocalPrefill(runner, admission, self, max_batch_size, layer_slice_tokens, partitions,
-                                  prefill_sms, self._inbox.put_nowait)
+                                  prefill_sms, self._inbox.put_nowait, trace)
         self.ready: deque[RequestSequence] = deque()  # first token out, waiting for a batch slot
         self.running: list[RequestSequence] = []
-        self.decode = DecodeSteps(runner, admission, self, max_batch_size, overlap_steps)
+        self.decode = DecodeSteps(runner, admission, self, max_batch_size, overlap_steps, trace)
         self._woken: list[RequestOutput] = []       # outputs added since the last wake-up
         self._stop = threading.Event()
         self._ready = threading.Event()
