@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.byte_tokenizer import byte_tokenizer
+from engine.checkpoint_names import is_harmless, unused_weight_message
 from engine.model import DecoderModel
 from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig, eos_token_ids
 from engine.ops import ALL_KERNELS, KernelOptions
@@ -107,9 +108,15 @@ def read_config(folder: Path) -> ModelConfig:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"--model {folder}: no config.json in it; {hint}")
     try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        raw = json.loads((folder / "config.json").read_text())
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, AttributeError) as e:
         raise ModelLoadError(f"--model {folder}: config.json is not a JSON object ({e}); {hint}") from e
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ModelLoadError(f"--model {folder}: quantization_config quant_method {method!r} is not supported; "
+                             "use an unquantized (bf16, fp16 or fp32) checkpoint of the model")
     if model_type not in FAMILIES:
         raise ModelLoadError(f"--model {folder}: model_type {model_type!r} is not supported; use a checkpoint of "
                              f"one of: {', '.join(FAMILIES)}")
@@ -146,14 +153,21 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     params = dict(model.named_parameters())
     names = weight_map(cfg)
     filled: dict[str, int] = {}
+    tied_copies: list[torch.Tensor] = []  # an lm_head saved beside tied embeddings: must be their copy
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     target = names.get(name)
                     if target is None:
-                        log.warning("ignoring unexpected weight %s in %s", name, file.name)
-                        continue
+                        if is_harmless(name):
+                            log.info("ignoring unused weight %s in %s", name, file.name)
+                            continue
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            tied_copies.append(f.get_tensor(name))
+                            continue
+                        raise ModelLoadError(f"--model {folder}: "
+                                             f"{unused_weight_message(name, file.name, cfg.family)}")
                     ours, rows = target
                     tensor = f.get_tensor(name)
                     dest = params[ours] if rows is None else params[ours][rows]
@@ -162,6 +176,9 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                                              f"config.json implies {tuple(dest.shape)}")
                     dest.copy_(tensor.to(dtype))
                     filled[ours] = filled.get(ours, 0) + tensor.shape[0]
+    if any(not torch.equal(t.to(dtype), params["embed.weight"].cpu()) for t in tied_copies):
+        raise ModelLoadError(f"--model {folder}: lm_head.weight differs from the embedding, but config.json has "
+                             "tie_word_embeddings true; fix the config (false) or drop the weight")
     missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]  # a tied lm_head is not listed
     if missing:
         raise ModelLoadError(f"--model {folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
