@@ -26,8 +26,8 @@ def is_harmless(name: str) -> bool:
 def unused_weight_message(name: str, file: str, family: str) -> str:
     """One line for a tensor the model has no place for: what it is and what to do."""
     if name.endswith(_QUANTIZED_SUFFIXES):
-        return (f"{name} in {file} is a quantization tensor, but config.json has no quantization_config this "
-                "server implements, so it would be served without it (wrong tokens); use an unquantized "
-                "(bf16, fp16 or fp32) checkpoint")
+        return (f"{name} in {file} is a quantization tensor that config.json's quantization_config does not "
+                "use (or it has none), so it would be served without it (wrong tokens); use an unquantized "
+                "(bf16, fp16 or fp32) checkpoint or an FP8 one whose config names its format")
     return (f"{name} in {file} is not a weight of a {family} model; the checkpoint does not match its "
             "config.json (use the folder transformers saved, unmodified)")

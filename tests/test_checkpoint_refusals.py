@@ -49,8 +49,8 @@ INT4_COMPRESSED = {"quant_method": "compressed-tensors", "format": "pack-quantiz
      "quant_method 'gptq' is not supported"),
     ({"quantization_config": INT4_COMPRESSED}, {}, "quant_method 'compressed-tensors'"),
     (None, {"model.layers.0.mlp.down_proj.weight_scale": torch.ones(64, 1)},
-     "model.layers.0.mlp.down_proj.weight_scale in model.safetensors is a quantization tensor, but config.json "
-     "has no quantization_config"),
+     "model.layers.0.mlp.down_proj.weight_scale in model.safetensors is a quantization tensor that config.json's "
+     "quantization_config does not use"),
     (None, {"model.layers.1.self_attn.q_proj.weight_zero_point": torch.zeros(64, 1)}, "is a quantization tensor"),
     (None, {"model.layers.2.mlp.extra_proj.weight": torch.ones(4, 4)},
      "model.layers.2.mlp.extra_proj.weight in model.safetensors is not a weight of a llama model"),
