@@ -28,6 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
+try:
+    from engine.kernels.fp8_quant import quantize_rows as _quantize_rows
+except ImportError:  # no Triton: CPU-only installs, where the reference path runs
+    _quantize_rows = None  # type: ignore[assignment]
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
@@ -234,11 +239,14 @@ def scaled_matmul(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     scales): activations quantized per token (largest magnitude to e4m3's largest), or with the
     checkpoint's static `input_scale`; float32 accumulation, bf16 out, then the bias."""
     assert layer.weight_scale is not None
-    if layer.input_scale is None:
-        x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    if layer.input_scale is None and _quantize_rows is not None and x.stride(1) == 1:
+        xq, x_scale = _quantize_rows(x)  # one kernel
     else:
-        x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if layer.input_scale is None:
+            x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        else:
+            x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.reshape(1, -1),
                            out_dtype=x.dtype)
     return out if layer.bias is None else out + layer.bias
