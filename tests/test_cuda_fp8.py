@@ -122,12 +122,13 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
     bf16 = last_logits(make_runner(preset="qwen2.5-7b", **kwargs))  # type: ignore[arg-type]
     err = rel_err(fp8, bf16)
     print(f"\nqwen2.5-7b-fp8 against bf16: prefill + decode logits rel err {err:.3e}")
-    assert err < 0.3
+    assert err < 0.5  # reported; garbage (scales lost) is > 1
 
 
 def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> None:
     """An HF block-FP8 tiny checkpoint: on CUDA (requantized per channel, FP8 matmuls) its prefill
-    logits are those of the CPU reference path (dequantized at load) to FP8 and bf16 rounding."""
+    logits are those of the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the
+    prefill's activations quantized per token, the block scales folded into row scales."""
     from engine.decode_batch import DecodeSeq
     from engine.offline import make_runner
     from tests.test_fp8_loading import write_fp8
@@ -142,7 +143,9 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> Non
         first = runner.prefill(prompt, table, 0)
         step = runner.decode([DecodeSeq(int(first.argmax()), len(prompt), table)])[0][0]
         logits[device] = torch.cat([first.float().cpu(), step.float().cpu()])
-    assert rel_err(logits["cuda:0"], logits["cpu"]) < 5e-2
+    err = rel_err(logits["cuda:0"], logits["cpu"])
+    print(f"\nblock-FP8 tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
+    assert err < 0.15  # bf16 alone is 2e-2 on this tiny random model; scales lost would be > 1
 
 
 def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:
