@@ -240,3 +240,31 @@ def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: P
             decode.stop()
     finally:
         prefill.stop()
+
+
+def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
+    """`--quantization fp8` through a real decode server gives the offline quantized tokens (not the
+    16-bit ones); on a checkpoint that is FP8 already the server exits at start, saying so."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    from serving.launch import ServerFailed
+
+    base = bases["llama"]
+    want = generate(make_runner(model=str(base), max_model_len=256, quantization="fp8"), PROMPTS, STEPS)
+    assert want != generate(make_runner(model=str(base), max_model_len=256), PROMPTS, STEPS)
+    server = ServerProcess("decode_server", ["--model", str(base), "--max-model-len", "256", "--quantization", "fp8"],
+                           server_logs).start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            for prompt, tokens in zip(PROMPTS, want, strict=True):
+                replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                    token_ids=prompt, max_new_tokens=STEPS, ignore_eos=True), timeout=60)
+                assert [r.token_id for r in replies] == tokens
+    finally:
+        server.stop()
+    folder, _ = write_fp8(base, tmp_path / "ct", "FP8_DYNAMIC")
+    refused = ServerProcess("prefill_server", ["--model", str(folder), "--quantization", "fp8"], server_logs)
+    with pytest.raises(ServerFailed, match="exited with 2"):
+        refused.start(timeout=120)
+    assert f"--model {folder} is already quantized (compressed-tensors); drop --quantization" in refused.log()
