@@ -11,10 +11,22 @@ import torch
 from safetensors import safe_open
 
 from engine.byte_tokenizer import byte_tokenizer
+from engine.checkpoint_names import is_harmless, unused_weight_message
+from engine.fp8 import (
+    FP8,
+    Fp8Format,
+    Fp8Linear,
+    UnsupportedQuantization,
+    dequantize,
+    quantize_model,
+    read_format,
+    replace_linears,
+    to_per_channel,
+)
 from engine.model import DecoderModel
 from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig, eos_token_ids
 from engine.ops import ALL_KERNELS, KernelOptions
-from engine.presets import PRESET_SEED, PRESETS
+from engine.presets import PRESET_QUANTIZATION, PRESET_SEED, PRESETS
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,7 +55,7 @@ def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max
 
 
 def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-                 kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
+                 kernels: KernelOptions = ALL_KERNELS, quantization: str | None = None) -> LoadedModel:
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
@@ -62,6 +74,9 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
                 p.normal_(0.0, 1.0 / p.shape[1] ** 0.5, generator=gen)
             else:
                 p.normal_(0.0, 0.1, generator=gen)
+    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8":  # random weights, quantized as loaded ones are
+        quantize_model(model, [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS],
+                       device.type == "cuda")
     tokenizer: Tokenizer | None = byte_tokenizer() if name == "tiny" else None
     return LoadedModel(model, cfg, tokenizer, f"preset:{name}")
 
@@ -107,9 +122,11 @@ def read_config(folder: Path) -> ModelConfig:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"--model {folder}: no config.json in it; {hint}")
     try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        raw = json.loads((folder / "config.json").read_text())
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, AttributeError) as e:
         raise ModelLoadError(f"--model {folder}: config.json is not a JSON object ({e}); {hint}") from e
+    read_quantization(folder, raw)
     if model_type not in FAMILIES:
         raise ModelLoadError(f"--model {folder}: model_type {model_type!r} is not supported; use a checkpoint of "
                              f"one of: {', '.join(FAMILIES)}")
@@ -124,6 +141,81 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"--model {folder}: {e}") from e
 
 
+def read_quantization(folder: Path, raw: dict[str, object] | None = None) -> Fp8Format | None:
+    """The checkpoint's FP8 format, None when unquantized; any other quantization is refused."""
+    raw = raw if raw is not None else json.loads((folder / "config.json").read_text())
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    try:
+        return read_format(config)
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(f"--model {folder}: {e}; use an unquantized (bf16, fp16 or fp32) checkpoint or one "
+                             "of those") from e
+
+
+LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the decoder layer's projections, in memory
+
+
+def linear_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, slice]]]:
+    """Each linear layer of ours (layers.0.qkv, lm_head) -> its transformers modules and their rows."""
+    parts: dict[str, list[tuple[str, slice]]] = {}
+    for theirs, (ours, rows) in weight_map(cfg).items():
+        module = ours.removesuffix(".weight")
+        if theirs.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEARS or module == "lm_head"):
+            n = cfg.vocab_size if module == "lm_head" else None
+            parts.setdefault(module, []).append((theirs.removesuffix(".weight"), rows or slice(0, n)))
+    return parts
+
+
+def _fp8_layers(folder: Path, cfg: ModelConfig, fmt: Fp8Format) -> dict[str, list[tuple[str, slice]]]:
+    """The linear layers whose checkpoint modules are FP8 (all of a fused layer's parts or none)."""
+    chosen = {}
+    for ours, parts in linear_parts(cfg).items():
+        flags = {fmt.quantizes(theirs) for theirs, _ in parts}
+        if len(flags) > 1:
+            raise ModelLoadError(f"--model {folder}: the quantization_config's ignore list keeps part of "
+                                 f"{', '.join(t for t, _ in parts)} unquantized; these run as one projection, so "
+                                 "ignore all of them or none")
+        if flags == {True}:
+            chosen[ours] = parts
+    return chosen
+
+
+def _fill_fp8(folder: Path, layer: Fp8Linear, parts: list[tuple[str, slice]],
+              pieces: dict[str, dict[str, torch.Tensor]], fmt: Fp8Format) -> None:
+    """Fill an Fp8Linear from its modules' e4m3 weights and scales (and static input scales: the
+    largest of a fused layer's parts, as vLLM does, since they share one input)."""
+    needed = ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ())
+    for theirs, rows in parts:
+        got = pieces.get(theirs, {})
+        if missing := [f"{theirs}.{n}" for n in needed if n not in got]:
+            raise ModelLoadError(f"--model {folder}: {', '.join(missing)} missing from an FP8 ({fmt.method}) "
+                                 "checkpoint; re-download or re-export it")
+        weight, scale = got["weight"], got[fmt.scale_name]
+        n = len(range(*rows.indices(layer.out_features)))
+        if weight.dtype != FP8 or tuple(weight.shape) != (n, layer.in_features):
+            raise ModelLoadError(f"--model {folder}: {theirs}.weight is {weight.dtype} {tuple(weight.shape)}; an "
+                                 f"FP8 checkpoint's is float8_e4m3fn {(n, layer.in_features)}")
+        want = _scale_shapes(fmt, n, layer.in_features)
+        if tuple(scale.shape) not in want:
+            raise ModelLoadError(f"--model {folder}: {theirs}.{fmt.scale_name} has shape {tuple(scale.shape)}; "
+                                 f"{fmt.weight} scales of this weight have {want[0]}")
+        if layer.weight_scale is not None:
+            layer.set_rows(rows, *to_per_channel(weight, scale, fmt))
+        else:
+            layer.set_rows(rows, dequantize(weight, scale, fmt), None)
+        if layer.input_scale is not None:
+            layer.input_scale.fill_(max(float(layer.input_scale), float(got["input_scale"].float().max())))
+
+
+def _scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
+    if fmt.weight == "block":
+        assert fmt.block is not None
+        return [(-(-n // fmt.block[0]), -(-k // fmt.block[1]))]
+    return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
+
+
 def _generation_eos(folder: Path) -> tuple[int, ...]:
     """End-of-turn ids that generation_config.json adds (Llama 3 instruct lists three)."""
     path = folder / "generation_config.json"
@@ -133,9 +225,15 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
-                    max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
+                    max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
+                    quantization: str | None = None) -> LoadedModel:
+    """With `quantization` "fp8", an unquantized checkpoint's decoder layers are quantized per output
+    channel at load. FP8 weights stay FP8 on CUDA; elsewhere they are dequantized (the reference path)."""
     folder = Path(path)
     cfg = read_config(folder)
+    fmt = read_quantization(folder)
+    if fmt is not None and quantization is not None:
+        raise ModelLoadError(f"--model {folder} is already quantized ({fmt.method}); drop --quantization")
     extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
     cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
     files = sorted(folder.glob("*.safetensors"))
@@ -143,25 +241,59 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(f"--model {folder}: no *.safetensors files in it; pass a folder with the weights "
                              "(sharded with model.safetensors.index.json or not)")
     model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
+    keep_fp8 = device.type == "cuda"
+    fp8_layers = _fp8_layers(folder, cfg, fmt) if fmt is not None else {}
+    if fmt is not None:
+        replace_linears(model, fp8_layers, keep_fp8, fmt.static_input)
+    fp8_modules = {theirs for parts in fp8_layers.values() for theirs, _ in parts}
+    fp8_suffixes = ("weight", fmt.scale_name, "input_scale") if fmt is not None and fmt.static_input else \
+        ("weight", fmt.scale_name if fmt is not None else "")
+    pieces: dict[str, dict[str, torch.Tensor]] = {}  # FP8 module -> its weight and scales, read in any order
     params = dict(model.named_parameters())
     names = weight_map(cfg)
     filled: dict[str, int] = {}
+    tied_copies: list[torch.Tensor] = []  # an lm_head saved beside tied embeddings: must be their copy
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    module, _, suffix = name.rpartition(".")
+                    if module in fp8_modules and suffix in fp8_suffixes:
+                        pieces.setdefault(module, {})[suffix] = f.get_tensor(name)
+                        continue
                     target = names.get(name)
                     if target is None:
-                        log.warning("ignoring unexpected weight %s in %s", name, file.name)
-                        continue
+                        if is_harmless(name):
+                            log.info("ignoring unused weight %s in %s", name, file.name)
+                            continue
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            tied_copies.append(f.get_tensor(name))
+                            continue
+                        raise ModelLoadError(f"--model {folder}: "
+                                             f"{unused_weight_message(name, file.name, cfg.family)}")
                     ours, rows = target
                     tensor = f.get_tensor(name)
+                    if tensor.dtype == FP8:
+                        raise ModelLoadError(f"--model {folder}: {name} is float8 but its quantization_config "
+                                             "(or its absence) says unquantized; fix config.json")
                     dest = params[ours] if rows is None else params[ours][rows]
                     if dest.shape != tensor.shape:
                         raise ModelLoadError(f"--model {folder}: {name} has shape {tuple(tensor.shape)}, "
                                              f"config.json implies {tuple(dest.shape)}")
                     dest.copy_(tensor.to(dtype))
                     filled[ours] = filled.get(ours, 0) + tensor.shape[0]
+        for ours, parts in fp8_layers.items():
+            assert fmt is not None
+            layer = model.get_submodule(ours)
+            assert isinstance(layer, Fp8Linear)
+            _fill_fp8(folder, layer, parts, pieces, fmt)
+            filled[f"{ours}.weight"] = layer.out_features
+        if quantization == "fp8":
+            quantize_model(model, [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS], keep_fp8)
+            params = dict(model.named_parameters())
+    if any(not torch.equal(t.to(dtype), params["embed.weight"].cpu()) for t in tied_copies):
+        raise ModelLoadError(f"--model {folder}: lm_head.weight differs from the embedding, but config.json has "
+                             "tie_word_embeddings true; fix the config (false) or drop the weight")
     missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]  # a tied lm_head is not listed
     if missing:
         raise ModelLoadError(f"--model {folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
@@ -175,7 +307,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
 
 
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS) -> LoadedModel:
+               max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
+               quantization: str | None = None) -> LoadedModel:
     if model_path:
-        return load_checkpoint(model_path, device, dtype, max_positions, kernels)
-    return build_preset(preset or "tiny", device, dtype, max_positions, kernels)
+        return load_checkpoint(model_path, device, dtype, max_positions, kernels, quantization)
+    return build_preset(preset or "tiny", device, dtype, max_positions, kernels, quantization)

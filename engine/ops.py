@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from engine.fp8 import Fp8Linear, fake_quantize, scaled_matmul, scaled_mm_supports
 
 try:
     from engine.kernels import fused as _fused
@@ -65,17 +68,36 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, x
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
+Linear = nn.Linear | Fp8Linear
+
+
+def _kernel_operands(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, the weight's row scales or None) as the skinny matmul takes them: an FP8 layer's static
+    input scale applied to x first."""
+    if not isinstance(layer, Fp8Linear):
+        return x, None
+    return (x if layer.input_scale is None else fake_quantize(x, layer.input_scale)), layer.weight_scale
+
+
+def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,
-    by the skinny matmul's store where it runs (no conversion kernel)."""
+    by the skinny matmul's store where it runs (no conversion kernel). FP8 layers: the skinny matmul
+    (W8A16) at decode sizes, `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
     if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
-        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype)
-    out = F.linear(x, layer.weight, layer.bias)
+        x, scale = _kernel_operands(x, layer)
+        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale)
+    if isinstance(layer, Fp8Linear) and scaled_mm_supports(x, layer):
+        out = scaled_matmul(x, layer)
+    elif isinstance(layer, Fp8Linear):
+        x, _ = _kernel_operands(x, layer)
+        out = F.linear(x, layer.dequantized(), layer.bias)
+    else:
+        out = F.linear(x, layer.weight, layer.bias)
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions,
+def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
                   tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear` to float32 (the lm_head) and each row's argmax ([B] int64, the first among equal
     maxima; written into `tokens` when given), from the skinny matmul's epilogue where its unsplit
@@ -84,21 +106,24 @@ def linear_argmax(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOption
             and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
         cfg = _gemv.config_for(layer.weight, x.shape[0])
         if cfg is not None and cfg.split_k == 1:
-            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens)
+            x, scale = _kernel_operands(x, layer)
+            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale)
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
     if tokens is None:
         return logits, logits.argmax(dim=-1)
     return logits, torch.argmax(logits, dim=-1, out=tokens)
 
 
-def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelOptions) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, layer: Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
-    if (kernels.fused_gate_up and _gate_up is not None and _fast(x) and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
+    if (kernels.fused_gate_up and not isinstance(layer, Fp8Linear) and _gate_up is not None and _fast(x)
+            and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
         return _gate_up.gate_up_silu(x, layer.weight)
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight)
             and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
-        return _gemv.gemv_silu(x, layer.weight)  # decode: SiLU·mul in the matmul's epilogue
+        x, scale = _kernel_operands(x, layer)
+        return _gemv.gemv_silu(x, layer.weight, scale=scale)  # decode: SiLU·mul in the matmul's epilogue
     return silu_mul(linear(x, layer, kernels))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.model_config import Llama3RopeScaling, ModelConfig
 
 # A model small enough for any laptop and CI; vocabulary = the byte tokenizer's 256 bytes + specials
@@ -62,5 +64,9 @@ LLAMA3_8B = ModelConfig(
                                    original_max_position_embeddings=8192),
 )
 
-PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "qwen2.5-7b": QWEN25_7B, "llama3-8b": LLAMA3_8B}
+PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "qwen2.5-7b": QWEN25_7B, "llama3-8b": LLAMA3_8B,
+                                   "qwen2.5-7b-fp8": replace(QWEN25_7B, name="qwen2.5-7b-fp8")}
+# Presets whose decoder layers are quantized at load (per output channel; the lm_head stays 16-bit,
+# as FP8 checkpoints keep it).
+PRESET_QUANTIZATION: dict[str, str] = {"qwen2.5-7b-fp8": "fp8"}
 PRESET_SEED = 1234

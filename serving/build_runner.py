@@ -33,7 +33,8 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up, pdl=cfg.pdl)
-        loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len, kernels=kernels)
+        loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len, kernels=kernels,
+                                             quantization=cfg.quantization)
     except ModelLoadError as e:
         raise StartupError(str(e)) from e
     max_len = min(max_len, loaded.config.max_position_embeddings)

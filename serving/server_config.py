@@ -44,6 +44,9 @@ class ServerConfig:
     device: str = field(default="auto", metadata=opt("cpu, cuda:N, or auto (prefill GPU 0, decode GPU 1)"))
     dtype: str = field(default="auto", metadata=opt("auto (bfloat16 on GPU, float32 on CPU), float32, "
                                                      "bfloat16, float16"))
+    quantization: str | None = field(default=None, metadata=opt(
+        "fp8: quantize the decoder layers' weights to FP8 (e4m3, a scale per output channel) at load; FP8 "
+        "checkpoints need no flag", choices=("fp8",)))
     block_size: int = field(default=16, metadata=opt("KV pool block size in tokens"))
     kv_cache_gb: float | None = field(default=None, metadata=opt("KV pool size in GiB; default: free GPU "
                                                                   "memory less a reserve, 0.25 GiB on CPU"))

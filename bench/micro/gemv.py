@@ -3,6 +3,11 @@ through the Triton skinny matmul (`engine.kernels.gemv`), as a fraction of HBM b
 
 Each figure is one CUDA-graph replay over one weight copy per layer (so nothing is served from
 L2, as in a real step), divided by the layer count.
+
+With `--fp8` the weights are e4m3 with a float32 scale per output row (`engine.fp8`): the skinny
+matmul reads them with bf16 activations (W8A16), against `torch._scaled_mm` (cuBLASLt FP8, row-wise
+scales) on activations already quantized per token (its quantization not counted); the floor is
+then one byte a weight.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
+from engine.fp8 import FP8_MAX, quantize_per_channel
 from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gated_config_for, gemv, gemv_silu
 from engine.ops import silu_mul
 
@@ -42,6 +48,13 @@ def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return silu_mul(F.linear(x, w))
 
 
+def _scaled_mm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               b: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    out = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+    out = out if b is None else out + b
+    return silu_mul(out) if gated else out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.micro.gemv", description=__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -51,6 +64,8 @@ def main() -> None:
     p.add_argument("--gated", action="store_true",
                    help="gate_up as the decode step runs it: SiLU·mul in the epilogue (`gemv_silu`), each tile's "
                         "block_n being its gate columns; cuBLAS's figure then includes the SiLU·mul kernel")
+    p.add_argument("--fp8", action="store_true",
+                   help="e4m3 weights with row scales, against torch._scaled_mm (row-wise scales)")
     p.add_argument("--json", default=None)
     p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
@@ -80,12 +95,26 @@ def main() -> None:
         copies = 4 if name == "lm_head" else args.layers
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(copies)]
         biases = [torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None for _ in range(copies)]
-        floor_us = n * k * 2 / (hbm * 1e9) * 1e6
+        scales: list[torch.Tensor | None] = [None] * copies
+        if args.fp8:
+            quantized = [quantize_per_channel(w) for w in weights]
+            weights = [q for q, _ in quantized]
+            scales = [s for _, s in quantized]
+            del quantized
+        floor_us = n * k * weights[0].element_size() / (hbm * 1e9) * 1e6
         for m in args.rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             gated = args.gated and name == "gate_up"
             pairs = list(zip(weights, biases, strict=True))
-            if gated:
+            if args.fp8:
+                x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+                xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
+                ref = [_scaled_mm(xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
+                       for w, s, b in zip(weights, scales, biases, strict=True)]
+                cublas = graph_us([partial(_scaled_mm, xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
+                                   for w, s, b in zip(weights, scales, biases, strict=True)])
+                engine_cfg = gated_config_for(weights[0], m) if gated else config_for(weights[0], m)
+            elif gated:
                 ref = [silu_mul(F.linear(x, w)) for w in weights]
                 cublas = graph_us([partial(_cublas_silu, x, w) for w in weights])
                 engine_cfg = gated_config_for(weights[0], m)
@@ -112,10 +141,12 @@ def main() -> None:
                 if gated and cfg is not None and cfg.split_k > 1:
                     continue  # the gated tile is unsplit
                 try:
-                    got = gemv_silu(x, weights[0], cfg) if gated else gemv(x, weights[0], biases[0], cfg)
+                    got = (gemv_silu(x, weights[0], cfg, scale=scales[0]) if gated
+                           else gemv(x, weights[0], biases[0], cfg, scale=scales[0]))
                     err = (got.float() - ref[0].float()).abs().max().item()
-                    calls = ([partial(gemv_silu, x, w, cfg) for w in weights] if gated
-                             else [partial(gemv, x, w, b, cfg) for w, b in pairs])
+                    calls = ([partial(gemv_silu, x, w, cfg, scale=s) for w, s in zip(weights, scales, strict=True)]
+                             if gated else [partial(gemv, x, w, b, cfg, scale=s)
+                                            for (w, b), s in zip(pairs, scales, strict=True)])
                     us = graph_us(calls)
                 except Exception as e:  # a tile that does not fit this GPU's shared memory
                     print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
@@ -136,11 +167,11 @@ def main() -> None:
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                              "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
                              "gated": gated})
-        del weights, biases
+        del weights, biases, scales
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
-                               "rows": rows_out, **({"sweep": sweep_rows} if args.sweep else {})})
+                               "fp8": args.fp8, "rows": rows_out, **({"sweep": sweep_rows} if args.sweep else {})})
 
 
 if __name__ == "__main__":

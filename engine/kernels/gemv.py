@@ -12,6 +12,11 @@ where the split count does not divide the K steps, shares differ by one step. Wi
 kernel picks the row's token from those, so the float32 logits are written but not read again.
 Rows past M are zero padding of the MMA tile, so a row's result does not depend on how many
 other rows ride along (tested).
+
+FP8 weights (e4m3 with one float32 scale per output row, `engine.fp8`) stream at half the bytes:
+each tile is converted to the activations' 16-bit type in registers (exact: every e4m3 value is a
+bf16 and an fp16 value), the MMA accumulates in float32 as for 16-bit weights, and the row scales
+multiply the sums before the bias and the rounding (W8A16).
 """
 
 from __future__ import annotations
@@ -68,6 +73,11 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 }
 
 
+# FP8 weights at 17-64 rows in the shapes bf16 leaves to cuBLAS (qkv, o_proj): cuBLAS's FP8 matmul reads
+# its weights at a third of HBM bandwidth there, so ours takes them too (a first tile, not swept yet).
+FP8_WIDE_ROW_TILE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2)
+
+
 def _shape_class(n: int, k: int) -> str:
     if n >= 16 * k:  # a vocabulary (the lm_head: 42 x the hidden size for Qwen2.5-7B; gate/up is 5-11 x)
         return "vocab"
@@ -80,6 +90,8 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
         return None
     n, k = weight.shape
     cfg = (NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES).get(_shape_class(n, k))
+    if cfg is None and weight.dtype == torch.float8_e4m3fn:
+        cfg = FP8_WIDE_ROW_TILE
     if cfg is None:
         return None
     if not cfg.fits(k):  # too short to split: one program per strip
@@ -88,8 +100,9 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr,
+def _gemv_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
+                 SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
@@ -111,10 +124,10 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc)  # FP8 weights converted in registers
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+            acc_up = tl.dot(x, tl.trans(w_up.to(X.dtype.element_ty)), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -131,6 +144,10 @@ def _gemv_kernel(X, W, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm
                 acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
     if last:
+        if HAS_SCALE:  # FP8 weights: each output row's scale, on the float32 sums
+            acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(X.dtype.element_ty)  # rounded to the model dtype even where OUT is float32 (logits)
@@ -164,44 +181,51 @@ def _argmax_kernel(BEST, BEST_COL, TOKENS, STRIPS, STRIPS_PAD: tl.constexpr, PDL
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """16-bit operands only: the tiles are sized for them (float32 ones overflow shared memory at
-    the 7B shape), and Triton would round float32 through TF32 where cuBLAS does not."""
+    """16-bit activations with weights of their dtype or e4m3 (given with their row scales): the
+    tiles are sized for them (float32 ones overflow shared memory at the 7B shape), and Triton would
+    round float32 through TF32 where cuBLAS does not."""
     k = weight.shape[1]
     cfg = config_for(weight, x.shape[0]) if x.dim() == 2 else None
-    return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
+    return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype in (x.dtype, torch.float8_e4m3fn)
             and x.shape[1] == k and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
             and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype, or stored as
     `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows 1-16 run
-    in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class."""
+    in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class.
+    An e4m3 weight comes with `scale` [N] (float32), one per output row."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
-    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype)[0]
+    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale)[0]
 
 
 def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                cfg: GemvConfig | None = None, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cfg: GemvConfig | None = None, tokens: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv` (no bias) and each row's argmax over the stored values ([M] int64, the first column
     among equal maxima, as torch.argmax): the lm_head of a greedy decode step, whose epilogue keeps
     each strip's best so the logits are not read again; the tokens go to `tokens` [M] when given.
     Unsplit tiles only."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None and cfg.split_k == 1, f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    out, picked = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True, tokens=tokens)
+    out, picked = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True, tokens=tokens,
+                          scale=scale)
     assert picked is not None
     return out, picked
 
 
-def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for weight [2I, K] = [gate; up] -> [M, I], with the same rounding
     as `gemv` followed by SiLU·mul: each program streams a strip of gate rows and the matching up rows."""
     cfg = cfg or gated_config_for(weight, x.shape[0])
     assert cfg is not None, f"no gated tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    return _launch(x, weight, None, cfg, gated=True)[0]
+    return _launch(x, weight, None, cfg, gated=True, scale=scale)[0]
 
 
 def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
@@ -214,8 +238,11 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             gated: bool, out_dtype: torch.dtype | None = None,
-            argmax: bool = False, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            argmax: bool = False, tokens: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
+    assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "e4m3 weights come with their row scales"
+    assert scale is None or (scale.dtype == torch.float32 and scale.shape == (weight.shape[0],))
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
     n, k = weight.shape
     if gated:
@@ -236,9 +263,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         if tokens is None:
             tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counts, best, best_col, m, n, k,
+        x, weight, scale if scale is not None else out, bias if bias is not None else weight, out, partial, counts,
+        best, best_col, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
     if not argmax:

@@ -1,0 +1,164 @@
+"""FP8 weights on CUDA: the skinny matmul (plain, gated, argmax) and `torch._scaled_mm` against the
+same e4m3 weights dequantized through the float32 reference; the FP8 preset in CUDA graphs against
+eager and against bf16; an FP8 checkpoint against its CPU reference. Skipped where there is no GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import rel_err, write_tiny_checkpoint
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
+          "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
+
+
+def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], float32 row scales [N], the float32 values they stand for)."""
+    from engine.fp8 import quantize_per_channel
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5 * torch.rand(n, 1, device="cuda", generator=g)
+    q, scale = quantize_per_channel(w)
+    return q, scale, q.float() * scale[:, None]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
+    """Every layer shape at 1-64 rows: within bf16 rounding of x @ dequantized W^T in float32, and a
+    row's result the same whatever rides along in its tile."""
+    from engine.kernels.gemv import MAX_ROWS, config_for, gemv
+
+    n, k, has_bias = SHAPES[shape]
+    q, scale, ref_w = fp8_weight(n, k, seed=1)
+    bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+    x = torch.randn(64, k, dtype=torch.bfloat16, device="cuda")
+    for rows in (16, 64):
+        assert config_for(q, rows) is not None, (shape, rows)
+        full = gemv(x[:rows], q, bias, scale=scale)
+        ref = F.linear(x[:rows].float(), ref_w, None if bias is None else bias.float())
+        assert rel_err(full, ref) < 1e-2, (shape, rows)
+        for m in ((1, 5, 15) if rows == MAX_ROWS else (17, 40, 63)):
+            assert torch.equal(gemv(x[:m], q, bias, scale=scale), full[:m])
+    logits = gemv(x[:4], q, bias, scale=scale, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x[:4], q, bias, scale=scale).float())
+
+
+def test_fp8_gated_and_argmax_epilogues() -> None:
+    """SiLU·mul in the gate/up epilogue with each half's own scales; the lm_head's argmax over its
+    FP8 logits is torch.argmax's."""
+    from engine.kernels.gemv import gemv, gemv_argmax, gemv_silu
+    from engine.ops import silu_mul
+
+    q, scale, ref_w = fp8_weight(37888, 3584, seed=2)
+    for m in (1, 8, 16, 33, 64):
+        x = torch.randn(m, 3584, dtype=torch.bfloat16, device="cuda")
+        want = silu_mul(F.linear(x.float(), ref_w).to(torch.bfloat16))
+        assert rel_err(gemv_silu(x, q, scale=scale), want) < 2e-2, m
+    q, scale, ref_w = fp8_weight(152064, 3584, seed=3)
+    for m in (1, 16, 17, 64):
+        x = torch.randn(m, 3584, dtype=torch.bfloat16, device="cuda")
+        logits, tokens = gemv_argmax(x, q, out_dtype=torch.float32, scale=scale)
+        assert torch.equal(logits, gemv(x, q, out_dtype=torch.float32, scale=scale))
+        assert torch.equal(tokens, logits.argmax(-1))
+        assert rel_err(logits, F.linear(x.float(), ref_w)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [65, 512, 4096])
+def test_scaled_mm_prefill_is_the_per_token_quantized_matmul(rows: int) -> None:
+    """Prefill's `torch._scaled_mm` path: x quantized per token, e4m3 weights, float32 sums; against the
+    same quantized operands dequantized in float32, and near the unquantized activations' result."""
+    from engine.fp8 import FP8, FP8_MAX, Fp8Linear, scaled_matmul, scaled_mm_supports
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    for n, k, has_bias in SHAPES.values():
+        q, scale, ref_w = fp8_weight(n, k, seed=4)
+        layer = Fp8Linear(k, n, has_bias, torch.bfloat16, torch.device("cuda"), keep_fp8=True, static_input=False)
+        layer.set_rows(slice(None), q, scale)
+        if layer.bias is not None:
+            layer.bias.data.normal_()
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        assert scaled_mm_supports(x, layer)
+        got = scaled_matmul(x, layer)
+        x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+        xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale
+        bias = None if layer.bias is None else layer.bias.float()
+        assert rel_err(got, F.linear(xq, ref_w, bias)) < 1e-2
+        assert rel_err(got, F.linear(x.float(), ref_w, bias)) < 6e-2  # the activations' own rounding
+
+
+def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
+    """The 7B shape quantized at load: CUDA graphs (skinny FP8 matmuls, PDL, both sides of buffers)
+    give eager's tokens; a prefill's logits against the bf16 preset's (the same seeded weights)."""
+    from engine.decode_batch import DecodeSeq
+    from engine.fp8 import Fp8Linear
+    from engine.offline import generate, make_runner
+
+    kwargs = dict(device="cuda:0", dtype=torch.bfloat16, max_batch_size=32, max_model_len=1024, kv_gb=2.0)
+    runner = make_runner(preset="qwen2.5-7b-fp8", cuda_graphs=True, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(runner.model.layers[0].qkv, Fp8Linear) and runner.model.layers[0].qkv.weight.dtype.itemsize == 1
+    prompts = [[(i * 7 + j * 13) % 1000 for i in range(40 + 30 * j)] for j in range(20)]
+    graphed = generate(runner, prompts, 12)
+    runner.graphs = None
+    assert generate(runner, prompts, 12) == graphed
+    prompt = [(i * 31 + 5) % 5000 for i in range(600)]
+
+    def last_logits(r: object) -> torch.Tensor:
+        table = r.pool.allocator.allocate(r.pool.blocks_needed(700))  # type: ignore[attr-defined]
+        logits = r.prefill(prompt, table, 0)  # type: ignore[attr-defined]
+        step = r.decode([DecodeSeq(int(logits.argmax()), len(prompt), table)])[0][0]  # type: ignore[attr-defined]
+        return torch.cat([logits.float(), step.float()])
+
+    fp8 = last_logits(runner)
+    del runner
+    torch.cuda.empty_cache()
+    bf16 = last_logits(make_runner(preset="qwen2.5-7b", **kwargs))  # type: ignore[arg-type]
+    err = rel_err(fp8, bf16)
+    print(f"\nqwen2.5-7b-fp8 against bf16: prefill + decode logits rel err {err:.3e}")
+    assert err < 0.5  # reported; garbage (scales lost) is > 1
+
+
+def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> None:
+    """An HF block-FP8 tiny checkpoint: on CUDA (requantized per channel, FP8 matmuls) its prefill
+    logits are those of the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the
+    prefill's activations quantized per token, the block scales folded into row scales."""
+    from engine.decode_batch import DecodeSeq
+    from engine.offline import make_runner
+    from tests.test_fp8_loading import write_fp8
+
+    base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="qwen3", hidden_size=256, intermediate_size=512)
+    folder, _ = write_fp8(base, tmp_path / "fp8", "hf-fp8")
+    prompt = [(i * 37 + 11) % 290 for i in range(70)]
+    logits = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda:0", torch.bfloat16)):
+        runner = make_runner(model=str(folder), device=device, dtype=dtype, max_model_len=256)
+        table = runner.pool.allocator.allocate(runner.pool.blocks_needed(100))
+        first = runner.prefill(prompt, table, 0)
+        step = runner.decode([DecodeSeq(int(first.argmax()), len(prompt), table)])[0][0]
+        logits[device] = torch.cat([first.float().cpu(), step.float().cpu()])
+    err = rel_err(logits["cuda:0"], logits["cpu"])
+    print(f"\nblock-FP8 tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
+    assert err < 0.15  # bf16 alone is 2e-2 on this tiny random model; scales lost would be > 1
+
+
+def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:
+    """The prefill's activation quantization (one kernel) against the same steps in PyTorch: equal
+    scales, values within one e4m3 rounding, an all-zero row kept finite."""
+    from engine.fp8 import FP8, FP8_MAX
+    from engine.kernels.fp8_quant import quantize_rows
+
+    x = torch.randn(300, 18944, dtype=torch.bfloat16, device="cuda") * torch.rand(300, 1, device="cuda").bfloat16()
+    x[7] = 0
+    q, scale = quantize_rows(x)
+    want_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    assert q.dtype == FP8 and torch.allclose(scale, want_scale, rtol=1e-6, atol=0)
+    want = (x.float() / want_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+    assert (q.float() != want).float().mean() < 1e-3 and rel_err(q.float() * scale, x.float()) < 4e-2
+    assert torch.equal(q[7].float(), torch.zeros(18944, device="cuda"))

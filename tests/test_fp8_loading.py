@@ -1,0 +1,270 @@
+"""FP8 checkpoints as llm-compressor (compressed-tensors) and transformers' `fp8` write them load
+through the one decoder and decode to the greedy tokens of the same weights dequantized, run by
+transformers itself; `--quantization fp8` and the FP8 preset quantize per output channel at load.
+On the CPU the weights are dequantized at load (the reference path the GPU kernels are tested against)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, to_per_channel
+from engine.loader import ModelLoadError, build_preset, load_checkpoint
+from engine.offline import generate, make_runner
+from tests.conftest import write_tiny_checkpoint
+from tests.servers import ServerProcess
+
+PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
+STEPS = 12
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+         "o_proj": "o_proj", "down_proj": "down"}
+E4M3_MAX = 448.0
+
+
+def _group(scheme: str) -> dict[str, object]:
+    """compressed-tensors' preset schemes as llm-compressor writes them into config.json."""
+    weights: dict[str, object] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                  "group_size": None, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+                                  "strategy": {"FP8_DYNAMIC": "channel", "FP8": "tensor", "FP8_BLOCK": "block"}[scheme],
+                                  "block_structure": [128, 128] if scheme == "FP8_BLOCK" else None}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": scheme != "FP8", "group_size": None,
+              "actorder": None, "observer": "minmax" if scheme == "FP8" else None, "observer_kwargs": {},
+              "strategy": {"FP8_DYNAMIC": "token", "FP8": "tensor", "FP8_BLOCK": "group"}[scheme],
+              "block_structure": None}
+    if scheme == "FP8_BLOCK":
+        inputs["group_size"] = 128
+    return {"format": "float-quantized", "targets": ["Linear"], "weights": weights, "input_activations": inputs,
+            "output_activations": None}
+
+
+def quantization_config(scheme: str) -> dict[str, object]:
+    if scheme == "hf-fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": _group(scheme)}, "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}, "version": "0.10.2"}
+
+
+def quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, its scale tensor as the tool stores it, the dequantized float32 values)."""
+    if scheme in ("FP8_BLOCK", "hf-fp8"):
+        n, k = w.shape
+        padded = torch.zeros(math.ceil(n / 128) * 128, math.ceil(k / 128) * 128)
+        padded[:n, :k] = w
+        blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    elif scheme == "FP8_DYNAMIC":
+        scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)  # [N, 1], the model's dtype
+        full = scale.float().expand_as(w)
+    else:
+        scale = (w.abs().amax() / E4M3_MAX).reshape(1)
+        full = scale.expand_as(w)
+    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q, scale, q.float() * full
+
+
+def write_fp8(base: Path, folder: Path, scheme: str) -> tuple[Path, Path]:
+    """`base`'s decoder projections in FP8 as the tool writes them, and the same values dequantized
+    into a float32 checkpoint (the reference), with static input scales where the scheme has them."""
+    weights, reference = load_file(base / "model.safetensors"), {}
+    out: dict[str, torch.Tensor] = {}
+    input_scales: dict[str, float] = {}
+    for name, w in weights.items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module.rsplit(".", 1)[-1] not in FUSED:
+            out[name] = reference[name] = w
+            continue
+        q, scale, deq = quantize(w, scheme)
+        out[name], reference[name] = q, deq
+        out[f"{module}.{'weight_scale_inv' if scheme == 'hf-fp8' else 'weight_scale'}"] = scale
+        if scheme == "FP8":  # calibrated per module: a range of activations, some of them clipped
+            input_scales[module] = 2.0 / E4M3_MAX * (1 + 0.1 * (len(input_scales) % 5))
+            out[f"{module}.input_scale"] = torch.tensor([input_scales[module]])
+    raw = json.loads((base / "config.json").read_text())
+    for target, tensors, config in ((folder, out, {"quantization_config": quantization_config(scheme)}),
+                                    (folder.with_name(folder.name + "-dequantized"), reference, {})):
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({**raw, **config}))
+        save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    (folder.with_name(folder.name + "-dequantized") / "input_scales.json").write_text(json.dumps(input_scales))
+    return folder, folder.with_name(folder.name + "-dequantized")
+
+
+def reference_greedy(folder: Path) -> list[list[int]]:
+    """transformers on the dequantized weights; a static scheme's activations quantized before each
+    projection with its fused group's largest input scale (the loader's choice, as vLLM's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    scales = json.loads((folder / "input_scales.json").read_text())
+    fused: dict[tuple[str, str], float] = {}
+    for module, s in scales.items():
+        key = (module.rsplit(".", 2)[0], FUSED[module.rsplit(".", 1)[-1]])
+        fused[key] = max(fused.get(key, 0.0), s)
+    for module in scales:
+        s = fused[(module.rsplit(".", 2)[0], FUSED[module.rsplit(".", 1)[-1]])]
+
+        def hook(_: torch.nn.Module, args: tuple[torch.Tensor], s: float = s) -> tuple[torch.Tensor]:
+            return ((args[0] / s).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).float() * s,)
+
+        model.get_submodule(module).register_forward_pre_hook(hook)
+    return [model.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Llama 3 (tied embeddings) and a Qwen3, wide enough for two 128-column blocks (one partial)."""
+    root = tmp_path_factory.mktemp("fp8")
+    return {family: write_tiny_checkpoint(root / f"tiny-{family}", seed=7, family=family, hidden_size=192,
+                                          intermediate_size=320) for family in ("llama", "qwen3")}
+
+
+@pytest.mark.parametrize(("scheme", "family"), [("FP8_DYNAMIC", "llama"), ("FP8", "llama"), ("FP8_BLOCK", "qwen3"),
+                                                ("hf-fp8", "qwen3")])
+def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: str, bases: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    folder, dequantized = write_fp8(bases[family], tmp_path / f"{family}-{scheme}", scheme)
+    want = reference_greedy(dequantized)
+    runner = make_runner(model=str(folder), max_model_len=256)
+    layer = runner.model.layers[0]
+    assert isinstance(layer.qkv, Fp8Linear) and isinstance(layer.down, Fp8Linear)
+    assert not isinstance(runner.model.lm_head, Fp8Linear)  # ignored: kept as the checkpoint has it
+    assert (layer.qkv.input_scale is not None) == (scheme == "FP8")
+    assert generate(runner, PROMPTS, STEPS) == want
+    ignoring_scales = dict(load_file(dequantized / "model.safetensors"))  # what the loader used to serve
+    assert not torch.equal(ignoring_scales["model.layers.0.mlp.down_proj.weight"],
+                           load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"].float())
+
+
+def test_ignore_list_keeps_modules_unquantized_and_refuses_half_a_fused_projection(bases: dict[str, Path],
+                                                                                    tmp_path: Path) -> None:
+    folder, _ = write_fp8(bases["llama"], tmp_path / "ct", "FP8_DYNAMIC")
+    weights = load_file(folder / "model.safetensors")
+    original = load_file(bases["llama"] / "model.safetensors")
+    for part in ("gate_proj", "up_proj"):  # layer 1's MLP input kept in float, as `ignore` says
+        name = f"model.layers.1.mlp.{part}"
+        weights[f"{name}.weight"] = original[f"{name}.weight"]
+        del weights[f"{name}.weight_scale"]
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.(gate|up)_proj$"]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "config.json").write_text(json.dumps(raw))
+    save_file(weights, mixed / "model.safetensors", metadata={"format": "pt"})
+    model = load_checkpoint(mixed, torch.device("cpu"), torch.float32).model
+    assert not isinstance(model.layers[1].gate_up, Fp8Linear) and isinstance(model.layers[0].gate_up, Fp8Linear)
+    kept = dict(model.named_parameters())["layers.1.gate_up.weight"]
+    assert torch.equal(kept[:320], original["model.layers.1.mlp.gate_proj.weight"])
+    raw["quantization_config"]["ignore"] = ["lm_head", "model.layers.1.mlp.gate_proj"]
+    (mixed / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="ignore list keeps part of .*gate_proj.*up_proj.*ignore all of them"):
+        load_checkpoint(mixed, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"config_groups": {"group_0": {**_group("FP8"), "weights": {**_group("FP8")["weights"], "num_bits": 4,  # type: ignore[dict-item]
+                                                                   "type": "int"}}}},
+     "quant_method 'compressed-tensors' with int 4-bit weights is not supported"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "with a kv_cache_scheme"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "quant_method 'fp8' with activation_scheme 'static'"),
+    ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+])
+def test_other_quantizations_are_refused_naming_them(change: dict[str, object], expected: str,
+                                                     bases: dict[str, Path], tmp_path: Path) -> None:
+    folder, _ = write_fp8(bases["llama"], tmp_path / "ct", "FP8")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {**raw["quantization_config"], **change}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError) as e:
+        load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    assert expected in str(e.value) and "\n" not in str(e.value) and "use an unquantized" in str(e.value)
+
+
+def test_quantization_flag_quantizes_per_channel_at_load(bases: dict[str, Path]) -> None:
+    """`--quantization fp8` on a float checkpoint: the tokens of its weights rounded per output channel."""
+    base = bases["qwen3"]
+    runner = make_runner(model=str(base), max_model_len=256)
+    original = {n: p.clone() for n, p in runner.model.named_parameters()}
+    loaded = load_checkpoint(base, torch.device("cpu"), torch.float32, quantization="fp8").model
+    for name in ("layers.0.qkv.weight", "layers.2.down.weight"):
+        w, got = original[name], dict(loaded.named_parameters())[name]
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        assert torch.equal(got, (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).float() * scale)
+    assert torch.equal(loaded.lm_head.weight, original["lm_head.weight"])
+    tiny = build_preset("tiny", torch.device("cpu"), torch.float32, quantization="fp8").model
+    assert isinstance(tiny.layers[0].gate_up, Fp8Linear)
+
+
+def test_block_scales_requantized_per_channel_stay_within_an_e4m3_step() -> None:
+    """The GPU layout folds 128x128 block scales into one scale a row: each value moves by at most
+    half an e4m3 step of itself (2^-4 relative), or the row's smallest subnormal step."""
+    torch.manual_seed(0)
+    w = torch.randn(300, 400) * torch.logspace(-2, 0, 400)  # blocks whose ranges differ 100-fold
+    q, scale, deq = quantize(w, "hf-fp8")
+    fmt = Fp8Format("fp8", "block", (128, 128), False, (), "weight_scale_inv")
+    assert torch.equal(dequantize(q, scale, fmt), deq)
+    values, row_scale = to_per_channel(q, scale, fmt)
+    again = values.float() * row_scale[:, None]
+    bound = deq.abs() * 2.0**-4 + row_scale[:, None] * 2.0**-10
+    assert bool(((again - deq).abs() <= bound).all())
+
+
+def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
+    """A real prefill and decode server on an HF block-FP8 checkpoint: the reference's tokens."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    folder, dequantized = write_fp8(bases["qwen3"], tmp_path / "served", "hf-fp8")
+    want = reference_greedy(dequantized)
+    prefill = ServerProcess("prefill_server", ["--model", str(folder), "--max-model-len", "256"], server_logs).start()
+    try:
+        decode = ServerProcess("decode_server", ["--model", str(folder), "--max-model-len", "256", "--prefill-addr",
+                                                 prefill.address], server_logs).start()
+        try:
+            with grpc.insecure_channel(decode.address) as ch:
+                for prompt, tokens in zip(PROMPTS, want, strict=True):
+                    replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                        token_ids=prompt, max_new_tokens=STEPS, ignore_eos=True,
+                        prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60)
+                    assert [r.token_id for r in replies] == tokens
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()
+
+
+def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
+    """`--quantization fp8` through a real decode server gives the offline quantized tokens (not the
+    16-bit ones); on a checkpoint that is FP8 already the server exits at start, saying so."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    from serving.launch import ServerFailed
+
+    base = bases["llama"]
+    want = generate(make_runner(model=str(base), max_model_len=256, quantization="fp8"), PROMPTS, STEPS)
+    assert want != generate(make_runner(model=str(base), max_model_len=256), PROMPTS, STEPS)
+    server = ServerProcess("decode_server", ["--model", str(base), "--max-model-len", "256", "--quantization", "fp8"],
+                           server_logs).start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            for prompt, tokens in zip(PROMPTS, want, strict=True):
+                replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                    token_ids=prompt, max_new_tokens=STEPS, ignore_eos=True), timeout=60)
+                assert [r.token_id for r in replies] == tokens
+    finally:
+        server.stop()
+    folder, _ = write_fp8(base, tmp_path / "ct", "FP8_DYNAMIC")
+    refused = ServerProcess("prefill_server", ["--model", str(folder), "--quantization", "fp8"], server_logs)
+    with pytest.raises(ServerFailed, match="exited with 2"):
+        refused.start(timeout=120)
+    assert f"--model {folder} is already quantized (compressed-tensors); drop --quantization" in refused.log()
