@@ -103,7 +103,8 @@ class DecodeSteps:
         """Queue a decode step of `seqs` and the read-back of its tokens; a sequence in `previous`
         takes its input token from that step's tokens, still on the device."""
         t0 = time.perf_counter()
-        marks = self.trace.begin_step(len(seqs), self.runner.device) if self.trace is not None else None
+        marks = (self.trace.begin_step([s.request_id for s in seqs[:8]], len(seqs), self.runner.device)
+                 if self.trace is not None else None)
         rows = previous.rows if previous is not None else {}
         batch, indices = [], []
         for s in seqs:

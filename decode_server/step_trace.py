@@ -28,6 +28,7 @@ class StepMarks:
     """One decode step's marks, filled as it goes."""
 
     batch: int
+    requests: list[str]  # the first rows' request ids: a gap counts between steps that share one
     launch_s: float
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
@@ -41,9 +42,9 @@ class StepTrace:
         self._lock = threading.Lock()  # the engine and partitioned-prefill threads both write
         self.steps = 0
 
-    def begin_step(self, batch: int, device: torch.device) -> StepMarks:
+    def begin_step(self, requests: list[str], batch: int, device: torch.device) -> StepMarks:
         timed = device.type == "cuda"
-        marks = StepMarks(batch, time.perf_counter(), *((torch.cuda.Event(enable_timing=True),
+        marks = StepMarks(batch, requests, time.perf_counter(), *((torch.cuda.Event(enable_timing=True),
                                                           torch.cuda.Event(enable_timing=True)) if timed
                                                          else (None, None)))
         if marks.start is not None:
@@ -59,7 +60,8 @@ class StepTrace:
         """The step's tokens are on the host, so its end event has completed."""
         gpu_ms = marks.start.elapsed_time(marks.end) if marks.start is not None and marks.end is not None else None
         self.steps += 1
-        self._write({"kind": "step", "step": self.steps, "batch": marks.batch, "launch_s": marks.launch_s,
+        self._write({"kind": "step", "step": self.steps, "batch": marks.batch, "requests": marks.requests,
+                     "launch_s": marks.launch_s,
                      "launched_s": marks.launched_s, "read_s": read_s, "tokens_s": tokens_s, "gpu_ms": gpu_ms})
 
     def prefill(self, request_id: str, tokens: int, sms: int, started_s: float, queued_s: float,

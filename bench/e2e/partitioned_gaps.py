@@ -37,7 +37,9 @@ def classify(steps: list[dict[str, Any]], prefills: list[dict[str, Any]]) -> dic
     def window_of(t: float) -> tuple[float, float, float] | None:
         return next((w for w in windows if w[0] <= t <= w[1] + 0.02), None)
 
-    gaps = [(b, b["tokens_s"] - a["tokens_s"]) for a, b in zip(steps, steps[1:], strict=False)]
+    # a gap between two steps that share a request: an idle engine between two requests is no gap of anyone's
+    gaps = [(b, b["tokens_s"] - a["tokens_s"]) for a, b in zip(steps, steps[1:], strict=False)
+            if set(a["requests"]) & set(b["requests"])]
     alone = [g for s, g in gaps if window_of(s["tokens_s"]) is None and s["batch"] == 1]
     median_alone = statistics.median(alone) if alone else None
     slow: list[dict[str, Any]] = []
