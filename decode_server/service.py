@@ -40,7 +40,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         s = request.sampling
         return RequestFields(request_id, request.token_ids, request.prompt, True, request.max_new_tokens,
                              s.temperature, s.top_p, s.top_k, s.seed, request.stop_token_ids, request.ignore_eos,
-                             request.prefill_mode, request.chunk_size, request.prefill_sms)
+                             request.prefill_mode, request.chunk_size, request.prefill_sms, request.cache_salt)
 
     # --- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request: decode_pb2.GenerateRequest | bytes,  # type: ignore[override]
