@@ -35,10 +35,8 @@ serve-decode:
 stop:
 	@$(PYTHON) -m serving.launch stop decode prefill --run-dir $(RUN_DIR)
 
-# The scenario sends the same B prompt in every row: the servers run without a prefix cache.
 demo: install
-	@$(MAKE) --no-print-directory serve-prefill serve-decode PREFILL_ARGS="$(PREFILL_ARGS) --no-prefix-cache" \
-		DECODE_ARGS="$(DECODE_ARGS) --no-prefix-cache"
+	@$(MAKE) --no-print-directory serve-prefill serve-decode
 	@$(PYTHON) -m client.scenario --target $(HOST):$(DECODE_PORT) $(SCENARIO_ARGS); \
 		status=$$?; $(MAKE) --no-print-directory stop; exit $$status
 
