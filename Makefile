@@ -24,16 +24,16 @@ proto:
 	$(PYTHON) proto/generate.py
 
 serve-prefill:
-	@$(PYTHON) -m serving.launch start prefill prefill_server --address $(HOST):$(PREFILL_PORT) --run-dir $(RUN_DIR) \
+	@$(PYTHON) -m launcher start prefill prefill_server --address $(HOST):$(PREFILL_PORT) --run-dir $(RUN_DIR) \
 		-- --host $(HOST) --port $(PREFILL_PORT) --metrics-port $(PREFILL_METRICS_PORT) $(PREFILL_ARGS)
 
 serve-decode:
-	@$(PYTHON) -m serving.launch start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
+	@$(PYTHON) -m launcher start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
 		-- --host $(HOST) --port $(DECODE_PORT) --metrics-port $(DECODE_METRICS_PORT) --http-port $(HTTP_PORT) \
 		--prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS)
 
 stop:
-	@$(PYTHON) -m serving.launch stop decode prefill --run-dir $(RUN_DIR)
+	@$(PYTHON) -m launcher stop decode prefill --run-dir $(RUN_DIR)
 
 demo: install
 	@$(MAKE) --no-print-directory serve-prefill serve-decode
@@ -48,5 +48,5 @@ soak: install
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench tests
+	$(PYTHON) -m mypy engine serving prefill_server decode_server client launcher bench tests
 	lint-imports --no-logo

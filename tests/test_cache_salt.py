@@ -18,7 +18,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from engine.kv_cache import KVLayout
 from engine.presets import TINY
 from engine.transport.handshake import layout_to_proto
-from serving.launch import start_all, stop_all
+from launcher.process import start_all, stop_all
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import Server
 
