@@ -108,7 +108,15 @@ def serve_scenario_stop(run_dir: Path, prefill_args: str, decode_args: str, *sce
 def test_make_serves_both_servers_over_tls(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     tls = f"--tls-cert {cert} --tls-key {key}"
-    serve_scenario_stop(tmp_path, tls, f"{tls} --tls-ca {cert}", "--tls-ca", str(cert))
+
+    def wait_ready_speaks_tls(address: str) -> None:
+        for flags, code in (([], 1), (["--tls-ca", str(cert)], 0)):
+            proc = subprocess.run([sys.executable, "-m", "client.wait_ready", address, "--timeout", "2", *flags],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == code, proc.stderr
+
+    serve_scenario_stop(tmp_path, tls, f"{tls} --tls-ca {cert}", "--tls-ca", str(cert),
+                        check_prefill=wait_ready_speaks_tls)
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
