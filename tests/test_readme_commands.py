@@ -74,9 +74,9 @@ def test_the_readmes_commands_run_as_written(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python").chmod(0o755)
+    paths = (str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH"))
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": ""}
+           "PYTHONPATH": os.pathsep.join(p for p in paths if p), "CUDA_VISIBLE_DEVICES": ""}
 
     def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(args, cwd=tmp_path, env=env, input=stdin, capture_output=True, text=True, timeout=150)
