@@ -24,21 +24,19 @@ proto:
 	$(PYTHON) proto/generate.py
 
 serve-prefill:
-	@$(PYTHON) -m serving.launch start prefill prefill_server --address $(HOST):$(PREFILL_PORT) --run-dir $(RUN_DIR) \
+	@$(PYTHON) -m launcher start prefill prefill_server --address $(HOST):$(PREFILL_PORT) --run-dir $(RUN_DIR) \
 		-- --host $(HOST) --port $(PREFILL_PORT) --metrics-port $(PREFILL_METRICS_PORT) $(PREFILL_ARGS)
 
 serve-decode:
-	@$(PYTHON) -m serving.launch start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
+	@$(PYTHON) -m launcher start decode decode_server --address $(HOST):$(DECODE_PORT) --run-dir $(RUN_DIR) \
 		-- --host $(HOST) --port $(DECODE_PORT) --metrics-port $(DECODE_METRICS_PORT) --http-port $(HTTP_PORT) \
 		--prefill-addr $(HOST):$(PREFILL_PORT) $(DECODE_ARGS)
 
 stop:
-	@$(PYTHON) -m serving.launch stop decode prefill --run-dir $(RUN_DIR)
+	@$(PYTHON) -m launcher stop decode prefill --run-dir $(RUN_DIR)
 
-# The scenario sends the same B prompt in every row: the servers run without a prefix cache.
 demo: install
-	@$(MAKE) --no-print-directory serve-prefill serve-decode PREFILL_ARGS="$(PREFILL_ARGS) --no-prefix-cache" \
-		DECODE_ARGS="$(DECODE_ARGS) --no-prefix-cache"
+	@$(MAKE) --no-print-directory serve-prefill serve-decode
 	@$(PYTHON) -m client.scenario --target $(HOST):$(DECODE_PORT) $(SCENARIO_ARGS); \
 		status=$$?; $(MAKE) --no-print-directory stop; exit $$status
 
@@ -54,5 +52,5 @@ results: install
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m mypy engine serving prefill_server decode_server client bench planner tests
+	$(PYTHON) -m mypy engine serving prefill_server decode_server client launcher bench planner tests
 	lint-imports --no-logo

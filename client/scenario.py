@@ -5,6 +5,9 @@ User A sends a 1,024-token prompt and receives 100 tokens; just before A's 20th 
 own channel (client.second_user). Each row runs that once in one prefill mode and records every
 gap between A's tokens as the client saw them and as the decode server stamped them (a slow gap in
 the first and not the second came from the client or the network), and B's time to first token.
+
+Every run (B's reference, A alone, each row) is sent with a fresh `cache_salt`, so the servers'
+prefix caches, on by default, find nothing of an earlier run: each row measures a real prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
@@ -43,28 +47,30 @@ def make_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
-def request(tokens: list[int], new_tokens: int, mode: str, size: int | None,
-            request_id: str) -> decode_pb2.GenerateRequest:
-    """`size`: the chunk size of chunked, the prefill SM count of partitioned (None: the server's)."""
+def request(tokens: list[int], new_tokens: int, mode: str, size: int | None, request_id: str,
+            salt: str = "") -> decode_pb2.GenerateRequest:
+    """`size`: the chunk size of chunked, the prefill SM count of partitioned (None: the server's);
+    `salt`: the prefix-cache namespace of the run it belongs to."""
     return decode_pb2.GenerateRequest(request_id=request_id, token_ids=tokens, max_new_tokens=new_tokens,
                                       ignore_eos=True, prefill_mode=MODE_ENUM[mode],
                                       chunk_size=(size or 0) if mode == "chunked" else 0,
-                                      prefill_sms=(size or 0) if mode == "partitioned" else 0)
+                                      prefill_sms=(size or 0) if mode == "partitioned" else 0, cache_salt=salt)
 
 
 async def run_pair(stub: decode_pb2_grpc.DecodeStub, second: SecondUser | None, spec: ScenarioSpec,
                    a_prompt: list[int], b_prompt: list[int] | None, mode: str, chunk_size: int | None,
-                   tag: str, a_mode: str | None = None) -> tuple[StreamResult, StreamResult | None]:
+                   tag: str, a_mode: str | None = None, salt: str = "") -> tuple[StreamResult, StreamResult | None]:
     """A streams; B (if any) is sent by the second user when A's trigger token arrives. Both run to
-    completion. A runs disaggregated beside a disaggregated B, else colocated (unless `a_mode`)."""
+    completion. A runs disaggregated beside a disaggregated B, else colocated (unless `a_mode`); both are
+    sent with `salt` as their cache salt."""
     a = StreamResult(sent_at=time.perf_counter())
     if a_mode is None:
         a_mode = "alone" if mode == "alone" else "disaggregated" if mode == "disaggregated" else "colocated"
-    a_req = request(a_prompt, spec.a_new_tokens, a_mode, None, f"A-{tag}")
+    a_req = request(a_prompt, spec.a_new_tokens, a_mode, None, f"A-{tag}", salt)
     b_sent = False
     if b_prompt is not None:
         assert second is not None
-        second.prepare(request(b_prompt, spec.b_new_tokens, mode, chunk_size, f"B-{tag}"))
+        second.prepare(request(b_prompt, spec.b_new_tokens, mode, chunk_size, f"B-{tag}", salt))
     async for response, arrived in stream_generate(stub, a_req):
         a.add(response, arrived)
         if second is not None and b_prompt is not None and response.index == spec.b_trigger_index:
@@ -102,9 +108,9 @@ def make_row(mode: str, chunk: int | None, b_len: int, a: StreamResult, b: Strea
         row.b_first_token_during_gap = sum(t < b.arrivals[0] for t in a.arrivals) - 1
         if b.first is not None:
             if b.first.timing.cached_tokens:
-                raise RuntimeError(f"B's prompt came from the decode server's prefix cache "
-                                   f"({b.first.timing.cached_tokens} tokens), so nothing was prefilled; replay the "
-                                   "scenario against servers started with --no-prefix-cache")
+                raise RuntimeError(f"B's prompt came from a prefix cache ({b.first.timing.cached_tokens} tokens) "
+                                   "although its cache_salt was fresh, so nothing was prefilled; the decode server "
+                                   "does not keep requests' cache namespaces apart")
             row.b_server_prefill_ms = b.first.timing.prefill_s * 1e3
             row.b_server_kv_transfer_ms = b.first.timing.kv_transfer_s * 1e3
     return row
@@ -129,15 +135,18 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
     a_prompt = make_prompt(spec.a_len, spec.seed)
     rows: list[Row] = []
     second = SecondUser(target, tls_ca)
+    run = uuid.uuid4().hex[:12]  # this replay's salts: nothing of an earlier replay is found either
     try:
-        await collect(stub, request(a_prompt[:64], 4, "alone", None, "warmup"))
+        await collect(stub, request(a_prompt[:64], 4, "alone", None, "warmup", f"{run}-warmup"))
         for b_len in b_lens:
             b_prompt = make_prompt(b_len, spec.seed + b_len)
             # B alone, whole prompt at once: the reference for B's tokens (and a warm-up of that size)
-            ref = await collect(stub, request(b_prompt, spec.b_new_tokens, "colocated", None, f"Bref-{b_len}"))
+            ref = await collect(stub, request(b_prompt, spec.b_new_tokens, "colocated", None, f"Bref-{b_len}",
+                                              f"{run}-Bref-{b_len}"))
             if ref.error is not None:
                 raise RuntimeError(f"reference run of B failed: {ref.error.name}: {ref.error_message}")
-            solo, _ = await run_pair(stub, None, spec, a_prompt, None, "alone", None, f"solo-{b_len}")
+            solo, _ = await run_pair(stub, None, spec, a_prompt, None, "alone", None, f"solo-{b_len}",
+                                     salt=f"{run}-solo-{b_len}")
             solo_median = statistics.median(solo.gaps)
             for mode, chunk in modes:
                 tag = f"{mode}{chunk or ''}-{b_len}"
@@ -145,8 +154,9 @@ async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, in
                     a, b = solo, None
                 else:
                     if mode == "partitioned":  # its green context is made on first use: not in B's TTFT
-                        await collect(stub, request(b_prompt[:64], 2, mode, chunk, f"warmup-{tag}"))
-                    a, b = await run_pair(stub, second, spec, a_prompt, b_prompt, mode, chunk, tag)
+                        await collect(stub, request(b_prompt[:64], 2, mode, chunk, f"warmup-{tag}",
+                                                    f"{run}-warmup-{tag}"))
+                    a, b = await run_pair(stub, second, spec, a_prompt, b_prompt, mode, chunk, tag, salt=f"{run}-{tag}")
                 row = make_row(mode, chunk, b_len, a, b, solo.tokens, solo_median, ref.tokens,
                                spec.b_trigger_index)
                 rows.append(row)

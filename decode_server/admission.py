@@ -77,7 +77,7 @@ class Admission:
     def _take(self, seq: RequestSequence, need: int) -> bool:
         """The sequence's blocks, cached prefix first, if the pool has them now (a waiter holds none)."""
         try:
-            seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt, need)
+            seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt, need, seq.cache_salt)
         except OutOfBlocks:
             return False
         seq.timing.cached_tokens = seq.prefilled

@@ -50,6 +50,7 @@ class Request:
     chunk_size: int
     arrival: float  # perf_counter when it came in
     prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
+    cache_salt: str = ""  # its prefix-cache namespace, in both servers; "" = none
 
 
 class Generation:
@@ -140,7 +141,8 @@ class DecodeCore:
         self.in_flight.add(request.request_id)
         seq = RequestSequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
-                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms)
+                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
+                       cache_salt=request.cache_salt)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:
@@ -206,7 +208,7 @@ class DecodeCore:
             for attempt in range(2):
                 try:
                     first_token = await self.router.prefill(seq.request_id, seq.prompt, sampling, seq.block_table,
-                                                            seq.prefilled, seq.timing)
+                                                            seq.prefilled, seq.timing, seq.cache_salt)
                     break
                 except PrefillFailed as e:
                     retry = (attempt == 0 and seq.block_table == blocks  # blocks not held back by the router

@@ -130,8 +130,16 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
         top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=body.integer("seed", 0, 0, 2**64), stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
-        prefill_sms=body.integer("prefill_sms", 0, *INT32))
+        prefill_sms=body.integer("prefill_sms", 0, *INT32), cache_salt=_cache_salt(body))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop)
+
+
+def _cache_salt(body: Body) -> str:
+    """vLLM's field: a non-empty string when given (its limits are checked with gRPC's)."""
+    salt = body.get("cache_salt", str, "a non-empty string")
+    if salt == "":
+        raise InvalidRequest("cache_salt must be a non-empty string when given; leave it out for none", "cache_salt")
+    return salt or ""
 
 
 def _top_k(value: int) -> int:

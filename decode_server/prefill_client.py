@@ -225,13 +225,13 @@ class PrefillRouter:
         return min((p.backlog_tokens() for p in self.peers.values() if p.health.up), default=0)
 
     async def prefill(self, request_id: str, prompt: TokenIds, sampling: decode_pb2.SamplingParams,
-                      block_table: list[int], cached_tokens: int, timing: Timing) -> int:
+                      block_table: list[int], cached_tokens: int, timing: Timing, cache_salt: str = "") -> int:
         """Prefill remotely into `block_table`, whose first `cached_tokens` tokens' KV is here already
         (only the rest comes over); returns the first token, sampled by the prefill server, and
-        records where the time went in `timing`. A prefill server that fails or falls silent
-        (UNAVAILABLE) leaves the rotation until it answers health checks again, so a retry goes to
-        another. If the KV might still land after a failure, the blocks are moved out of
-        `block_table` (left reserved) so the caller cannot reuse them."""
+        records where the time went in `timing`; `cache_salt` is the prompt's cache namespace there. A
+        prefill server that fails or falls silent (UNAVAILABLE) leaves the rotation until it answers
+        health checks again, so a retry goes to another. If the KV might still land after a failure, the
+        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them."""
         peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
@@ -244,7 +244,8 @@ class PrefillRouter:
             # a repeated field goes into the message in one copy (serving.token_ids)
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=pairing.transport, peer_id=peer.peer_id,
-                                                 kv_checksums=self.verify_kv, decode_cached_tokens=cached_tokens)
+                                                 kv_checksums=self.verify_kv, decode_cached_tokens=cached_tokens,
+                                                 cache_salt=cache_salt)
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in until_silent(call):

@@ -15,7 +15,7 @@ from decode_server.core import Request
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.token_ids import TokenIds, token_ids
-from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
+from serving.validation import InvalidRequest, check_cache_salt, check_lengths, check_max_new_tokens, check_token_ids
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -42,6 +42,7 @@ class RequestFields:
     prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
     chunk_size: int = 0
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
+    cache_salt: str = ""             # its prefix-cache namespace; "" = none
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class FieldNames:
     prefill_mode: str = "prefill_mode"
     chunk_size: str = "chunk_size"
     prefill_sms: str = "prefill_sms"
+    cache_salt: str = "cache_salt"
 
 
 GRPC_NAMES = FieldNames()
@@ -76,6 +78,7 @@ class RequestParser:
         if len(f.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequest(f"{names.request_id} is {len(f.request_id)} characters; the limit is "
                                  f"{MAX_REQUEST_ID_CHARS}", names.request_id)
+        check_cache_salt(f.cache_salt, names.cache_salt)
         has_text, has_ids = bool(f.prompt), len(f.token_ids) > 0
         if has_text == has_ids:
             raise InvalidRequest(f"set exactly one of {names.prompt} (text) and {names.token_ids}, not both"
@@ -118,7 +121,7 @@ class RequestParser:
             if problem:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
-                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms)
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.cache_salt)
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

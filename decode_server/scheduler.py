@@ -237,7 +237,7 @@ class BatchScheduler:
         if seq.finish_reason:
             if self.admission.cache.enabled:
                 written = seq.written_tokens()
-                self.admission.cache.publish(written, seq.block_table, len(written))
+                self.admission.cache.publish(written, seq.block_table, len(written), seq.cache_salt)
             self.decode.leave(seq)
             return True
         return False
@@ -245,7 +245,7 @@ class BatchScheduler:
     def prompt_done(self, seq: RequestSequence, token: int, step_s: float, now: float) -> None:
         """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve
         others, and its first token goes out; then it waits for a batch slot, unless that token was its last."""
-        self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt))
+        self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt), seq.cache_salt)
         if not self.append(seq, token, step_s, now):
             self.ready.append(seq)
 

@@ -82,6 +82,7 @@ class RequestSequence:
     out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
+    cache_salt: str = ""           # its prefix-cache namespace; "" = none
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""

@@ -42,7 +42,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                              max_new_tokens=request.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                              top_k=s.top_k, seed=s.seed, stop_token_ids=request.stop_token_ids,
                              ignore_eos=request.ignore_eos, prefill_mode=request.prefill_mode,
-                             chunk_size=request.chunk_size, prefill_sms=request.prefill_sms)
+                             chunk_size=request.chunk_size, prefill_sms=request.prefill_sms,
+                             cache_salt=request.cache_salt)
 
     # --- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request: decode_pb2.GenerateRequest | bytes,  # type: ignore[override]

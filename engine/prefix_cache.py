@@ -16,6 +16,9 @@ Who owns what:
 A hit is confirmed by the tokens, not the hash alone: each entry keeps its block's tokens and the entry
 it followed when published, and a lookup accepts an entry only when both match the prompt. A hash
 collision can miss, never serve another prompt's KV.
+
+A request's `cache_salt` is its cache namespace: it seeds the hash chain (a first block's parent key), and
+each entry keeps the seed it was published under, so prompts with different salts never share a block.
 """
 
 from __future__ import annotations
@@ -38,8 +41,13 @@ def token_bytes(tokens: Tokens) -> memoryview:
     return np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
 
 
+def salt_seed(salt: str) -> bytes:
+    """The hash chain's seed for a cache namespace: b"" without a salt, else the salt's hash."""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest() if salt else b""
+
+
 def block_key(parent: bytes, block: memoryview) -> bytes:
-    """A full block's key: the hash of its parent's key (b"" for a first block) and its tokens' bytes."""
+    """A full block's key: the hash of its parent's key (the salt's seed for a first block) and its tokens' bytes."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(block)
     return h.digest()
@@ -51,6 +59,7 @@ class _Entry:
     key: bytes
     tokens: bytes
     parent: _Entry | None  # the entry this block followed when it was published; None for a first block
+    seed: bytes            # salt_seed of the request that published it
     refs: int = 0
 
 
@@ -92,20 +101,21 @@ class PrefixCache:
             return CacheStats(len(self._by_block), len(self._by_block) - len(self._lru), self._queried, self._hits)
 
     # --- a sequence's blocks --------------------------------------------------------------------
-    def cached_prefix_len(self, tokens: Tokens) -> int:
+    def cached_prefix_len(self, tokens: Tokens, salt: str = "") -> int:
         """How many leading tokens of this prompt `acquire` would find now (no reference, not counted)."""
         with self._lock:
-            return len(self._match(tokens)) * self.block_size
+            return len(self._match(tokens, salt_seed(salt))) * self.block_size
 
-    def acquire(self, tokens: Tokens, num_blocks: int) -> tuple[list[int], int]:
+    def acquire(self, tokens: Tokens, num_blocks: int, salt: str = "") -> tuple[list[int], int]:
         """A block table of `num_blocks` for a sequence that starts with `tokens`: its cached leading
         blocks (each now referenced for the caller, who gives them back with `release`), then
         private ones. Returns it with the number of tokens it already holds. The block holding the
-        prompt's last token is never a hit: that token is always computed, for its logits.
+        prompt's last token is never a hit: that token is always computed, for its logits. Only blocks
+        published under the same `salt` are found.
 
         All or nothing: raises OutOfBlocks, taking nothing, when the pool can't provide the rest."""
         with self._lock:
-            entries = self._match(tokens)[:num_blocks]
+            entries = self._match(tokens, salt_seed(salt))[:num_blocks]
             need = num_blocks - len(entries)
             evictable = len(self._lru) - sum(1 for e in entries if e.refs == 0)
             if need > self.allocator.num_free + evictable:
@@ -121,7 +131,7 @@ class PrefixCache:
                 self._hits += len(entries) * self.block_size
         return [e.block for e in entries] + private, len(entries) * self.block_size
 
-    def _match(self, tokens: Tokens) -> list[_Entry]:
+    def _match(self, tokens: Tokens, seed: bytes) -> list[_Entry]:
         if not self.enabled or not self._by_key:
             return []
         data = token_bytes(tokens)
@@ -130,8 +140,8 @@ class PrefixCache:
         parent: _Entry | None = None
         for i in range((len(tokens) - 1) // self.block_size):  # one hash a block, up to the first miss
             block = data[i * step:(i + 1) * step]
-            entry = self._by_key.get(block_key(parent.key if parent else b"", block))
-            if entry is None or entry.parent is not parent or entry.tokens != block:
+            entry = self._by_key.get(block_key(parent.key if parent else seed, block))
+            if entry is None or entry.parent is not parent or entry.seed != seed or entry.tokens != block:
                 break
             found.append(entry)
             parent = entry
@@ -156,12 +166,14 @@ class PrefixCache:
             del self._by_key[entry.key]
         return block
 
-    def publish(self, tokens: Tokens, block_table: Sequence[int], num_tokens: int) -> None:
+    def publish(self, tokens: Tokens, block_table: Sequence[int], num_tokens: int, salt: str = "") -> None:
         """Cache the full blocks among the first `num_tokens` of this sequence (their KV is written, or
         enqueued on the stream every later reader uses). The caller keeps its reference to each.
-        Blocks it published before are passed over unhashed: a finished sequence publishes again."""
+        Blocks it published before are passed over unhashed: a finished sequence publishes again.
+        `salt` must be the one its blocks were acquired under."""
         if not self.enabled:
             return
+        seed = salt_seed(salt)
         data = token_bytes(tokens)
         step = 4 * self.block_size
         with self._lock:
@@ -171,14 +183,14 @@ class PrefixCache:
                 entry = self._by_block.get(block)
                 if entry is None or entry.parent is not parent:
                     block_tokens = data[i * step:(i + 1) * step]
-                    key = block_key(parent.key if parent else b"", block_tokens)
+                    key = block_key(parent.key if parent else seed, block_tokens)
                     existing = self._by_key.get(key)
                     if existing is not None:
-                        if existing.parent is not parent or existing.tokens != block_tokens:
+                        if existing.parent is not parent or existing.seed != seed or existing.tokens != block_tokens:
                             return  # a hash collision: this chain stays uncached from here on
                         entry = existing  # the same block is cached already; ours stays private
                     else:
-                        entry = _Entry(block, key, bytes(block_tokens), parent, refs=1)
+                        entry = _Entry(block, key, bytes(block_tokens), parent, seed, refs=1)
                         self._by_key[key] = self._by_block[block] = entry
                 parent = entry
 

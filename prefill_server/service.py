@@ -33,7 +33,7 @@ from prefill_server.config import PrefillConfig, PrefillFaults
 from prefill_server.transports import TransportHub
 from prefill_server.worker import PrefillJob, PrefillWorker
 from serving.grpc_common import deadline_passed
-from serving.validation import InvalidRequest, check_lengths, check_token_ids
+from serving.validation import InvalidRequest, check_cache_salt, check_lengths, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             if not 0 <= request.decode_cached_tokens < len(tokens):
                 raise InvalidRequest(f"decode_cached_tokens is {request.decode_cached_tokens}; it must be in "
                                      f"[0, {len(tokens)}) for a {len(tokens)}-token prompt")
+            check_cache_salt(request.cache_salt)
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
         except (InvalidRequest, ValueError) as e:
@@ -158,7 +159,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 f"(--max-queued-requests {self.cfg.max_queued_requests})")
         pool = self.runner.pool
         try:
-            table, cached = self.cache.acquire(tokens, pool.blocks_needed(len(tokens)))
+            table, cached = self.cache.acquire(tokens, pool.blocks_needed(len(tokens)), request.cache_salt)
         except OutOfBlocks as e:
             metrics.REQUESTS_TOTAL.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill KV pool is full: {e}")
@@ -169,7 +170,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item), peer_id=request.peer_id,
                          make_sender=self._faulty_sender if self.faults.active else None,
                          kv_checksums=request.kv_checksums, cached_tokens=cached,
-                         send_from=request.decode_cached_tokens)
+                         send_from=request.decode_cached_tokens, cache_salt=request.cache_salt)
         try:
             self.hub.configure(job)
         except LookupError as e:

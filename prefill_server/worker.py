@@ -48,6 +48,7 @@ class PrefillJob:
     kv_checksums: bool = False
     cached_tokens: int = 0  # leading tokens whose KV the prefix cache gave: the prefill starts after them
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
+    cache_salt: str = ""    # the prompt's prefix-cache namespace
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -166,7 +167,7 @@ class PrefillWorker:
             uncached = as_array(job.token_ids)[cached:] if cached else job.token_ids
             logits = runner.prefill(uncached, job.block_table, cached, on_layer_done=layer_done)
             first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
-            self.cache.publish(job.token_ids, job.block_table, n)
+            self.cache.publish(job.token_ids, job.block_table, n, job.cache_salt)
         finally:
             computed = time.perf_counter()
             sender.finish()

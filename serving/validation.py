@@ -40,3 +40,15 @@ def check_lengths(prompt_len: int, max_new_tokens: int, max_model_len: int, name
         raise InvalidRequest(f"prompt ({prompt_len} tokens) + {name} ({max_new_tokens}) = "
                              f"{prompt_len + max_new_tokens} exceeds the context limit of {max_model_len} tokens",
                              name)
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str, name: str = "cache_salt") -> None:
+    """A prefix-cache namespace: "" (none) or 1-256 printable ASCII characters, space to ~."""
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"{name} is {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", name)
+    bad = next((i for i, c in enumerate(salt) if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise InvalidRequest(f"{name} holds {salt[bad]!r} at character {bad}; use printable ASCII (space to ~)", name)

@@ -103,17 +103,10 @@ def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def scenario_pair(server_logs: Path):  # type: ignore[no-untyped-def]
-    """A pair without prefix caches, for the A/B scenario: it sends the same B prompt in every row,
-    which must be prefilled each time (client.scenario refuses a B served from a cache)."""
-    from tests.servers import ServerProcess
-
-    prefill = ServerProcess("prefill_server", ["--no-prefix-cache"], server_logs).start()
-    decode = ServerProcess("decode_server", ["--prefill-addr", prefill.address, "--no-prefix-cache"],
-                           server_logs).start()
-    yield decode, prefill
-    decode.stop()
-    prefill.stop()
+def scenario_pair(pair):  # type: ignore[no-untyped-def]
+    """The A/B scenario's servers: the default pair, prefix caches on. The scenario sends the same B
+    prompt in every row, each row under a cache_salt of its own, so each is prefilled."""
+    return pair
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,12 @@
-"""Real server processes on free loopback ports, for tests (started by serving.launch)."""
+"""Real server processes on free loopback ports, for tests (started by the launcher)."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
-from serving.launch import ROOT
-from serving.launch import ServerProcess as LaunchedServer
+from launcher.process import ROOT
+from launcher.process import ServerProcess as LaunchedServer
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "free_port_run"]
 

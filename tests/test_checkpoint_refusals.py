@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
-from serving.launch import ServerFailed
+from launcher.process import ServerFailed
 from tests.conftest import write_tiny_checkpoint
 from tests.servers import ServerProcess
 

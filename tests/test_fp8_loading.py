@@ -248,7 +248,7 @@ def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, s
     import grpc
     from pd.v1 import decode_pb2, decode_pb2_grpc
 
-    from serving.launch import ServerFailed
+    from launcher.process import ServerFailed
 
     base = bases["llama"]
     want = generate(make_runner(model=str(base), max_model_len=256, quantization="fp8"), PROMPTS, STEPS)

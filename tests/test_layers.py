@@ -1,6 +1,6 @@
 """The import rules of pyproject.toml's [tool.importlinter] hold: the engine imports no server,
-serving no server, the two servers not each other, the client only the proto and itself, and no
-package has an import cycle."""
+serving no server, the two servers not each other, no server the client or the launcher, the client
+only the proto and itself, and no package has an import cycle."""
 
 from __future__ import annotations
 

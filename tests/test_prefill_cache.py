@@ -16,7 +16,7 @@ from pd.v1 import prefill_pb2, prefill_pb2_grpc
 from engine.kv_cache import KVLayout
 from engine.presets import TINY
 from engine.transport.handshake import layout_to_proto
-from serving.launch import start_all, stop_all
+from launcher.process import start_all, stop_all
 from tests.test_reliability_fixtures import Server, wait_kv_idle
 
 LAYOUT = KVLayout.for_model(TINY, torch.float32, 16)

@@ -221,3 +221,31 @@ def test_pool_model(ops: list[tuple[str, list[int], int]]) -> None:
     for table in live:
         cache.release(table)
     assert cache.num_available == 12 and cache.stats().used_blocks == 0
+
+
+def test_a_salt_is_a_namespace_of_its_own() -> None:
+    """Prompts under different salts never share a block; under the same salt they do, as without one."""
+    cache = make_cache()
+    prompt = list(range(13))
+    table, _ = cache.acquire(prompt, 4, salt="tenant-a")
+    cache.publish(prompt, table, len(prompt), salt="tenant-a")
+    assert cache.cached_prefix_len(prompt) == 0
+    assert cache.cached_prefix_len(prompt, salt="tenant-b") == 0
+    assert cache.cached_prefix_len(prompt, salt="tenant-a") == 12
+    other, cached = cache.acquire(prompt, 4, salt="tenant-b")
+    assert cached == 0 and not set(other) & set(table)
+    cache.publish(prompt, other, len(prompt), salt="tenant-b")  # its own copies, cached under its own salt
+    assert cache.cached_prefix_len(prompt, salt="tenant-b") == 12
+    assert cache.acquire(prompt, 4, salt="tenant-a")[0][:3] == table[:3]
+
+
+def test_salts_are_confirmed_when_hashes_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a hash that ignores the parent (so also the salt's seed), another salt's block is still no hit."""
+    cache = make_cache()
+    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, block: hashlib.sha256(block).digest())
+    prompt = list(range(9))
+    table, _ = cache.acquire(prompt, 3, salt="a")
+    cache.publish(prompt, table, 9, salt="a")
+    assert cache.cached_prefix_len(prompt, salt="b") == 0
+    assert cache.cached_prefix_len(prompt) == 0
+    assert cache.cached_prefix_len(prompt, salt="a") == 8

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd.v1 import decode_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.launch import start_all, stop_all
+from launcher.process import start_all, stop_all
 from tests.servers import ServerProcess, free_port
 
 

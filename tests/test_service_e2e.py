@@ -117,15 +117,33 @@ def test_health_and_reflection_on_both(pair) -> None:  # type: ignore[no-untyped
             assert {service, "grpc.health.v1.Health"} <= names
 
 
-def test_scenario_refuses_a_b_served_from_a_prefix_cache(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Every row sends the same B; with prefix caches on, B's KV is found, not prefilled, and the
-    scenario says so instead of reporting a stall-free B."""
+def test_scenario_refuses_a_b_served_from_a_prefix_cache() -> None:
+    """Every row sends the same B under a fresh cache_salt; a B whose KV was found anyway (a server
+    that ignores the salt) was not prefilled, and the scenario says so instead of reporting a stall-free B."""
+    from client.scenario import make_row
+    from client.stream import StreamResult
+
+    a, b = StreamResult(sent_at=0.0), StreamResult(sent_at=0.0)
+    for i in range(4):
+        a.add(decode_pb2.GenerateResponse(token_id=7, index=i), 0.1 * (i + 1))
+    b.add(decode_pb2.GenerateResponse(token_id=3, timing=decode_pb2.ServerTiming(cached_tokens=240)), 0.25)
+    with pytest.raises(RuntimeError, match=r"prefix cache \(240 tokens\) although its cache_salt was fresh"):
+        make_row("colocated", None, 256, a, b, [7] * 4, 0.1, [3], 1)
+
+
+def test_scenario_replays_against_servers_with_their_prefix_caches(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Twice against the same servers, caches on: every row is prefilled (the check above holds), its tokens
+    identical to A alone's and to B's reference."""
     decode, _ = pair
-    proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "256",
-                           "--a-len", "64", "--a-new-tokens", "24", "--modes", "alone,colocated",
-                           "--json", str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
-    assert "prefix cache" in proc.stderr and "--no-prefix-cache" in proc.stderr
+    for run in range(2):
+        out = tmp_path / f"out{run}.json"
+        proc = subprocess.run([sys.executable, "-m", "client.scenario", "--target", decode.address, "--b-len", "256",
+                               "--a-len", "64", "--a-new-tokens", "24", "--modes", "alone,colocated,disaggregated",
+                               "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        rows = json.loads(out.read_text())["rows"]
+        assert all(r["a_tokens_match_solo"] for r in rows)
+        assert all(r["b_tokens_match_reference"] and r["b_server_prefill_ms"] > 0 for r in rows[1:])
 
 
 def test_scenario_cli_all_rows(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -149,6 +167,7 @@ def test_scenario_cli_all_rows(scenario_pair, tmp_path: Path) -> None:  # type: 
         assert len(server) == 39 and min(server) >= 0
         assert abs(sum(server) - sum(row["a_gaps_ms"])) < 0.25 * sum(row["a_gaps_ms"]) + 50
     assert all(r["b_first_token_matches"] is True and r["b_ttft_ms"] > 0 for r in rows[1:])
+    assert all(r["b_tokens_match_reference"] is True for r in rows[1:])
     assert "A alone" in proc.stdout and "chunked, 2,048" in proc.stdout
     assert plot.stat().st_size > 10_000
 

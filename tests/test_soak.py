@@ -30,7 +30,7 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from serving.launch import start_all, stop_all
+from launcher.process import start_all, stop_all
 from tests.test_reliability_fixtures import Server, health_status, wait_kv_idle
 
 pytestmark = pytest.mark.soak

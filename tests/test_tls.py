@@ -15,7 +15,7 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-from serving.launch import start_all, stop_all
+from launcher.process import start_all, stop_all
 from tests.servers import ROOT
 from tests.test_reliability_fixtures import Server, request, secure_channel
 

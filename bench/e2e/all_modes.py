@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import metadata, write_json
-from serving.launch import ServerFailed, ServerProcess, stop_all
+from launcher.process import ServerFailed, ServerProcess, stop_all
 
 
 def main() -> None:

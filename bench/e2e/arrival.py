@@ -30,7 +30,7 @@ from client.event_loop import run_event_loop
 from client.scenario import ScenarioSpec, make_prompt, request, run_pair
 from client.second_user import SecondUser
 from client.stream import collect, open_channel
-from serving.launch import ServerFailed, ServerProcess, stop_all
+from launcher.process import ServerFailed, ServerProcess, stop_all
 
 GAPS_AFTER_B = 3
 LOOP_LAG_PROBE_MS = 0.5

@@ -29,7 +29,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from bench.common import metadata, write_json
 from client.event_loop import run_event_loop
 from client.stream import PREFILL_MODES, collect, open_channel
-from serving.launch import ServerFailed, ServerProcess, start_all, stop_all
+from launcher.process import ServerFailed, ServerProcess, start_all, stop_all
 
 LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 MODES = ("colocated", "disaggregated")

@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.common import metadata, write_json
 from bench.e2e.rate_sweep import PREDICTION, collect, compared, plot_sweep, prediction_for
-from serving.launch import ServerFailed, ServerProcess, start_all, stop_all
+from launcher.process import ServerFailed, ServerProcess, start_all, stop_all
 
 LOAD = ("--rate 2 --duration 30 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "
         "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --slo-itl-p99-ms 50 "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import metadata, write_json
-from serving.launch import ServerFailed, ServerProcess
+from launcher.process import ServerFailed, ServerProcess
 
 BUDGET_MS = 0.2  # what SSE may add to a token's gap over gRPC
 

@@ -33,8 +33,8 @@ from engine.kv_checksum import layer_checksums
 from engine.presets import PRESETS
 from engine.transport.grpc_stream import GrpcKVReceiver, GrpcKVSender, chunk_tokens_for, keep_freed_memory
 from engine.transport.grpc_wire import KVView, add_prefill_servicer, encode_kv, prefill_stream
+from launcher.process import ServerFailed, ServerProcess, stop_all
 from serving.grpc_common import GRPC_OPTIONS
-from serving.launch import ServerFailed, ServerProcess, stop_all
 
 
 class EndpointService(prefill_pb2_grpc.PrefillServicer):

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.common import metadata, write_json
 from decode_server.step_trace import read_trace
-from serving.launch import ServerFailed, ServerProcess, stop_all
+from launcher.process import ServerFailed, ServerProcess, stop_all
 
 LAUNCH_SLOW_S = 1e-3
 

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/decode.proto\x12\x05pd.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\x0cprefill_mode\x18\x08 \x01(\x0e\x32\x12.pd.v1.PrefillMode\x12\x12\n\nchunk_size\x18\t \x01(\x05\x12\x13\n\x0bprefill_sms\x18\n \x01(\x05\"\x91\x02\n\x0cServerTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x15\n\rdecode_step_s\x18\x05 \x01(\x01\x12\x17\n\x0fsince_arrival_s\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x14\n\x0ckv_exposed_s\x18\x08 \x01(\x01\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\x17\n\x0fprefill_queue_s\x18\n \x01(\x01\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\x12\x11\n\tplacement\x18\x0c \x01(\t\"\x91\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x06timing\x18\x05 \x01(\x0b\x32\x13.pd.v1.ServerTiming\x12\x12\n\nrequest_id\x18\x06 \x01(\t*\xd0\x01\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPREFILL_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16PREFILL_MODE_COLOCATED\x10\x02\x12\x18\n\x14PREFILL_MODE_CHUNKED\x10\x03\x12\x18\n\x14PREFILL_MODE_LAYERED\x10\x04\x12\x1c\n\x18PREFILL_MODE_PARTITIONED\x10\x05\x12\x15\n\x11PREFILL_MODE_AUTO\x10\x06\x32G\n\x06\x44\x65\x63ode\x12=\n\x08Generate\x12\x16.pd.v1.GenerateRequest\x1a\x17.pd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/decode.proto\x12\x05pd.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x9c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\x0cprefill_mode\x18\x08 \x01(\x0e\x32\x12.pd.v1.PrefillMode\x12\x12\n\nchunk_size\x18\t \x01(\x05\x12\x13\n\x0bprefill_sms\x18\n \x01(\x05\x12\x12\n\ncache_salt\x18\x0b \x01(\t\"\x91\x02\n\x0cServerTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x15\n\rdecode_step_s\x18\x05 \x01(\x01\x12\x17\n\x0fsince_arrival_s\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x14\n\x0ckv_exposed_s\x18\x08 \x01(\x01\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\x17\n\x0fprefill_queue_s\x18\n \x01(\x01\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\x12\x11\n\tplacement\x18\x0c \x01(\t\"\x91\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x06timing\x18\x05 \x01(\x0b\x32\x13.pd.v1.ServerTiming\x12\x12\n\nrequest_id\x18\x06 \x01(\t*\xd0\x01\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPREFILL_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16PREFILL_MODE_COLOCATED\x10\x02\x12\x18\n\x14PREFILL_MODE_CHUNKED\x10\x03\x12\x18\n\x14PREFILL_MODE_LAYERED\x10\x04\x12\x1c\n\x18PREFILL_MODE_PARTITIONED\x10\x05\x12\x15\n\x11PREFILL_MODE_AUTO\x10\x06\x32G\n\x06\x44\x65\x63ode\x12=\n\x08Generate\x12\x16.pd.v1.GenerateRequest\x1a\x17.pd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pd.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLMODE']._serialized_start=804
-  _globals['_PREFILLMODE']._serialized_end=1012
+  _globals['_PREFILLMODE']._serialized_start=824
+  _globals['_PREFILLMODE']._serialized_end=1032
   _globals['_SAMPLINGPARAMS']._serialized_start=29
   _globals['_SAMPLINGPARAMS']._serialized_end=110
   _globals['_GENERATEREQUEST']._serialized_start=113
-  _globals['_GENERATEREQUEST']._serialized_end=377
-  _globals['_SERVERTIMING']._serialized_start=380
-  _globals['_SERVERTIMING']._serialized_end=653
-  _globals['_GENERATERESPONSE']._serialized_start=656
-  _globals['_GENERATERESPONSE']._serialized_end=801
-  _globals['_DECODE']._serialized_start=1014
-  _globals['_DECODE']._serialized_end=1085
+  _globals['_GENERATEREQUEST']._serialized_end=397
+  _globals['_SERVERTIMING']._serialized_start=400
+  _globals['_SERVERTIMING']._serialized_end=673
+  _globals['_GENERATERESPONSE']._serialized_start=676
+  _globals['_GENERATERESPONSE']._serialized_end=821
+  _globals['_DECODE']._serialized_start=1034
+  _globals['_DECODE']._serialized_end=1105
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "prompt", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "prefill_mode", "chunk_size", "prefill_sms")
+    __slots__ = ("request_id", "token_ids", "prompt", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "prefill_mode", "chunk_size", "prefill_sms", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateRequest(_message.Message):
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
@@ -58,7 +59,8 @@ class GenerateRequest(_message.Message):
     prefill_mode: PrefillMode
     chunk_size: int
     prefill_sms: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., chunk_size: _Optional[int] = ..., prefill_sms: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., chunk_size: _Optional[int] = ..., prefill_sms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "decode_step_s", "since_arrival_s", "kv_bytes", "kv_exposed_s", "kv_transport", "prefill_queue_s", "cached_tokens", "placement")

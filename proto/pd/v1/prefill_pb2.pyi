@@ -115,7 +115,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class PrefillRequest(_message.Message):
     KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
@@ -132,7 +133,8 @@ class PrefillRequest(_message.Message):
     kv_chunk_tokens: int
     kv_checksums: bool
     decode_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")

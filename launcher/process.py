@@ -1,16 +1,9 @@
-"""Server processes started, waited on until their health says SERVING, and stopped: one launcher
-for the tests, the benchmarks and `make serve-prefill serve-decode stop`.
-
-    python -m serving.launch start NAME MODULE --address HOST:PORT [--run-dir DIR] -- FLAGS...
-    python -m serving.launch stop NAME... [--run-dir DIR]
-
-`start` runs `python -m MODULE FLAGS...` in the background (its log and pid in --run-dir as NAME.log
-and NAME.pid) and returns once it serves, or fails with the log's last lines if it exits first.
-"""
+"""A server process: `python -m MODULE FLAGS...` spawned, waited on until its gRPC health says SERVING
+(asked as its own flags say: over TLS with its certificates, or on its plaintext --health-port), and
+stopped; several at once with `start_all` / `stop_all`."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -20,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from client.wait_ready import is_serving
+from client.wait_ready import is_serving, probe_for
 
 ROOT = Path(__file__).resolve().parent.parent  # where `python -m decode_server` resolves
 
@@ -30,7 +23,8 @@ class ServerFailed(RuntimeError):
 
 
 class ServerProcess:
-    """`python -m <module> <args>`, its output in `log_path`, its gRPC health checked at `address`."""
+    """`python -m <module> <args>`, its output in `log_path`, its gRPC health checked at `address` with
+    the credentials its `args` give it (client.wait_ready.probe_for)."""
 
     def __init__(self, module: str, args: list[str], address: str, log_path: Path,
                  env: dict[str, str] | None = None) -> None:
@@ -65,7 +59,7 @@ class ServerProcess:
         return self.wait_serving(timeout)
 
     def ready(self) -> bool:
-        return is_serving(self.address, timeout=0.5)
+        return is_serving(probe_for(self.address, self.args), timeout=0.5)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -128,73 +122,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _running_pid(pid_file: Path) -> int | None:
-    if not pid_file.exists():
-        return None
-    pid = int(pid_file.read_text())
-    return pid if pid_alive(pid) else None
-
-
-def start_command(args: argparse.Namespace) -> int:
-    pid_file = args.run_dir / f"{args.name}.pid"
-    pid = _running_pid(pid_file)
-    if pid is not None:
-        print(f"{args.name} server already running (pid {pid})")
-        return 0
-    server = ServerProcess(args.module, args.flags, args.address, args.run_dir / f"{args.name}.log")
-    server.spawn(detach=True)
-    assert server.proc is not None
-    pid_file.write_text(str(server.proc.pid))
-    try:
-        server.wait_serving(args.timeout)
-    except ServerFailed as e:
-        print(e, file=sys.stderr)
-        return 1
-    print(f"{args.address} is SERVING")
-    return 0
-
-
-def stop_command(args: argparse.Namespace) -> int:
-    for name in args.names:
-        pid_file = args.run_dir / f"{name}.pid"
-        pid = _running_pid(pid_file)
-        if pid is not None:
-            os.kill(pid, signal.SIGTERM)
-            while pid_alive(pid):
-                time.sleep(0.2)
-            print(f"{name} server stopped")
-        pid_file.unlink(missing_ok=True)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m serving.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("start", help="start a server in the background and wait until it serves")
-    start.add_argument("name", help="its pid and log files are NAME.pid and NAME.log in --run-dir")
-    start.add_argument("module", choices=["prefill_server", "decode_server"])
-    start.add_argument("--address", required=True, help="HOST:PORT whose gRPC health is checked")
-    start.add_argument("--run-dir", type=Path, default=Path("run"))
-    start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (model load included)")
-    stop = commands.add_parser("stop", help="SIGTERM servers started with `start` and wait until they exit")
-    stop.add_argument("names", nargs="+")
-    stop.add_argument("--run-dir", type=Path, default=Path("run"))
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)  # the server's own flags come after --
-    args = build_parser().parse_args(argv[:split])
-    if args.command == "start":
-        args.flags = argv[split + 1:]
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        return start_command(args)
-    return stop_command(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The README's "Running it" commands, read from README.md itself and run exactly as written, in order,
+against servers started as it starts them (`make serve-prefill serve-decode`: the tiny model on the
+CPU, prefix caches on, the default ports): the scenario, both generate lines, the load, the curl, the
+python snippet (while the servers are up, before the block's last command, `make stop`), `make stop`.
+
+They run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
+project's, and `python` on its PATH is this interpreter. GPUs are hidden, so the servers start as on
+a machine without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ROOT
+
+README = ROOT / "README.md"
+PORTS = (50051, 50052, 8000, 8001, 8002)  # the Makefile's defaults, which the commands address
+
+
+def running_it() -> tuple[list[str], str]:
+    """The "Running it" section's shell commands (a trailing backslash continues a line) and its python snippet."""
+    section = README.read_text().split("\n## Running it\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1 and len(snippets) == 1, "the section's code blocks changed: update this test"
+    return re.split(r"(?<!\\)\n", blocks[0].strip()), snippets[0]
+
+
+def check(command: str, proc: subprocess.CompletedProcess[str], folder: Path) -> None:
+    """What each command must have done, beyond exiting 0."""
+    program = command.split("#", 1)[0].split()
+    if program[:2] == ["make", "serve-prefill"]:
+        assert proc.stdout.count("is SERVING") == 2
+    elif program[2:3] == ["client.scenario"]:
+        rows = json.loads((folder / "out.json").read_text())["rows"]
+        assert len(rows) == 6 and all(r["a_tokens_match_solo"] for r in rows)
+        assert all(r["b_tokens_match_reference"] for r in rows[1:])  # each B prefilled, with the caches on
+        assert (folder / "out.png").stat().st_size > 10_000
+    elif program[2:3] == ["client.generate"]:
+        assert "finish_reason=" in proc.stdout
+    elif program[2:3] == ["client.load"]:
+        assert re.search(r"Successful requests:\s+[1-9]", proc.stdout), proc.stdout
+    elif program[:1] == ["curl"]:
+        assert json.loads(proc.stdout)["choices"][0]["message"]["role"] == "assistant"
+    elif program == ["make", "stop"]:
+        assert "decode server stopped" in proc.stdout and "prefill server stopped" in proc.stdout
+        assert not list((folder / "run").glob("*.pid"))
+    else:
+        raise AssertionError(f"a README command this test does not know how to check: {command!r}")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("curl") is None, reason="needs make and curl")
+def test_the_readmes_commands_run_as_written(tmp_path: Path) -> None:
+    busy = [p for p in PORTS if listening(p)]
+    assert not busy, f"ports {busy} are in use: stop what listens there (make stop) and run this test again"
+    commands, snippet = running_it()
+    assert commands[0].startswith("make serve-prefill serve-decode") and commands[-1].startswith("make stop")
+    (tmp_path / "Makefile").write_text(f"include {ROOT / 'Makefile'}\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    paths = (str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH"))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(p for p in paths if p), "CUDA_VISIBLE_DEVICES": ""}
+
+    def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(args, cwd=tmp_path, env=env, input=stdin, capture_output=True, text=True, timeout=150)
+
+    try:
+        for command in commands[:-1]:
+            proc = run(["bash", "-c", command])
+            assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
+            check(command, proc, tmp_path)
+        proc = run([sys.executable, "-"], stdin=snippet)
+        assert proc.returncode == 0, proc.stderr  # its text is sampled (temperature 1): it may be empty
+    finally:
+        stop = run(["bash", "-c", commands[-1]])
+    assert stop.returncode == 0, stop.stderr
+    check(commands[-1], stop, tmp_path)
