@@ -16,6 +16,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from serving.launch import pid_alive
 from tests.servers import ROOT, free_port
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 
 def make(run_dir: Path, *targets: str, **variables: str) -> subprocess.CompletedProcess[str]:
     assignments = [f"{k}={v}" for k, v in {"PYTHON": sys.executable, "RUN_DIR": str(run_dir), **variables}.items()]
