@@ -162,9 +162,9 @@ class DecodeServer:
 
     def _kv_arrived(self, request: SimRequest, uncached: int = 0) -> None:
         self.remote_backlog_tokens -= uncached
-        self._handover(request)
+        self._post_to_inbox(request)
 
-    def _handover(self, request: SimRequest) -> None:
+    def _post_to_inbox(self, request: SimRequest) -> None:
         """A prompt prefilled off the engine thread (a prefill server's KV landed, or a partitioned prefill is
         done) reaches the engine thread through its inbox, which it reads when an iteration begins: its first
         token goes out then, after whatever prefill piece and decode step were under way."""
@@ -296,7 +296,7 @@ class DecodeServer:
             seconds = (self.costs.prefill_on_share_ms(new, request.cached, rate) + extra / rate) / 1e3
             request.prefill_s = seconds
             self.partition_until = max(now, self.partition_until) + seconds
-            self.clock.at(self.partition_until, lambda r=request: self._handover(r))  # type: ignore[misc]
+            self.clock.at(self.partition_until, lambda r=request: self._post_to_inbox(r))  # type: ignore[misc]
 
     def _local_ms(self, new: int, cached: int) -> float:
         return self.costs.local_prefill_ms(new, cached) + self.serving.local_call_ms
