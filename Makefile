@@ -14,7 +14,7 @@ DECODE_ARGS ?=
 B_LEN ?= 4096
 SCENARIO_ARGS ?= --b-len $(B_LEN) --json $(RUN_DIR)/scenario.json --plot $(RUN_DIR)/scenario.png
 
-.PHONY: install proto serve-prefill serve-decode stop demo test soak lint results
+.PHONY: install proto serve-prefill serve-decode stop demo test test-fast soak lint results
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -43,6 +43,10 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q
 
+# Everything but the tests that start server processes: a minute or two on a laptop's CPU.
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not e2e and not soak"
+
 soak: install
 	$(PYTHON) -m pytest -q -m soak -p no:cacheprovider tests/test_soak.py tests/test_chaos.py
 
@@ -50,7 +54,7 @@ soak: install
 results: install
 	$(PYTHON) -m bench.headline
 
-lint:
+lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy engine serving prefill_server decode_server client launcher bench planner tests
-	lint-imports --no-logo
+	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_logo=True))"

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
@@ -129,7 +130,7 @@ def parse_modes(spec: str) -> list[tuple[str, int | None]]:
 
 
 async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, int | None]], spec: ScenarioSpec,
-                       tls_ca: str | None = None, log=print) -> list[Row]:  # type: ignore[no-untyped-def]
+                       tls_ca: str | None = None, log: Callable[[str], object] = print) -> list[Row]:
     channel = open_channel(target, tls_ca)
     stub = decode_pb2_grpc.DecodeStub(channel)
     a_prompt = make_prompt(spec.a_len, spec.seed)

@@ -249,8 +249,8 @@ class IpcHandoff(Handoff):
 
     async def on_layer_sent(self, layer: int) -> None:
         # At most one writer call a handoff, copying every layer reported by the time it runs: the
-        # calls of every handoff share one thread, and under load each waits long for its turn (with
-        # a call a layer, 60-140 ms each, bench/NOTES.md).
+        # calls of every handoff share one thread, and under load each waits long for its turn
+        # (bench/NOTES.md).
         if self.receiver is None:
             raise self._misfit("layer_sent message before the start message")
         self.reported = max(self.reported, layer + 1)

@@ -11,10 +11,10 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -231,10 +231,15 @@ class PrefillRouter:
         records where the time went in `timing`; `cache_salt` is the prompt's cache namespace there. A
         prefill server that fails or falls silent (UNAVAILABLE) leaves the rotation until it answers
         health checks again, so a retry goes to another. If the KV might still land after a failure, the
-        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them."""
+        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them.
+
+        The steps: pick a prefill server, pair with it, open the KV handoff into the blocks, call
+        Prefill and receive its stream (`_receive`), wait for the KV to land, verify its checksums,
+        record the times (`_record`); whatever happened, settle the handoff (`_settle`)."""
         peer = await self.pick()
         peer.in_flight += 1
-        deadline = time.monotonic() + self.timeout_s
+        began = time.monotonic()
+        deadline = began + self.timeout_s
         handoff: Handoff | None = None
         call = None
         failed = True
@@ -247,57 +252,18 @@ class PrefillRouter:
                                                  kv_checksums=self.verify_kv, decode_cached_tokens=cached_tokens,
                                                  cache_salt=cache_salt)
             call = peer.prefill_call(request, timeout=self.timeout_s)
-            done = None
-            async for message in until_silent(call):
-                if not handoff.marks:
-                    handoff.mark("first message")
-                if isinstance(message, KVView):  # our own encoding of a KV chunk (grpc_wire)
-                    await handoff.on_kv(message)
-                elif (kind := message.WhichOneof("payload")) == "done":
-                    done = message.done
-                    done_at = time.monotonic()
-                    handoff.mark("done")
-                    peer.report_backlog(done.backlog_tokens)
-                elif kind == "heartbeat":
-                    peer.report_backlog(message.heartbeat.backlog_tokens)
-                else:
-                    await handoff.on_message(message, deadline)
-            if done is None:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
+            done, done_at = await self._receive(peer, call, handoff, deadline)
             await handoff.wait_complete(deadline)
-            # the handoff: all the time here that was not the prefill's queue, compute or checksum
-            now, began = time.monotonic(), deadline - self.timeout_s
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("handoff of %s, ms from the prefill call (prefill server: queue %.1f, compute %.1f): %s",
-                          request_id, done.queue_s * 1e3, done.prefill_s * 1e3,
-                          " ".join(f"{what}@{(t - began) * 1e3:.1f}"
-                                   for what, t in [*handoff.marks, ("complete", now)]))
-            exposed = done.kv_send_s + (now - done_at)
-            handoff_s = now - began - done.queue_s - done.prefill_s - done.checksum_s
+            landed = time.monotonic()
             if self.verify_kv:  # before the first token goes anywhere
                 expected = list(done.layer_checksums)
                 await asyncio.get_running_loop().run_in_executor(self.writer, handoff.verify, expected)
             failed = False
-            timing.remote_prefill_done(queue_s=done.queue_s, prefill_s=done.prefill_s,
-                                       kv_transfer_s=max(0.0, handoff_s), kv_exposed_s=max(0.0, exposed),
-                                       kv_bytes=handoff.bytes, transport=pairing.transport,
-                                       start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
-                                       post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
+            self._record(timing, request_id, pairing.transport, handoff, done, began, done_at, landed)
             timing.cached_tokens = max(cached_tokens, done.cached_tokens)
             return done.first_token_id
-        except Silent as e:
-            peer.forget_pairing()
-            peer.health.down(str(e))
-            raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address}: {e}") from e
-        except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
-                peer.forget_pairing()
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                peer.health.down(f"{e.code().name}: {e.details()}")
-            raise peer_error(peer.address, e, "prefill") from e
-        except HandoffError as e:
-            peer.forget_pairing()  # DATA_LOSS included: the next prefill pairs anew
-            raise PrefillFailed(e.code, f"prefill server {peer.address}: {e}") from e
+        except (Silent, grpc.aio.AioRpcError, HandoffError) as e:
+            raise self._failure(peer, e) from e
         except asyncio.CancelledError:
             failed = False  # the client left; the transfer itself is healthy
             raise
@@ -307,6 +273,64 @@ class PrefillRouter:
                 call.cancel()
             if handoff is not None:
                 await asyncio.shield(self._settle(peer, handoff, request_id, block_table, failed))
+
+    @staticmethod
+    async def _receive(peer: PrefillPeer, call: AsyncIterable[Any], handoff: Handoff,
+                       deadline: float) -> tuple[prefill_pb2.PrefillDone, float]:
+        """The Prefill stream, message by message until it ends: KV into the handoff, backlog reports to
+        the peer. Returns its result and when it came (monotonic)."""
+        done, done_at = None, 0.0
+        async for message in until_silent(call):
+            if not handoff.marks:
+                handoff.mark("first message")
+            if isinstance(message, KVView):  # our own encoding of a KV chunk (grpc_wire)
+                await handoff.on_kv(message)
+            elif (kind := message.WhichOneof("payload")) == "done":
+                done = message.done
+                done_at = time.monotonic()
+                handoff.mark("done")
+                peer.report_backlog(done.backlog_tokens)
+            elif kind == "heartbeat":
+                peer.report_backlog(message.heartbeat.backlog_tokens)
+            else:
+                await handoff.on_message(message, deadline)
+        if done is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "the prefill stream ended without its result")
+        return done, done_at
+
+    @staticmethod
+    def _record(timing: Timing, request_id: str, transport: str, handoff: Handoff, done: prefill_pb2.PrefillDone,
+                began: float, done_at: float, landed: float) -> None:
+        """Where the time went: the handoff is all the time from the call to the KV landed (`landed`)
+        that was not the prefill's queue, compute or checksum."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff of %s, ms from the prefill call (prefill server: queue %.1f, compute %.1f): %s",
+                      request_id, done.queue_s * 1e3, done.prefill_s * 1e3,
+                      " ".join(f"{what}@{(t - began) * 1e3:.1f}" for what, t in [*handoff.marks, ("complete", landed)]))
+        exposed = done.kv_send_s + (landed - done_at)
+        handoff_s = landed - began - done.queue_s - done.prefill_s - done.checksum_s
+        timing.remote_prefill_done(queue_s=done.queue_s, prefill_s=done.prefill_s,
+                                   kv_transfer_s=max(0.0, handoff_s), kv_exposed_s=max(0.0, exposed),
+                                   kv_bytes=handoff.bytes, transport=transport,
+                                   start_at_s=max(0.0, handoff.start_at - began) if handoff.start_at else 0.0,
+                                   post_s=handoff.post_s, post_busy_s=handoff.post_busy_s)
+
+    @staticmethod
+    def _failure(peer: PrefillPeer, e: Silent | grpc.aio.AioRpcError | HandoffError) -> PrefillFailed:
+        """What a failed prefill tells the caller; a silent or unreachable peer leaves the rotation, and a
+        pairing that may be broken is dropped (DATA_LOSS included: the next prefill pairs anew)."""
+        if isinstance(e, Silent):
+            peer.forget_pairing()
+            peer.health.down(str(e))
+            return PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address}: {e}")
+        if isinstance(e, grpc.aio.AioRpcError):
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
+                peer.forget_pairing()
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                peer.health.down(f"{e.code().name}: {e.details()}")
+            return peer_error(peer.address, e, "prefill")
+        peer.forget_pairing()
+        return PrefillFailed(e.code, f"prefill server {peer.address}: {e}")
 
     async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
                       failed: bool) -> None:

@@ -10,8 +10,7 @@ Steps alternate between two sides, each with its own metadata buffers and greedy
 graphs captured for each. The next step's metadata is uploaded on a copy stream into the side the
 running step does not read, and its rows take the last step's tokens from the other side's buffer
 inside the graph: between two graphs the compute stream runs nothing but the tokens' read-back
-(the metadata upload and the token feed had run there in series, about 16 µs a step at batch 1 on
-an H200).
+(what that saves a step: bench/NOTES.md).
 """
 
 from __future__ import annotations

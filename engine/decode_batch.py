@@ -44,8 +44,8 @@ class TableRows:
     """Writes a step's block tables into a buffer that persists from step to step (the CUDA graphs'
     pinned staging), rewriting only what changed. A sequence's table is complete from admission and
     only its used length grows, so a row that holds the same table (the same list object, kept here
-    so its identity cannot be reused) at the same row length needs only its newly used entries: at
-    batch 64 the full rewrite took about 0.3 ms of host time a step, the GPU idle meanwhile."""
+    so its identity cannot be reused) at the same row length needs only its newly used entries (a
+    full rewrite costs host time a step while the GPU idles: bench/NOTES.md)."""
 
     def __init__(self) -> None:
         self._rows: list[tuple[list[int], int]] = []  # row -> (its table, entries written)

@@ -23,8 +23,9 @@ from typing import Any
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
 from client.provenance import git_commit
-from planner.cluster import MODES, Deployment
-from planner.costs import RESULTS, describe, fit_costs
+from planner.costs import RESULTS
+from planner.deployment import MODES, Deployment
+from planner.fits import describe, fit_costs
 from planner.simulation import simulate, summarize
 
 

@@ -17,71 +17,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decode_server.config import DecodeConfig
 from decode_server.placement import REMOTE, PlacementInputs, PlacementThresholds, place
 from planner.costs import KV_BYTES_PER_TOKEN, Costs, layered_slices
+from planner.deployment import Deployment, Serving
 from planner.traffic import SimRequest, Traffic
-
-LOCAL_MODES = ("colocated", "chunked", "layered", "partitioned")
-MODES = ("disaggregated", *LOCAL_MODES, "auto")
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """What runs where: `prefill` prefill servers and `decode` decode servers, and how prompts are placed."""
-
-    prefill: int
-    decode: int
-    mode: str
-    chunk_size: int = 512
-    layer_slice_tokens: int = 32_768
-    partition_sms: int = 84              # SMs of 132 given to a local prefill in partitioned mode
-    prefix_cache: bool = True            # the servers keep conversations' KV (--no-prefix-cache: False)
-    # auto: the decode server's own rule and defaults (decode_server.placement, DecodeConfig)
-    auto_local_tokens: int = DecodeConfig.auto_local_tokens
-    auto_idle_local_tokens: int = DecodeConfig.auto_idle_local_tokens
-    auto_remote_backlog_tokens: int = DecodeConfig.auto_remote_backlog_tokens
-    auto_local: str = DecodeConfig.auto_local_mode
-    max_batch: int = 64
-    kv_cache_gb: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
-        if self.auto_local not in LOCAL_MODES:
-            raise ValueError(f"--auto-local must be one of {', '.join(LOCAL_MODES)}")
-        if self.decode < 1 or self.prefill < 0:
-            raise ValueError("a deployment needs at least one decode server and no negative count of prefill servers")
-        if self.mode in ("disaggregated", "auto") and self.prefill < 1:
-            raise ValueError(f"mode {self.mode} needs at least one prefill server")
-
-    @property
-    def gpus(self) -> int:
-        return self.prefill + self.decode
-
-    def label(self) -> str:
-        if self.mode in ("disaggregated", "auto"):
-            return f"{self.mode} {self.prefill}P+{self.decode}D"
-        suffix = f":{self.chunk_size}" if self.mode == "chunked" else ""
-        return f"{self.mode}{suffix} {self.decode}D"
-
-
-@dataclass(frozen=True)
-class Serving:
-    """Costs of the serving loop around the engine's kernels, calibrated on a load run (planner.validate).
-
-    Host time a decode step spends per running sequence (each token's trip to its stream); time a
-    local prefill call (a whole prompt, a chunk or a slice) and a prefill server's prefill take under
-    load beyond the engine's own; and what admitting a sequence adds to its first decode step, for a
-    locally prefilled one and for one whose KV came from a prefill server (the receive's set-up and
-    completion).
-    """
-
-    step_host_ms_per_seq: float = 0.0
-    local_call_ms: float = 0.0
-    remote_prefill_ms: float = 0.0
-    join_local_ms: float = 0.0
-    join_remote_ms: float = 0.0
 
 
 class Clock:
@@ -223,9 +162,9 @@ class DecodeServer:
 
     def _kv_arrived(self, request: SimRequest, uncached: int = 0) -> None:
         self.remote_backlog_tokens -= uncached
-        self._handover(request)
+        self._post_to_inbox(request)
 
-    def _handover(self, request: SimRequest) -> None:
+    def _post_to_inbox(self, request: SimRequest) -> None:
         """A prompt prefilled off the engine thread (a prefill server's KV landed, or a partitioned prefill is
         done) reaches the engine thread through its inbox, which it reads when an iteration begins: its first
         token goes out then, after whatever prefill piece and decode step were under way."""
@@ -357,7 +296,7 @@ class DecodeServer:
             seconds = (self.costs.prefill_on_share_ms(new, request.cached, rate) + extra / rate) / 1e3
             request.prefill_s = seconds
             self.partition_until = max(now, self.partition_until) + seconds
-            self.clock.at(self.partition_until, lambda r=request: self._handover(r))  # type: ignore[misc]
+            self.clock.at(self.partition_until, lambda r=request: self._post_to_inbox(r))  # type: ignore[misc]
 
     def _local_ms(self, new: int, cached: int) -> float:
         return self.costs.local_prefill_ms(new, cached) + self.serving.local_call_ms

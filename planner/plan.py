@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
-from planner.cluster import Deployment, Serving
 from planner.costs import Costs
+from planner.deployment import Deployment, Serving
 from planner.simulation import met, simulate
 from planner.traffic import Conversations
 from planner.validate import table_sms

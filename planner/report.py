@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
-from planner.cluster import Deployment, Serving
 from planner.costs import RESULTS, Costs
+from planner.deployment import Deployment, Serving
 from planner.plan import MIXES, deployments, goodput, plan, prefill_counts
 from planner.simulation import simulate, summarize
 from planner.traffic import Conversations

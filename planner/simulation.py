@@ -10,8 +10,9 @@ import numpy as np
 
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
-from planner.cluster import Cluster, Deployment, Serving
+from planner.cluster import Cluster
 from planner.costs import Costs
+from planner.deployment import Deployment, Serving
 from planner.traffic import Conversations, SimRequest, Traffic
 
 

@@ -19,8 +19,9 @@ import numpy as np
 
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
-from planner.cluster import Deployment, Serving
-from planner.costs import RESULTS, Costs, fit_costs, layered_slices
+from planner.costs import RESULTS, Costs, layered_slices
+from planner.deployment import Deployment, Serving
+from planner.fits import fit_costs
 from planner.simulation import SimResult, simulate, summarize
 from planner.traffic import Conversations
 

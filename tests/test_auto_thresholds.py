@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.e2e.auto_thresholds import crossovers
 from tests.servers import ROOT, free_port_run
+
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 
 def rows(busy_local: list[float], busy_remote: list[float], stalls: list[float]) -> list[dict[str, Any]]:

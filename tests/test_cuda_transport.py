@@ -15,7 +15,7 @@ from tests.servers import ServerProcess, free_port
 from tests.test_reliability_fixtures import scrape, wait_until
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.e2e, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
 
 
 def needs(transport: str) -> None:

@@ -108,6 +108,7 @@ def test_sharded_checkpoint_loads_as_one(checkpoints: dict[str, Path], reference
     assert generate(runner, PROMPTS, STEPS) == references["qwen3"]
 
 
+@pytest.mark.e2e
 def test_servers_of_different_families_refuse_to_pair(checkpoints: dict[str, Path], server_logs: Path) -> None:
     """A Qwen3 decode server and a Llama prefill server: the handshake refuses with
     FAILED_PRECONDITION, naming the model on each side."""

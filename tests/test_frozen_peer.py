@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from tests.test_reliability_fixtures import Server, start_all, stop_all, wait_kv_idle, wait_until
+
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 FOUND_WITHIN_S = 5.0   # the contract: a request stuck on a frozen prefill server ends within this of the freeze
 RETRY_S = 3.0          # and its prefill again on another server, on a loaded shared CPU

@@ -5,11 +5,14 @@ deadline; never a crash, a hang, an UNKNOWN/INTERNAL, or a leaked KV block."""
 from __future__ import annotations
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from tests.test_reliability_fixtures import Server, health_status, request, wait_kv_idle
+
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 pytest_plugins = ["tests.test_reliability_fixtures"]
 

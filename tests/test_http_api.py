@@ -31,6 +31,8 @@ from tests.servers import ROOT, free_port
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt, wait_kv_idle, wait_until
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
 
 MODEL = "tiny"

@@ -9,11 +9,14 @@ import http.client
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import wait_kv_idle
+
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
 

@@ -13,6 +13,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from tests.test_reliability_fixtures import Server, request, start_all, stop_all, wait_kv_idle
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 PAIRED = "paired with decode server"
 
 

@@ -13,7 +13,8 @@ import pytest
 from bench.micro import engine_steps as engine
 from bench.micro.later_turns import LaterTurns
 from engine.offline import make_runner
-from planner.costs import LATER_TURNS, RESULTS, Costs, fit_costs, fit_later_turn, later_turn_rows
+from planner.costs import LATER_TURNS, RESULTS, Costs
+from planner.fits import fit_costs, fit_later_turn, later_turn_rows
 
 TRUE = (4.0, 0.03, 0.0004, 2e-6)  # f0 ms, ms a new token, ms a prefix token, ms a new token's attention token
 

@@ -22,6 +22,8 @@ from tests.servers import ROOT, free_port
 from tests.test_mtls import CA
 from tests.test_tls import self_signed
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 
 def make(run_dir: Path, *targets: str, **variables: str) -> subprocess.CompletedProcess[str]:
     assignments = [f"{k}={v}" for k, v in {"PYTHON": sys.executable, "RUN_DIR": str(run_dir), **variables}.items()]

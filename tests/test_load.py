@@ -150,6 +150,7 @@ def test_per_token_goodput_sees_a_stall_the_mean_hides() -> None:
 
 
 # --- real runs ------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_load_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
     decode, _ = pair
     out = tmp_path / "load.json"
@@ -175,6 +176,7 @@ def test_load_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_pa
     assert sent == {a.key: len(a.token_ids) for a in planned.arrivals}
 
 
+@pytest.mark.e2e
 def test_multi_turn_run_against_pair(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
     decode, _ = pair
     out = tmp_path / "turns.json"
@@ -197,6 +199,7 @@ def test_multi_turn_run_against_pair(pair: tuple[ServerProcess, ServerProcess], 
         check_distribution(report[key])
 
 
+@pytest.mark.e2e
 def test_compare_two_modes_on_one_server(pair: tuple[ServerProcess, ServerProcess], tmp_path: Path) -> None:
     decode, _ = pair
     out, png = tmp_path / "compare.json", tmp_path / "compare.png"
@@ -232,6 +235,7 @@ def test_failures_are_counted_by_status_not_raised(pair: tuple[ServerProcess, Se
     assert runs["too-long"]["ttft_ms"]["p50"] is None
 
 
+@pytest.mark.e2e
 def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     """`bench.e2e.deployments --devices A B` starts the split pair and one decode server per device, and sends the
     same load to each deployment (on the CPU here: the layout and the wiring, not the speed)."""
@@ -265,6 +269,7 @@ def test_bench_load_two_device_layout(tmp_path: Path) -> None:
     assert "Decode server's timing, mean" in done.stdout and "KV handoff beyond the prefill (ms)" in done.stdout
 
 
+@pytest.mark.e2e
 def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> None:
     """`bench.e2e.deployments --cache-compare --merge`: a multi-turn load against a decode server with its prefix
     cache and one without, added to an existing results file whose runs stay as they were."""
@@ -287,6 +292,7 @@ def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> Non
     assert "--no-prefix-cache" in " ".join(plain["recorded"]["servers"])
 
 
+@pytest.mark.e2e
 def test_bench_load_rate_sweep_with_the_prediction_beside(tmp_path: Path) -> None:
     """`bench.e2e.deployments --rates`: the servers start once, the load runs per rate (each with its own id salt), and
     the JSON holds each deployment's points by rate beside the recorded prediction, plotted."""

@@ -11,6 +11,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from tests.test_reliability_fixtures import Server, request, wait_kv_idle, wait_until
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 pytest_plugins = ["tests.test_reliability_fixtures"]
 
 DISAGG, COLOC, CHUNKED = (decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED,

@@ -23,6 +23,8 @@ from prefill_server.__main__ import parse_config as parse_prefill
 from tests.servers import ROOT, free_port
 from tests.test_reliability_fixtures import Server, health_status, request, start_all, stop_all
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 x509 = pytest.importorskip("cryptography.x509")
 
 

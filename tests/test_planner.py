@@ -15,8 +15,10 @@ from client.load_stats import Slo
 from decode_server.config import DecodeConfig
 from planner import attention_cost as attn
 from planner import plan as sim_plan
-from planner.cluster import LOCAL_MODES, Clock, DecodeServer, Deployment, PrefillServer, Serving
-from planner.costs import KV_BYTES_PER_TOKEN, RESULTS, fit_costs, profiled_engine
+from planner.cluster import Clock, DecodeServer, PrefillServer
+from planner.costs import KV_BYTES_PER_TOKEN, RESULTS, profiled_engine
+from planner.deployment import LOCAL_MODES, Deployment, Serving
+from planner.fits import fit_costs
 from planner.simulation import met, simulate, summarize
 from planner.traffic import Conversations, SimRequest, Traffic
 from planner.validate import SM_SPLIT_TABLE, prefill_sms, recorded_runs, table_sms, validate
@@ -124,7 +126,7 @@ def test_the_lone_program_fit_takes_every_attention_sweep(tmp_path: Path) -> Non
     """The lone rate is fitted to the rows of every `decode-attention*.json` whose grid has at most one program an
     SM; a sweep of longer contexts (python -m bench.micro.decode_attention --contexts 16384 ...) joins as its own
     file."""
-    from planner.costs import fit_attention_alone
+    from planner.fits import fit_attention_alone
 
     assert fit_attention_alone(tmp_path) is None
     recorded = json.loads((RESULTS / "decode-attention-h200.json").read_text())
@@ -145,7 +147,8 @@ def test_the_long_history_rows_price_the_rest_of_the_longest_program(tmp_path: P
     """Where `bench.micro.decode_attention --long-context` rows exist, the rest of a long history's program is priced at
     the rate they give at the split counts the kernel picked (its other rows are not a step the engine runs), and
     the model takes that rate, not the lone one."""
-    from planner.costs import attention_model_of, fit_long_history
+    from planner.costs import attention_model_of
+    from planner.fits import fit_long_history
 
     assert fit_long_history(tmp_path, COSTS.attention) is None
     launch_us, us_per_byte = COSTS.attention.params
@@ -169,7 +172,7 @@ def test_the_long_history_rows_price_the_rest_of_the_longest_program(tmp_path: P
 def test_a_shape_measured_again_replaces_the_earlier_row(tmp_path: Path) -> None:
     """A later sweep of the same (context, batch, splits) replaces the earlier row in the lone-program fit
     (decode-attention-b1-h200.json re-read batch 1 from HBM where the first sweep's layers sat in L2)."""
-    from planner.costs import attention_sweep_rows, fit_attention_alone
+    from planner.fits import attention_sweep_rows, fit_attention_alone
 
     recorded = json.loads((RESULTS / "decode-attention-h200.json").read_text())
     (tmp_path / "decode-attention-h200.json").write_text(json.dumps(recorded))

@@ -19,6 +19,8 @@ from engine.transport.handshake import layout_to_proto
 from launcher.process import start_all, stop_all
 from tests.test_reliability_fixtures import Server, wait_kv_idle
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 LAYOUT = KVLayout.for_model(TINY, torch.float32, 16)
 
 

@@ -18,6 +18,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from launcher.process import start_all, stop_all
 from tests.test_reliability_fixtures import Server, wait_kv_idle, wait_until
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 MODES = ("colocated", "chunked", "layered", "partitioned", "disaggregated", "auto")
 
 

@@ -32,6 +32,8 @@ from tests.test_reliability_fixtures import (
     wait_until,
 )
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 pytest_plugins = ["tests.test_reliability_fixtures"]
 
 OK = grpc.StatusCode.OK

@@ -29,6 +29,8 @@ from tests.test_reliability_fixtures import (
     wait_until,
 )
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 pytest_plugins = ["tests.test_reliability_fixtures"]
 
 LAYER_DELAY_S = 0.4

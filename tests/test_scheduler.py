@@ -131,8 +131,8 @@ class HeldReader(TokenReader):
         return super().take()
 
 
-def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runner: ModelRunner) -> None:
-    """A decodes; B's first token is handed over (its KV in the pool) while A's decode step is still
+def test_a_remote_first_token_leaves_during_the_decode_step_under_way(runner: ModelRunner) -> None:
+    """A decodes; B's first token arrives from its remote prefill (its KV in the pool) while A's decode step is still
     on the device: B's token leaves before that step ends, not one step later."""
     b_prompt = prompt(50, 8)
     b_alone = generate(runner, [b_prompt], 5)[0]
@@ -158,8 +158,8 @@ def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runne
             await asyncio.sleep(0)  # B's remote prefill is under way
             reader.armed.set()
             assert await asyncio.to_thread(reader.held.wait, 10)
-            steps_at_handover = scheduler.steps
-            remote_prefill.set_result(b_alone[0])  # its KV is in the pool: the first token is handed over
+            steps_at_arrival = scheduler.steps
+            remote_prefill.set_result(b_alone[0])  # its KV is in the pool: the first token arrives
             await submitted
             first = await asyncio.wait_for(b.out.next(), 5)  # before the fix: only once the step is released
             steps_at_first = scheduler.steps
@@ -179,11 +179,11 @@ def test_a_handed_over_first_token_leaves_during_the_decode_step_under_way(runne
             scheduler.stop()
         outs = [first, *rest]
         assert all(isinstance(o, TokenOutput) for o in outs)
-        return [o.token_id for o in outs if isinstance(o, TokenOutput)], steps_at_handover, steps_at_first
+        return [o.token_id for o in outs if isinstance(o, TokenOutput)], steps_at_arrival, steps_at_first
 
-    tokens, steps_at_handover, steps_at_first = asyncio.run(main())
+    tokens, steps_at_arrival, steps_at_first = asyncio.run(main())
     assert tokens == b_alone
-    assert steps_at_first == steps_at_handover  # no step ended between the handover and B's first token
+    assert steps_at_first == steps_at_arrival  # no step ended between the arrival and B's first token
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
 
 

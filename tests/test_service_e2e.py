@@ -17,6 +17,8 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 from engine.offline import generate, make_runner
 from tests.servers import ROOT, ServerProcess
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 MODES = [decode_pb2.PREFILL_MODE_DISAGGREGATED, decode_pb2.PREFILL_MODE_COLOCATED, decode_pb2.PREFILL_MODE_CHUNKED,
          decode_pb2.PREFILL_MODE_LAYERED, decode_pb2.PREFILL_MODE_PARTITIONED]
 

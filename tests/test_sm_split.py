@@ -98,6 +98,7 @@ def test_the_adapter_creates_a_context_with_either_api(monkeypatch: pytest.Monke
     assert (context.num_sms, context.device_id) == (96, 1)
 
 
+@pytest.mark.e2e
 def test_scenario_rows_at_several_splits_make_the_plot_and_the_table(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The documented GPU commands, end to end on the CPU (where partitioned runs as layered): scenario rows
     at two SM counts, then the trade-off plot and the SLO table the decode server reads."""

@@ -19,6 +19,8 @@ from launcher.process import start_all, stop_all
 from tests.servers import ROOT
 from tests.test_reliability_fixtures import Server, request, secure_channel
 
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
 x509 = pytest.importorskip("cryptography.x509")
 
 

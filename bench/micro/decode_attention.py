@@ -9,7 +9,7 @@ is 2 MB a layer: eight of them would fit in an H200's L2, 60 MiB as the driver r
 With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
 a step with one long history among short ones, where the layer lasts as long as the long history's
 programs. Recorded as `attention-long-history-*.json`, those rows price that part of the step in
-the simulator (planner.costs.fit_long_history)."""
+the simulator (planner.fits.fit_long_history)."""
 
 from __future__ import annotations
 

@@ -48,27 +48,24 @@ class GemvConfig:
         return k % self.block_k == 0 and k // self.block_k >= self.split_k
 
 
-# Tiles chosen by `python -m bench.micro.gemv --sweep` on an H200 (bench/NOTES.md), by the weight's shape
-# class: one tile for every batch of 1-16 rows, so a row's result is the same at each of them.
+# Tiles chosen by `python -m bench.micro.gemv --sweep` on an H200, by the weight's shape class (the
+# timings behind each: bench/NOTES.md, "Where the code's constants come from"): one tile for every
+# batch of 1-16 rows, so a row's result is the same at each of them.
 _NARROW_WIDE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 NARROW_ROW_TILES: dict[str, GemvConfig] = {
     "wide": _NARROW_WIDE,   # gate_up
     "vocab": _NARROW_WIDE,  # lm_head
-    # qkv and o_proj: 11.6 and 9.6 us alone against 12.0 and 9.9 for the tiles before (split 4, unsplit),
-    # and a decode step at batch 1 0.07 ms shorter (batch 8: 0.16 ms) with more programs each
-    "tall": GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=3),
-    "square": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=7),
-    "deep": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2),    # down: 35.8 us, 39.4 unsplit
+    "tall": GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=3),    # qkv
+    "square": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=7),  # o_proj
+    "deep": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2),    # down
 }
 
 
-# Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.micro.gemv --sweep --rows 64`,
-# at 64 rows: gate_up 68.9 us against 71.9, down 41.1 against 41.8 and its reduce kernel); qkv and
-# o_proj stay with cuBLAS (12.3 and 9.4 us against 14.1 and 11.6).
+# Batches of 17-64 rows: a 64-row tile where it beats cuBLAS (`python -m bench.micro.gemv --sweep --rows 64`);
+# qkv and o_proj stay with cuBLAS.
 WIDE_ROW_TILES: dict[str, GemvConfig] = {
-    "vocab": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),  # lm_head: 256.0 us against 259.3
+    "vocab": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
     "wide": GemvConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
-    # down: 6 stages alone 40.3 us against 40.6 at 4; a batch-64 step 0.01-0.06 ms shorter by card (bench/NOTES.md)
     "deep": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6, split_k=2),
 }
 

@@ -10,11 +10,13 @@ results do not change. CUDA graphs keep these edges when captured.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-_enabled: bool | None = None
 
-
+@functools.cache
 def supported() -> bool:
     """A Hopper (or later) GPU, and a Triton that launches with PDL."""
     try:
@@ -25,18 +27,28 @@ def supported() -> bool:
             and torch.cuda.get_device_capability() >= (9, 0))
 
 
+@dataclass
+class LaunchSettings:
+    """How our kernels launch, for the whole process (one model in it): set when the model is built
+    (`engine.ops.apply_launch_options`); PDL is on by default wherever it is supported."""
+
+    pdl_wanted: bool = True
+
+    def pdl(self) -> bool:
+        return self.pdl_wanted and supported()  # asked on first launch, not at import: no CUDA before a fork
+
+
+SETTINGS = LaunchSettings()
+
+
 def enabled() -> bool:
-    """Whether kernels launch with PDL: on by default where it is supported."""
-    global _enabled
-    if _enabled is None:
-        _enabled = supported()
-    return _enabled
+    """Whether kernels launch with PDL."""
+    return SETTINGS.pdl()
 
 
 def set_enabled(flag: bool) -> None:
     """Turn PDL off (or back on where supported) for kernels launched, or graphs captured, from now on."""
-    global _enabled
-    _enabled = flag and supported()
+    SETTINGS.pdl_wanted = flag
 
 
 def options() -> dict[str, bool]:
