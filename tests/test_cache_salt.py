@@ -22,6 +22,8 @@ from launcher.process import start_all, stop_all
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import Server
 
+pytestmark = pytest.mark.e2e  # starts server processes
+
 HITS = "prefix_cache_hit_tokens_total"
 
 

@@ -80,6 +80,7 @@ def test_harmless_weights_are_skipped_and_change_nothing(base: Path, tmp_path: P
         load_checkpoint(untied, torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module", ["prefill_server", "decode_server"])
 def test_servers_exit_at_start_naming_the_method(module: str, base: Path, tmp_path: Path, server_logs: Path) -> None:
     folder = copy_with(base, tmp_path / "gptq", {"quantization_config": GPTQ},

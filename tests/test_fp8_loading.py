@@ -218,6 +218,7 @@ def test_block_scales_requantized_per_channel_stay_within_an_e4m3_step() -> None
     assert bool(((again - deq).abs() <= bound).all())
 
 
+@pytest.mark.e2e
 def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
     """A real prefill and decode server on an HF block-FP8 checkpoint: the reference's tokens."""
     import grpc
@@ -242,6 +243,7 @@ def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: P
         prefill.stop()
 
 
+@pytest.mark.e2e
 def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
     """`--quantization fp8` through a real decode server gives the offline quantized tokens (not the
     16-bit ones); on a checkpoint that is FP8 already the server exits at start, saying so."""

@@ -3,6 +3,7 @@ module named like one of the top-level packages (`bench/engine.py` beside the `e
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -41,3 +42,12 @@ def test_no_module_is_named_like_a_top_level_package() -> None:
     clashes = sorted(f for f in _sources() if "/" in f and Path(f).stem in packages)
     assert not clashes, f"rename these: each is named like a top-level package ({sorted(packages)}):\n" + \
         "\n".join(clashes)
+
+
+def test_tests_that_start_servers_are_marked_e2e() -> None:
+    """`make test-fast` leaves out the `e2e` tests: a test file that starts a server process says so."""
+    starts = re.compile(r"launcher\.process|ServerProcess|serve-prefill|tests\.servers import .*(start|pair|serve)")
+    unmarked = sorted(f for f in _sources() if f.startswith("tests/test_")
+                      and starts.search(text := (ROOT / f).read_text())
+                      and "def test_" in text and "mark.e2e" not in text and "mark.soak" not in text)
+    assert not unmarked, "these start servers: add `pytestmark = pytest.mark.e2e`:\n" + "\n".join(unmarked)

@@ -22,6 +22,8 @@ import pytest
 
 from tests.servers import ROOT
 
+pytestmark = pytest.mark.e2e  # starts server processes
+
 README = ROOT / "README.md"
 PORTS = (50051, 50052, 8000, 8001, 8002)  # the Makefile's defaults, which the commands address
 
