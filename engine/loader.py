@@ -246,8 +246,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     if fmt is not None:
         replace_linears(model, fp8_layers, keep_fp8, fmt.static_input)
     fp8_modules = {theirs for parts in fp8_layers.values() for theirs, _ in parts}
-    fp8_suffixes = ("weight", fmt.scale_name, "input_scale") if fmt is not None and fmt.static_input else \
-        ("weight", fmt.scale_name if fmt is not None else "")
+    fp8_suffixes = () if fmt is None else ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ())
     pieces: dict[str, dict[str, torch.Tensor]] = {}  # FP8 module -> its weight and scales, read in any order
     params = dict(model.named_parameters())
     names = weight_map(cfg)
@@ -309,6 +308,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
                quantization: str | None = None) -> LoadedModel:
+    if quantization not in (None, "fp8"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported; use fp8 or none")
     if model_path:
         return load_checkpoint(model_path, device, dtype, max_positions, kernels, quantization)
     return build_preset(preset or "tiny", device, dtype, max_positions, kernels, quantization)
