@@ -37,11 +37,6 @@ except ImportError:  # no Triton: CPU-only installs, where the reference path ru
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
-# Our fused projections -> the transformers modules stacked in them, in row order.
-FUSED_PARTS: dict[str, tuple[str, ...]] = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                                           "o_proj": ("self_attn.o_proj",),
-                                           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
 SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK) and fp8 (block)")
 
 
