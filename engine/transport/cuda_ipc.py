@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool, run_start, slot_ids
+from engine.kv_cache import KVLayout, KVPool, as_bytes, run_start, slot_ids
 from engine.transport.base import KVReceiver, KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -180,8 +180,8 @@ class IpcKVReceiver(KVReceiver):
                     dst[half].narrow(0, self.dst_first, n).copy_(src[half].narrow(0, self.src_first, n))
             elif self.src is not None and self.dst is not None:
                 # the gather runs where torch places the mapped memory; .to() then moves it over NVLink
-                kv = src.index_select(1, self.src).to(self.pool.device, non_blocking=True)
-                dst.index_copy_(1, self.dst, kv)
+                kv = as_bytes(src).index_select(1, self.src).to(self.pool.device, non_blocking=True)
+                as_bytes(dst).index_copy_(1, self.dst, kv)
             else:
                 raise IpcError("layer reported before the transfer started")
             self.copied += 1
