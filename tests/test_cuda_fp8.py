@@ -219,3 +219,33 @@ def test_fp8_kv_crosses_every_transport_at_one_byte(transport: str, server_logs:
     finally:
         for server in (reference, decode, prefill):
             server.stop()
+
+
+def test_fp8_kv_stores_round_as_pytorch_does() -> None:
+    """The prefill's rope-and-store kernel and the decode kernel write into an e4m3 pool the bytes
+    PyTorch's rounding (saturating at 448) gives for the 16-bit pool's values."""
+    from engine.kernels import fused
+    from engine.kernels.paged_decode import paged_decode_attention_rope
+    from engine.kv_cache import to_kv_dtype
+    from engine.model.decoder import RotaryTable
+
+    heads, kv_heads, dim, tokens = 8, 2, 128, 300
+    rope = RotaryTable(dim, 1e6, 1024)
+    rope.to("cuda").reset()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda") * 150
+    positions = torch.arange(tokens, device="cuda")
+    slots = torch.arange(tokens, device="cuda") + 16
+    pools = {dt: torch.zeros(2, 1024, kv_heads, dim, dtype=dt, device="cuda")
+             for dt in (torch.bfloat16, torch.float8_e4m3fn)}
+    for pool in pools.values():
+        fused.rope_and_store(qkv, positions, rope.cos, rope.sin, pool, slots, heads, kv_heads, dim)
+    want = to_kv_dtype(pools[torch.bfloat16], torch.float8_e4m3fn)
+    assert (pools[torch.bfloat16].abs() > 448).any()  # saturation is exercised
+    assert torch.equal(pools[torch.float8_e4m3fn].view(torch.uint8), want.view(torch.uint8))
+    tables = torch.arange(1, 21, dtype=torch.int32, device="cuda")[None]  # one sequence, slots 16-335
+    lens = torch.tensor([tokens + 1], dtype=torch.int32, device="cuda")
+    new = torch.tensor([tokens + 16], device="cuda")
+    for pool in pools.values():
+        paged_decode_attention_rope(qkv[:1], heads, positions[-1:] + 1, rope.cos, rope.sin, new, pool, tables, lens, 16)
+    want = to_kv_dtype(pools[torch.bfloat16][:, new], torch.float8_e4m3fn)
+    assert torch.equal(pools[torch.float8_e4m3fn][:, new].view(torch.uint8), want.view(torch.uint8))
