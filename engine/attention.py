@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVPool, as_bytes
 from engine.ops import expand_kv, rope_and_store
 
 
@@ -83,7 +83,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
 def _with_prefix(k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
                  meta: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's k/v [T, Hkv, D] after its sequence's cached prefix, read from the pool."""
-    cached = pool.read(layer, meta.prior_slots)  # type: ignore[arg-type]
+    cached = pool.read(layer, meta.prior_slots).to(k.dtype)  # type: ignore[arg-type]
     return torch.cat((cached[0], k)), torch.cat((cached[1], v))
 
 
@@ -155,7 +155,7 @@ def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Dec
     pos = torch.arange(meta.max_context, device=q.device)
     tables = meta.block_tables.long()
     slots = tables[:, pos // bs] * bs + pos % bs                       # [B, L]
-    kv = pool.layers[layer][:, slots]                                  # [2, B, L, Hkv, D]
+    kv = as_bytes(pool.layers[layer])[:, slots].view(pool.layout.torch_dtype).to(q.dtype)  # [2, B, L, Hkv, D]
     groups = q.shape[1] // kv.shape[3]
     kh = expand_kv(kv[0].transpose(1, 2), groups)                      # [B, H, L, D]
     vh = expand_kv(kv[1].transpose(1, 2), groups)

@@ -4,7 +4,8 @@ Formats read (config.json's `quantization_config`):
 - compressed-tensors (llm-compressor), `format: float-quantized`, one config group on `Linear`:
   weight strategy `channel` (`weight_scale` [N, 1]; FP8_DYNAMIC), `tensor` (`weight_scale` [1] with a
   static per-tensor `input_scale`; FP8) or `block` (`weight_scale` [ceil(N/b0), ceil(K/b1)];
-  FP8_BLOCK); `ignore` names modules (or `re:` patterns) kept unquantized.
+  FP8_BLOCK); `ignore` names modules (or `re:` patterns) kept unquantized; a `kv_cache_scheme`'s
+  per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`).
 - transformers' `fp8` (Qwen3-*-FP8, DeepSeek): `weight_block_size` [b0, b1] blocks with fp32
   `weight_scale_inv` [ceil(N/b0), ceil(K/b1)] (a multiplier, despite the name), dynamic activations;
   `modules_to_not_convert` kept unquantized.
@@ -36,11 +37,6 @@ except ImportError:  # no Triton: CPU-only installs, where the reference path ru
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
-# Our fused projections -> the transformers modules stacked in them, in row order.
-FUSED_PARTS: dict[str, tuple[str, ...]] = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                                           "o_proj": ("self_attn.o_proj",),
-                                           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
 SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK) and fp8 (block)")
 
 
@@ -56,6 +52,7 @@ class Fp8Format:
     static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
     ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
     scale_name: str = "weight_scale"   # the scale tensor's suffix: weight_scale or weight_scale_inv
+    kv_scales: bool = False            # per-layer `self_attn.k_scale` / `v_scale` (a kv_cache_scheme)
 
     def quantizes(self, module: str) -> bool:
         """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8."""
@@ -103,8 +100,11 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
     if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
         raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
                       "float-quantized group is supported)")
-    if config.get("kv_cache_scheme"):
-        raise _refuse(method, "a kv_cache_scheme")
+    kv = config.get("kv_cache_scheme")
+    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False))
+               != ("float", 8, "tensor", False)):
+        raise _refuse(method, f"a kv_cache_scheme of {kv.get('type')} {kv.get('num_bits')}-bit "
+                      f"{kv.get('strategy')} scales")
     group = next(iter(groups.values()))
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     if group.get("targets") != ["Linear"] or group.get("output_activations"):
@@ -129,7 +129,8 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
             raise _refuse(method, f"static {inputs.get('strategy')!r} activation scales")
     ignore = config.get("ignore") or []
     assert isinstance(ignore, list)
-    return Fp8Format(method, str(strategy), block if strategy == "block" else None, static, tuple(ignore))
+    return Fp8Format(method, str(strategy), block if strategy == "block" else None, static, tuple(ignore),
+                     kv_scales=bool(kv))
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -250,3 +251,14 @@ def scaled_matmul(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.reshape(1, -1),
                            out_dtype=x.dtype)
     return out if layer.bias is None else out + layer.bias
+
+
+def scale_rows(layer: nn.Linear | Fp8Linear, rows: slice, factor: float) -> None:
+    """Output rows of a linear layer (16-bit or FP8) multiplied by `factor`, its bias too."""
+    if isinstance(layer, Fp8Linear) and layer.weight_scale is not None:
+        layer.weight_scale[rows] *= factor  # exact: the e4m3 values stay as they are
+    else:
+        layer.weight.data[rows] *= factor
+    if layer.bias is not None:
+        layer.bias.data[rows] *= factor
+

@@ -6,6 +6,10 @@ lives in slot `table[t // block_size] * block_size + t % block_size`.
 
 On the wire (every transport) one layer's KV for tokens [a, b) is K[a:b] then V[a:b], each
 `[b - a, num_kv_heads, head_dim]`, contiguous, in the layout's dtype (`SHAPE_ORDER`).
+
+The layout's dtype is the model's, or e4m3 (`--kv-cache-dtype fp8`): half the bytes in the pool and
+on every transport. Its scale is 1.0 (values saturate at e4m3's largest, 448); writers round K and V
+to it (`to_kv_dtype`), readers convert back to the model dtype as they load.
 """
 
 from __future__ import annotations
@@ -19,10 +23,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.device import DTYPES, dtype_name
+from engine.device import DTYPES
 from engine.model_config import ModelConfig
 
 SHAPE_ORDER = "layer,kv,token,head,dim"
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_KV_MAX = 448.0  # e4m3's largest finite value: K and V saturate there (scale 1.0)
+
+
+def to_kv_dtype(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V rounded to the pool's dtype; e4m3 saturates (PyTorch's cast would give NaN past 448)."""
+    if kv.dtype == dtype:
+        return kv
+    if dtype == torch.float8_e4m3fn:
+        kv = kv.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return kv.to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte (e4m3) KV tensor as uint8, for the copies PyTorch does not implement for float8 on
+    the CPU (index_copy_, index_select); other dtypes as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -35,19 +57,22 @@ class KVLayout:
     shape_order: str = SHAPE_ORDER
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KV dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
 
     @classmethod
     def for_model(cls, config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
-        return cls(config.fingerprint(), dtype_name(dtype), config.num_layers, config.num_kv_heads,
+        name = next((n for n, d in KV_DTYPES.items() if d == dtype), None)
+        if name is None:
+            raise ValueError(f"unsupported KV dtype {dtype}")
+        return cls(config.fingerprint(), name, config.num_layers, config.num_kv_heads,
                    config.head_dim, block_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return KV_DTYPES[self.dtype]
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -223,7 +248,7 @@ class KVPool:
         `first` says the slots are one run starting there."""
         if first is not None:
             return self.run(layer, first, slots.numel())
-        return self.layers[layer].index_select(1, slots)
+        return as_bytes(self.layers[layer]).index_select(1, slots).view(self.layout.torch_dtype)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, first: int | None = None) -> None:
         """Store wire-ordered `[2, n, num_kv_heads, head_dim]` at `slots`."""
@@ -236,9 +261,9 @@ class KVPool:
             else:
                 dst.copy_(kv)
         else:
-            self.layers[layer].index_copy_(1, slots, kv)
+            as_bytes(self.layers[layer]).index_copy_(1, slots, as_bytes(kv))
 
     def write_layers(self, start: int, end: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store layers [start, end) at once from `[end - start, 2, n, num_kv_heads, head_dim]`: one
         device call for several layers (the NCCL receiver's scatter, where the slots are not one run)."""
-        self.storage[start:end].index_copy_(2, slots, kv)
+        as_bytes(self.storage[start:end]).index_copy_(2, slots, as_bytes(kv))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVPool, as_bytes
 
 
 def _row_words(kv: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def layer_checksums(pool: KVPool, block_table: list[int], num_tokens: int, start
         sums = layer_checksums_of(pool.storage.narrow(2, first, num_tokens - start))
     else:  # gathered a layer at a time: a copy of every layer at once could be gigabytes
         slots = pool.slots(block_table, start, num_tokens)
-        sums = torch.cat([layer_checksums_of(layer.index_select(1, slots)[None]) for layer in pool.layers])
+        sums = torch.cat([layer_checksums_of(as_bytes(layer).index_select(1, slots)[None]) for layer in pool.layers])
     return as_uint64(sums)
 
 

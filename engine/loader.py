@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,15 +22,19 @@ from engine.fp8 import (
     quantize_model,
     read_format,
     replace_linears,
+    scale_rows,
     to_per_channel,
 )
 from engine.model import DecoderModel
+from engine.model.decoder import DecoderLayer
 from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig, eos_token_ids
 from engine.ops import ALL_KERNELS, KernelOptions
 from engine.presets import PRESET_QUANTIZATION, PRESET_SEED, PRESETS
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")  # a kv_cache_scheme's per-layer scales
 
 
 class ModelLoadError(Exception):
@@ -216,6 +221,29 @@ def _scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
     return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
 
 
+def fold_kv_scales(model: DecoderModel, scales: torch.Tensor) -> None:
+    """Per-layer KV scales `scales` [layers, 2] (k_scale, v_scale) folded into the weights, so the
+    cache holds K / k_scale and V / v_scale at scale 1.0 with no kernel reading a scale: q is
+    multiplied by k_scale (q . k unchanged), K and V divided by theirs, and o_proj multiplied by
+    v_scale (attention is linear in V). In Qwen3 the per-head q/k norms take the factors, since they
+    would cancel one on the projection."""
+    for layer, (k_scale, v_scale) in zip(model.layers, scales.tolist(), strict=True):
+        assert isinstance(layer, DecoderLayer)
+        q = layer.num_heads * layer.head_dim
+        kv = layer.num_kv_heads * layer.head_dim
+        if layer.q_norm is not None and layer.k_norm is not None:
+            layer.q_norm.weight.data *= k_scale
+            layer.k_norm.weight.data /= k_scale
+        else:
+            scale_rows(layer.qkv, slice(0, q), k_scale)
+            scale_rows(layer.qkv, slice(q, q + kv), 1 / k_scale)
+        scale_rows(layer.qkv, slice(q + kv, q + 2 * kv), 1 / v_scale)
+        if isinstance(layer.o_proj, Fp8Linear) and layer.o_proj.weight_scale is not None:
+            layer.o_proj.weight_scale *= v_scale  # every column by one factor: the row scales
+        else:
+            layer.o_proj.weight.data *= v_scale
+
+
 def _generation_eos(folder: Path) -> tuple[int, ...]:
     """End-of-turn ids that generation_config.json adds (Llama 3 instruct lists three)."""
     path = folder / "generation_config.json"
@@ -246,18 +274,22 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     if fmt is not None:
         replace_linears(model, fp8_layers, keep_fp8, fmt.static_input)
     fp8_modules = {theirs for parts in fp8_layers.values() for theirs, _ in parts}
-    fp8_suffixes = ("weight", fmt.scale_name, "input_scale") if fmt is not None and fmt.static_input else \
-        ("weight", fmt.scale_name if fmt is not None else "")
+    fp8_suffixes = () if fmt is None else ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ())
     pieces: dict[str, dict[str, torch.Tensor]] = {}  # FP8 module -> its weight and scales, read in any order
     params = dict(model.named_parameters())
     names = weight_map(cfg)
     filled: dict[str, int] = {}
     tied_copies: list[torch.Tensor] = []  # an lm_head saved beside tied embeddings: must be their copy
+    kv_scales = torch.full((cfg.num_layers, 2), float("nan"))  # k_scale, v_scale a layer, where the format has them
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     module, _, suffix = name.rpartition(".")
+                    kv_scale = _KV_SCALE.fullmatch(name) if fmt is not None and fmt.kv_scales else None
+                    if kv_scale is not None and int(kv_scale[1]) < cfg.num_layers:
+                        kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(f.get_tensor(name).float().max())
+                        continue
                     if module in fp8_modules and suffix in fp8_suffixes:
                         pieces.setdefault(module, {})[suffix] = f.get_tensor(name)
                         continue
@@ -288,6 +320,11 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
             assert isinstance(layer, Fp8Linear)
             _fill_fp8(folder, layer, parts, pieces, fmt)
             filled[f"{ours}.weight"] = layer.out_features
+        if fmt is not None and fmt.kv_scales:
+            if kv_scales.isnan().any() or (kv_scales <= 0).any():
+                raise ModelLoadError(f"--model {folder}: its kv_cache_scheme needs a positive self_attn.k_scale and "
+                                     "v_scale in every layer; some are missing or not positive; re-export it")
+            fold_kv_scales(model, kv_scales)
         if quantization == "fp8":
             quantize_model(model, [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS], keep_fp8)
             params = dict(model.named_parameters())
@@ -309,6 +346,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
                quantization: str | None = None) -> LoadedModel:
+    if quantization not in (None, "fp8"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported; use fp8 or none")
     if model_path:
         return load_checkpoint(model_path, device, dtype, max_positions, kernels, quantization)
     return build_preset(preset or "tiny", device, dtype, max_positions, kernels, quantization)

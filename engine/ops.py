@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.fp8 import Fp8Linear, fake_quantize, scaled_matmul, scaled_mm_supports
+from engine.kv_cache import as_bytes, to_kv_dtype
 
 try:
     from engine.kernels import fused as _fused
@@ -165,7 +166,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     c = cos[positions].to(q.dtype).unsqueeze(1)
     s = sin[positions].to(q.dtype).unsqueeze(1)
     q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-    kv_layer.index_copy_(1, slots, torch.stack((k, v)))
+    as_bytes(kv_layer).index_copy_(1, slots, as_bytes(to_kv_dtype(torch.stack((k, v)), kv_layer.dtype)))
     if rows is not None and rows > t:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, rows - t)) for x in (q, k, v))
     return q, k, v

@@ -39,7 +39,8 @@ def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool,
-                 min_decode_bucket: int = 1) -> None:
+                 min_decode_bucket: int = 1, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the KV pool's, when not the model's (e4m3: `--kv-cache-dtype fp8`)."""
         self.model = loaded.model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -47,7 +48,7 @@ class ModelRunner:
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        self.layout = KVLayout.for_model(loaded.config, dtype, block_size)
+        self.layout = KVLayout.for_model(loaded.config, kv_dtype or dtype, block_size)
         num_blocks = KVPool.blocks_for_memory(self.layout, kv_bytes)
         need = -(-max_model_len // block_size) + 1
         if num_blocks < need:

@@ -162,3 +162,90 @@ def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:
     want = (x.float() / want_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
     assert (q.float() != want).float().mean() < 1e-3 and rel_err(q.float() * scale, x.float()) < 4e-2
     assert torch.equal(q[7].float(), torch.zeros(18944, device="cuda"))
+
+
+def test_fp8_kv_paged_kernel_reads_what_the_gather_path_reads() -> None:
+    """An e4m3 pool on CUDA: the Triton paged decode kernel (which writes the new token's K and V
+    rounded, then reads the pool) gives the gather path's logits; CUDA graphs give eager's tokens."""
+    from engine.decode_batch import DecodeSeq
+    from engine.offline import generate, make_runner
+
+    kwargs = dict(preset="tiny", device="cuda:0", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                  max_batch_size=8, max_model_len=1024)
+    runner = make_runner(**kwargs)  # type: ignore[arg-type]
+    assert runner.pool.storage.dtype == torch.float8_e4m3fn
+    prompt = [(i * 7 + 3) % 256 for i in range(300)]
+    table = runner.pool.allocator.allocate(runner.pool.blocks_needed(len(prompt) + 1))
+    runner.prefill(prompt, table, 0)
+    logits = {}
+    for kernel in (True, False):  # the same step twice: the new token's slot rewritten with the same bytes
+        runner.use_kernel = kernel
+        logits[kernel] = runner.decode([DecodeSeq(42, len(prompt), table)])[0][0]
+    assert rel_err(logits[True], logits[False]) < 1e-2
+    prompts = [[(i * 7 + j * 13) % 256 for i in range(40 + 30 * j)] for j in range(6)]
+    graphed = generate(make_runner(cuda_graphs=True, **kwargs), prompts, 24)  # type: ignore[arg-type]
+    assert generate(make_runner(cuda_graphs=False, **kwargs), prompts, 24) == graphed  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
+def test_fp8_kv_crosses_every_transport_at_one_byte(transport: str, server_logs: Path) -> None:
+    """Both servers with --kv-cache-dtype fp8: one byte a value on the wire (the handoff's kv_bytes),
+    checksummed on both sides, and the tokens of a colocated server with the same e4m3 pool."""
+    from pd.v1 import decode_pb2
+
+    from tests.servers import ServerProcess
+    from tests.test_cuda_transport import GPUS, generate, needs
+
+    needs(transport)
+    common = ["--preset", "tiny", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--kv-transport", transport,
+              "--kv-cache-gb", "1"]
+    prefill = ServerProcess("prefill_server", common, server_logs, device="cuda:0").start(timeout=300)
+    decode = ServerProcess("decode_server", [*common, "--prefill-addr", prefill.address, "--kv-checksum", "on"],
+                           server_logs, device=f"cuda:{min(1, GPUS - 1)}").start(timeout=300)
+    reference = ServerProcess("decode_server", [*common, "--mode", "colocated"], server_logs,
+                              device="cuda:0").start(timeout=300)
+    try:
+        import grpc
+        from pd.v1 import decode_pb2_grpc
+
+        prompt = [(i * 7 + 3) % 256 for i in range(700)]
+        with grpc.insecure_channel(decode.address) as ch:
+            replies = list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                token_ids=prompt, max_new_tokens=20, ignore_eos=True,
+                prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=120))
+        assert replies[-1].timing.kv_bytes == len(prompt) * 4 * 2 * 2 * 16  # layers, K and V, heads, dim: 1 byte
+        assert [r.token_id for r in replies] == generate(reference.address, prompt,
+                                                          decode_pb2.PREFILL_MODE_COLOCATED, 20)
+    finally:
+        for server in (reference, decode, prefill):
+            server.stop()
+
+
+def test_fp8_kv_stores_round_as_pytorch_does() -> None:
+    """The prefill's rope-and-store kernel and the decode kernel write into an e4m3 pool the bytes
+    PyTorch's rounding (saturating at 448) gives for the 16-bit pool's values."""
+    from engine.kernels import fused
+    from engine.kernels.paged_decode import paged_decode_attention_rope
+    from engine.kv_cache import to_kv_dtype
+    from engine.model.decoder import RotaryTable
+
+    heads, kv_heads, dim, tokens = 8, 2, 128, 300
+    rope = RotaryTable(dim, 1e6, 1024)
+    rope.to("cuda").reset()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda") * 150
+    positions = torch.arange(tokens, device="cuda")
+    slots = torch.arange(tokens, device="cuda") + 16
+    pools = {dt: torch.zeros(2, 1024, kv_heads, dim, dtype=dt, device="cuda")
+             for dt in (torch.bfloat16, torch.float8_e4m3fn)}
+    for pool in pools.values():
+        fused.rope_and_store(qkv, positions, rope.cos, rope.sin, pool, slots, heads, kv_heads, dim)
+    want = to_kv_dtype(pools[torch.bfloat16], torch.float8_e4m3fn)
+    assert (pools[torch.bfloat16].abs() > 448).any()  # saturation is exercised
+    assert torch.equal(pools[torch.float8_e4m3fn].view(torch.uint8), want.view(torch.uint8))
+    tables = torch.arange(1, 21, dtype=torch.int32, device="cuda")[None]  # one sequence, slots 16-335
+    lens = torch.tensor([tokens + 1], dtype=torch.int32, device="cuda")
+    new = torch.tensor([tokens + 16], device="cuda")
+    for pool in pools.values():
+        paged_decode_attention_rope(qkv[:1], heads, positions[-1:] + 1, rope.cos, rope.sin, new, pool, tables, lens, 16)
+    want = to_kv_dtype(pools[torch.bfloat16][:, new], torch.float8_e4m3fn)
+    assert torch.equal(pools[torch.float8_e4m3fn][:, new].view(torch.uint8), want.view(torch.uint8))

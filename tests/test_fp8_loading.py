@@ -173,7 +173,8 @@ def test_ignore_list_keeps_modules_unquantized_and_refuses_half_a_fused_projecti
     ({"config_groups": {"group_0": {**_group("FP8"), "weights": {**_group("FP8")["weights"], "num_bits": 4,  # type: ignore[dict-item]
                                                                    "type": "int"}}}},
      "quant_method 'compressed-tensors' with int 4-bit weights is not supported"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "with a kv_cache_scheme"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}},
+     "with a kv_cache_scheme of int 8-bit tensor scales"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "quant_method 'fp8' with activation_scheme 'static'"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
@@ -270,3 +271,42 @@ def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, s
     with pytest.raises(ServerFailed, match="exited with 2"):
         refused.start(timeout=120)
     assert f"--model {folder} is already quantized (compressed-tensors); drop --quantization" in refused.log()
+
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path: Path) -> None:
+    """A compressed-tensors checkpoint with a kv_cache_scheme (k_scale, v_scale a layer): the cache
+    holds K / k_scale and V / v_scale (an e4m3 pool: those rounded), while attention, and so the
+    tokens, are those of the weights alone."""
+    from engine.decode_batch import DecodeSeq
+    from tests.conftest import rel_err
+
+    for family in ("llama", "qwen3"):  # q and k scaled on the projection, and through Qwen3's q/k norms
+        folder, dequantized = write_fp8(bases[family], tmp_path / family, "FP8_DYNAMIC")
+        plain = make_runner(model=str(folder), max_model_len=256)
+        weights = load_file(folder / "model.safetensors")
+        for i in range(3):
+            weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02 + 0.01 * i)
+            weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.05)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        raw = json.loads((folder / "config.json").read_text())
+        raw["quantization_config"]["kv_cache_scheme"] = KV_SCHEME
+        (folder / "config.json").write_text(json.dumps(raw))
+        assert generate(make_runner(model=str(folder), max_model_len=256), PROMPTS, STEPS) == \
+            reference_greedy(dequantized)
+        scaled = make_runner(model=str(folder), max_model_len=256, kv_dtype=FP8)
+        for runner in (plain, scaled):
+            table = runner.pool.allocator.allocate(runner.pool.blocks_needed(len(PROMPTS[1]) + 1))
+            runner.prefill(PROMPTS[1], table, 0)
+            runner.decode([DecodeSeq(42, len(PROMPTS[1]), table)])
+        slots = torch.arange(16, 16 + len(PROMPTS[1]) + 1)
+        for i in range(3):
+            stored = scaled.pool.storage[i, :, slots].float()
+            assert rel_err(stored[0] * (0.02 + 0.01 * i), plain.pool.storage[i, 0, slots]) < 0.05, (family, i)
+            assert rel_err(stored[1] * 0.05, plain.pool.storage[i, 1, slots]) < 0.05, (family, i)
+        del weights["model.layers.2.self_attn.v_scale"]
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match="needs a positive self_attn.k_scale and v_scale in every layer"):
+            load_checkpoint(folder, torch.device("cpu"), torch.float32)

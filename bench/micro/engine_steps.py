@@ -202,6 +202,7 @@ def main() -> None:
                    help="run each later turn confined to this many SMs, as partitioned mode's prefill (alone only)")
     p.add_argument("--repeats", type=int, default=5, help="timed later turns a row, after an untimed one")
     p.add_argument("--device", default="cuda:0", help="cpu runs --later-turns only (float32; for tests)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: an e4m3 KV pool")
     args = p.parse_args()
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
                             pdl=not args.no_pdl)
@@ -218,13 +219,13 @@ def main() -> None:
     runner = make_runner(preset=args.preset, device="cuda:0", dtype=torch.bfloat16, kv_gb=40.0,
                          max_batch_size=max(args.batches), max_model_len=max(*args.prefill_lens, args.context + 512),
                          cuda_graphs=not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket,
-                         kernels=kernels)
+                         kernels=kernels, kv_dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
     wbytes = weight_bytes(runner)
     doc = {**metadata(), "gpu": torch.cuda.get_device_name(0), "preset": args.preset, "context": args.context,
            "hbm_gbps_measured": round(hbm, 1), "bf16_tflops_measured": round(tflops, 1),
            "bf16_tflops_sustained": round(held, 1), "sustained_matmul_power": as_json(held_power),
            "sustained_matmul_pj_per_flop": rounded(held_pj),
-           "weight_bytes": wbytes,
+           "weight_bytes": wbytes, "kv_cache_dtype": runner.layout.dtype,
            "cuda_graphs": not args.no_cuda_graphs, "overlap_steps": not args.no_overlap_steps,
            "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,

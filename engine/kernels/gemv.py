@@ -21,7 +21,7 @@ multiply the sums before the bias and the rounding (W8A16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -91,6 +91,10 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
         cfg = FP8_WIDE_ROW_TILE
     if cfg is None:
         return None
+    if weight.dtype == torch.float8_e4m3fn and rows <= MAX_ROWS and cfg.block_k <= 128 and k % (2 * cfg.block_k) == 0:
+        # e4m3 weights: twice the K a pipeline stage, so each stage streams the bytes the 16-bit tile was
+        # tuned for (a starting point for `bench.gemv --fp8 --sweep`, not a measured choice)
+        cfg = replace(cfg, block_k=2 * cfg.block_k)
     if not cfg.fits(k):  # too short to split: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg

@@ -100,8 +100,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
-        k = tl.load(base, mask=valid[:, None], other=0.0)
-        v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0)
+        k = tl.load(base, mask=valid[:, None], other=0.0).to(q.dtype)  # an e4m3 pool converted as it loads
+        v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))

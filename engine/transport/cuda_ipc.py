@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool, run_start, slot_ids
+from engine.kv_cache import KVLayout, KVPool, as_bytes, run_start, slot_ids
 from engine.transport.base import KVReceiver, KVSender
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -56,18 +56,21 @@ class _DeviceArray:
 
     ptr: int
     shape: tuple[int, ...]
+    itemsize: int = 2
 
     @property
     def __cuda_array_interface__(self) -> dict[str, object]:
-        return {"shape": self.shape, "typestr": "<i2", "data": (self.ptr, False), "strides": None, "version": 3}
+        return {"shape": self.shape, "typestr": f"<i{self.itemsize}", "data": (self.ptr, False), "strides": None,
+                "version": 3}
 
 
 class RemotePool:
     """The decode side's view of a prefill server's pool (opened once per pairing)."""
 
     def __init__(self, layout: KVLayout, handle: bytes, offset: int, num_slots: int, device: torch.device) -> None:
-        if layout.torch_dtype.itemsize != 2:
-            raise IpcError("cuda-ipc moves 2-byte KV dtypes (bfloat16, float16)")
+        itemsize = layout.torch_dtype.itemsize
+        if itemsize not in (1, 2):
+            raise IpcError("cuda-ipc moves 1- and 2-byte KV dtypes (bfloat16, float16, float8_e4m3fn)")
         lib = _driver()
         torch.cuda.set_device(device)
         if len(handle) != 64:
@@ -79,7 +82,7 @@ class RemotePool:
         _check(open_fn(ctypes.byref(self._base), raw, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
                "cuIpcOpenMemHandle")
         shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
-        words = torch.as_tensor(_DeviceArray(self._base.value + offset, shape), device=device)
+        words = torch.as_tensor(_DeviceArray(self._base.value + offset, shape, itemsize), device=device)
         self.storage = words.view(layout.torch_dtype)
         self.block_size = layout.block_size
         self.closed = False
@@ -177,8 +180,8 @@ class IpcKVReceiver(KVReceiver):
                     dst[half].narrow(0, self.dst_first, n).copy_(src[half].narrow(0, self.src_first, n))
             elif self.src is not None and self.dst is not None:
                 # the gather runs where torch places the mapped memory; .to() then moves it over NVLink
-                kv = src.index_select(1, self.src).to(self.pool.device, non_blocking=True)
-                dst.index_copy_(1, self.dst, kv)
+                kv = as_bytes(src).index_select(1, self.src).to(self.pool.device, non_blocking=True)
+                as_bytes(dst).index_copy_(1, self.dst, kv)
             else:
                 raise IpcError("layer reported before the transfer started")
             self.copied += 1

@@ -26,7 +26,7 @@ def layout_mismatch_message(decode: KVLayout, prefill: KVLayout) -> str | None:
     if diff is None:
         return None
     sides = diff.replace("ours", "prefill server").replace("theirs", "decode server")
-    return f"KV layout mismatch ({sides}); start both servers with the same model and --dtype"
+    return f"KV layout mismatch ({sides}); start both servers with the same model, --dtype and --kv-cache-dtype"
 
 
 def supported_transports(device: torch.device) -> list[KVTransport]:

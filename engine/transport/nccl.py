@@ -119,6 +119,7 @@ class NcclPair:
         two go as one coalesced NCCL launch (a grouped send/recv, as `batch_isend_irecv` does; the
         pair's one communicator); Gloo takes them one by one."""
         op = self.pg.send if send else self.pg.recv
+        tensors = [t.view(torch.uint8) if t.element_size() == 1 else t for t in tensors]  # e4m3 KV as its bytes
         if self.device.type != "cuda":
             return [op([t], self.peer, 0) for t in tensors]
         self.pg._start_coalescing()

@@ -1,0 +1,76 @@
+"""The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
+against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
+argmax) and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
+installed (the CPU build of torch does not bring it); skipped elsewhere.
+
+The interpreter computes in NumPy, which has no bfloat16, so activations are float16 (the matmul)
+and float32 (attention); and its own float32 -> e4m3 cast mis-rounds values that carry into the
+next power of two, so the kernels' e4m3 stores are left to the GPU tests (tests/test_cuda_fp8.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_fp8_kernels_in_the_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp8 kernels ok" in proc.stdout
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_gemv() -> None:
+    from engine.fp8 import quantize_per_channel
+    from engine.kernels.gemv import GemvConfig, gemv, gemv_argmax, gemv_silu
+
+    torch.manual_seed(0)
+    n, k = 96, 256
+    w, scale = quantize_per_channel(torch.randn(n, k) * k**-0.5 * torch.rand(n, 1))
+    deq = w.float() * scale[:, None]
+    bias = torch.randn(n, dtype=torch.float16)
+    for m in (1, 3):
+        x = torch.randn(m, k, dtype=torch.float16)
+        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2)):  # whole K, split in two
+            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3
+        gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
+        want = (F.silu(gate.float()).half().float() * up.float()).half()
+        assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1), scale=scale), want) < 2e-3
+        logits, tokens = gemv_argmax(x, w, torch.float32, GemvConfig(32, 128, 4, 2, 1), scale=scale)
+        assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
+
+
+def check_paged_decode() -> None:
+    from engine.kernels.paged_decode import paged_decode_attention
+
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block = 4, 2, 16, 16
+    pool = torch.randn(2, 64 * block, kv_heads, dim).to(torch.float8_e4m3fn)
+    q = torch.randn(2, heads, dim)
+    tables = torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 20], dtype=torch.int32)
+    for splits in (1, 2):
+        out = paged_decode_attention(q, pool, tables, lens, block, splits=splits)
+        for b in range(2):
+            pos = torch.arange(int(lens[b]))
+            slots = tables[b].long()[pos // block] * block + pos % block
+            k, v = (pool[i, slots].float().repeat_interleave(heads // kv_heads, 1) for i in (0, 1))
+            weights = (torch.einsum("hd,lhd->hl", q[b], k) * dim**-0.5).softmax(-1)
+            assert rel(out[b], torch.einsum("hl,lhd->hd", weights, v)) < 1e-5
+
+
+if __name__ == "__main__":
+    check_gemv()
+    check_paged_decode()
+    print("fp8 kernels ok")
