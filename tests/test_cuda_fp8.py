@@ -125,6 +125,7 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
     assert err < 0.5  # reported; garbage (scales lost) is > 1
 
 
+@pytest.mark.e2e
 def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> None:
     """An HF block-FP8 tiny checkpoint: on CUDA (requantized per channel, FP8 matmuls) its prefill
     logits are those of the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the
@@ -187,6 +188,7 @@ def test_fp8_kv_paged_kernel_reads_what_the_gather_path_reads() -> None:
     assert generate(make_runner(cuda_graphs=False, **kwargs), prompts, 24) == graphed  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
 def test_fp8_kv_crosses_every_transport_at_one_byte(transport: str, server_logs: Path) -> None:
     """Both servers with --kv-cache-dtype fp8: one byte a value on the wire (the handoff's kv_bytes),

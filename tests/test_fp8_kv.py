@@ -65,6 +65,7 @@ def test_decode_attention_reads_the_fp8_pool(monkeypatch: pytest.MonkeyPatch) ->
     assert rel_err(logits["fp8"], logits["rounded"]) < 1e-6 < 1e-3 < rel_err(logits["fp8"], logits["exact"])
 
 
+@pytest.mark.e2e
 def test_fp8_kv_served_disaggregated_over_grpc(server_logs: object) -> None:
     """A prefill and a decode server both with --kv-cache-dtype fp8: the KV crosses the grpc stream
     as e4m3 and the tokens are the colocated e4m3 run's; a bf16-KV peer is refused at pairing."""
