@@ -21,7 +21,7 @@ multiply the sums before the bias and the rounding (W8A16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,9 +70,16 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 }
 
 
-# FP8 weights at 17-64 rows in the shapes bf16 leaves to cuBLAS (qkv, o_proj): cuBLAS's FP8 matmul reads
-# its weights at a third of HBM bandwidth there, so ours takes them too (a first tile, not swept yet).
-FP8_WIDE_ROW_TILE = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2)
+# e4m3 weights at 1-16 rows (`python -m bench.micro.gemv --fp8 --sweep`, bench/results/gemv-fp8-sweep-h200.json:
+# the fastest tile of each shape at one row). At 17-64 rows `torch._scaled_mm` beat every tile swept at 64 rows
+# (gate_up 52 against 79 us, down 48 against 71), so FP8 layers take it there.
+FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
+    "wide": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3),             # gate_up
+    "vocab": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3),            # lm_head
+    "tall": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=4),  # qkv
+    "square": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=7),  # o_proj
+    "deep": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),  # down
+}
 
 
 def _shape_class(n: int, k: int) -> str:
@@ -86,15 +93,13 @@ def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
     if rows > WIDE_ROWS:
         return None
     n, k = weight.shape
-    cfg = (NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES).get(_shape_class(n, k))
-    if cfg is None and weight.dtype == torch.float8_e4m3fn:
-        cfg = FP8_WIDE_ROW_TILE
+    if weight.dtype == torch.float8_e4m3fn:
+        tiles = FP8_NARROW_ROW_TILES if rows <= MAX_ROWS else {}
+    else:
+        tiles = NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES
+    cfg = tiles.get(_shape_class(n, k))
     if cfg is None:
         return None
-    if weight.dtype == torch.float8_e4m3fn and rows <= MAX_ROWS and cfg.block_k <= 128 and k % (2 * cfg.block_k) == 0:
-        # e4m3 weights: twice the K a pipeline stage, so each stage streams the bytes the 16-bit tile was
-        # tuned for (a starting point for `bench.gemv --fp8 --sweep`, not a measured choice)
-        cfg = replace(cfg, block_k=2 * cfg.block_k)
     if not cfg.fits(k):  # too short to split: one program per strip
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
