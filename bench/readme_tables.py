@@ -146,7 +146,18 @@ def load_h200() -> str:
         rows.append([label, f"{run['goodput_rps']:.2f} req/s",
                      *([f"{run['goodput_itl_p99_rps']:.2f} req/s"] if per_token else []),
                      ms(run["itl_ms"]["p99"]), ms(run["itl_ms"]["max"]), ms(run["ttft_ms"]["p99"])])
-    return provenance(doc, file, "; " + slo_text(doc["params"])) + "\n\n" + table(header, rows)
+    local = {name: run for name, run in doc["runs"].items() if name not in ("prefix-cache", "no-prefix-cache")}
+    verdict = f"\n\nUnder the mean-TPOT SLO, {best(local, 'goodput_rps')} serves the most requests"
+    verdict += (f"; under the per-token SLO, {best(local, 'goodput_itl_p99_rps')}." if per_token else
+                "; this run predates the per-token SLO.")
+    return provenance(doc, file, "; " + slo_text(doc["params"])) + "\n\n" + table(header, rows) + verdict
+
+
+def best(runs: dict[str, Doc], key: str) -> str:
+    """The run with the most of `key`, with any within 2% of it (a tie at this run's noise)."""
+    top = max(run[key] for run in runs.values())
+    names = [f"`{name}`" for name, run in runs.items() if run[key] >= 0.98 * top]
+    return " and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 LOAD_2X_LABELS = {"partitioned": "partitioned, one decode server per GPU", "layered": "layered, one per GPU",
