@@ -192,7 +192,6 @@ class DecodeCore:
         assert self.router is not None  # accept() refuses the mode without one
         p = seq.params
         sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
-        blocks = list(seq.block_table)
         uncached = len(seq.prompt) - seq.prefilled
         self.remote_prefills += 1
         self.remote_backlog_tokens += uncached
@@ -203,7 +202,9 @@ class DecodeCore:
                                                             seq.prefilled, seq.timing)
                     break
                 except PrefillFailed as e:
-                    retry = (attempt == 0 and seq.block_table == blocks  # blocks not held back by the router
+                    if not e.blocks_free:  # a transfer may still land in them: never freed, never reused
+                        seq.block_table = []
+                    retry = (attempt == 0 and e.blocks_free
                              and e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION))
                     if not retry:
                         raise Rejected(e.code, str(e)) from e

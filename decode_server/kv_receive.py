@@ -14,12 +14,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
 import torch
-from pd.v1 import prefill_pb2
+from pd.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.kv_cache import KVLayout, KVPool
 from engine.kv_checksum import first_mismatch, layer_checksums_on_own_stream
@@ -31,12 +31,18 @@ from serving.grpc_common import StatusError
 if TYPE_CHECKING:
     from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
     from engine.transport.nccl import NcclKVReceiver, NcclPair
-    from engine.transport.nccl_rendezvous import RelayStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# (the pairing's secret, timeout) -> a context holding a store relayed to the prefill server
-RelayOpener = Callable[[bytes, float], AbstractContextManager["RelayStore"]]
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """How a pairing reaches its prefill server while it is set up: the id this server has there, and
+    a blocking channel like the handshake's (NCCL's rendezvous store is called from the writer thread)."""
+
+    peer_id: str
+    open_channel: Callable[[], grpc.Channel]
 
 
 class HandoffError(StatusError):
@@ -292,9 +298,8 @@ class Pairing(ABC):
     @classmethod
     @abstractmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> Pairing:
-        """On the writer thread, after the prefill server's handshake reply. `relay` opens a store whose
-        operations go to the prefill server over the channel the handshake used (NCCL's rendezvous)."""
+                timeout: float, link: PeerLink) -> Pairing:
+        """On the writer thread, after the prefill server's handshake reply; `link` reaches that server."""
 
     @property
     def broken(self) -> bool:
@@ -316,7 +321,7 @@ class GrpcPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> GrpcPairing:
+                timeout: float, link: PeerLink) -> GrpcPairing:
         return cls()
 
     def forget(self) -> None:
@@ -338,10 +343,13 @@ class NcclPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> NcclPairing:
+                timeout: float, link: PeerLink) -> NcclPairing:
         from engine.transport.nccl import DECODE_RANK, NcclPair
+        from engine.transport.nccl_rendezvous import RelayStore
 
-        with relay(reply.nccl_secret, timeout) as store:  # closed once the pair has met
+        with link.open_channel() as channel:  # closed once the pair has met
+            store = RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, link.peer_id, reply.nccl_secret,
+                               timeout)
             pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
             pair.warm_up()
         return cls(pair)
@@ -368,7 +376,7 @@ class IpcPairing(Pairing):
 
     @classmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> IpcPairing:
+                timeout: float, link: PeerLink) -> IpcPairing:
         from engine.transport.cuda_ipc import RemotePool
 
         return cls(RemotePool(layout, reply.ipc_pool_handle, reply.ipc_pool_offset, reply.ipc_pool_num_slots, device))

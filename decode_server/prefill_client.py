@@ -11,15 +11,12 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
-from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
+from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing, PeerLink
 from decode_server.peer_watch import PROBE_EVERY_S, PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
@@ -34,9 +31,6 @@ from engine.transport.handshake import (
 from serving.grpc_common import GRPC_OPTIONS, StatusError
 from serving.token_ids import TokenIds
 
-if TYPE_CHECKING:
-    from engine.transport.nccl_rendezvous import RelayStore
-
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
@@ -48,7 +42,12 @@ RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lea
 
 
 class PrefillFailed(StatusError):
-    """A remote prefill failed; the request is answered with `code`."""
+    """A remote prefill failed; the request is answered with `code`. `blocks_free` is False when a
+    transfer may still land in the request's blocks: they must stay out of circulation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, blocks_free: bool = True) -> None:
+        super().__init__(code, message)
+        self.blocks_free = blocks_free
 
 
 class PrefillPeer:
@@ -109,22 +108,17 @@ class PrefillPeer:
             try:
                 self.pairing = await asyncio.get_running_loop().run_in_executor(
                     writer, PAIRINGS[chosen].connect, reply, self.runner.layout, self.runner.device, timeout,
-                    self.relay)
+                    PeerLink(self.peer_id, self._blocking_channel))
             except Exception as e:
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
             log.info("paired with prefill server %s (%s) over %s", self.address, reply.server_id, chosen)
             return self.pairing
 
-    @contextmanager
-    def relay(self, secret: bytes, timeout: float) -> Iterator[RelayStore]:
-        """A store whose operations run on this prefill server's store for the pairing (NCCL's rendezvous),
-        over a blocking channel like the handshake's (torch calls the store from the writer thread)."""
-        from engine.transport.nccl_rendezvous import RelayStore
-
-        with (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
-              else grpc.insecure_channel(self.address, options=self.options)) as channel:
-            yield RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, secret, timeout)
+    def _blocking_channel(self) -> grpc.Channel:
+        """A blocking channel to this prefill server, like the handshake's (its caller closes it)."""
+        return (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
+                else grpc.insecure_channel(self.address, options=self.options))
 
     def forget_pairing(self) -> None:
         if self.pairing is not None:
@@ -230,8 +224,8 @@ class PrefillRouter:
         (only the rest comes over); returns the first token, sampled by the prefill server, and
         records where the time went in `timing`. A prefill server that fails or falls silent
         (UNAVAILABLE) leaves the rotation until it answers health checks again, so a retry goes to
-        another. If the KV might still land after a failure, the blocks are moved out of
-        `block_table` (left reserved) so the caller cannot reuse them."""
+        another. If the KV might still land after a failure or a cancel, PrefillFailed says so
+        (`blocks_free` False): the caller must keep `block_table`'s blocks out of circulation."""
         peer = await self.pick()
         peer.in_flight += 1
         deadline = time.monotonic() + self.timeout_s
@@ -304,19 +298,21 @@ class PrefillRouter:
             peer.in_flight -= 1
             if call is not None and not call.done() and (handoff is None or handoff.cancels_call):
                 call.cancel()
-            if handoff is not None:
-                await asyncio.shield(self._settle(peer, handoff, request_id, block_table, failed))
+            if handoff is not None and not await asyncio.shield(self._settle(peer, handoff, request_id, failed)):
+                # replaces the failure (or cancel) under way: the caller must learn the blocks are not free
+                raise PrefillFailed(grpc.StatusCode.UNAVAILABLE if failed else grpc.StatusCode.CANCELLED,
+                                    f"prefill server {peer.address}: a KV transfer into this request's blocks "
+                                    "never stopped", blocks_free=False)
 
-    async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
-                      failed: bool) -> None:
-        """Make sure nothing writes into the blocks once the caller frees them; then let the prefill
-        server free its own."""
+    async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, failed: bool) -> bool:
+        """Make sure nothing writes into the blocks once the caller frees them, then let the prefill
+        server free its own; False when a transfer may still land in ours (they must not be reused)."""
         await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # writer calls have run
-        if not handoff.settled() and not await handoff.abandon(failed):
-            block_table.clear()  # a transfer may still land: keep those blocks out of circulation
+        blocks_free = handoff.settled() or await handoff.abandon(failed)
         task = asyncio.get_running_loop().create_task(self._release(peer, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+        return blocks_free
 
     async def _release(self, peer: PrefillPeer, request_id: str) -> None:
         """Tell the prefill server it may free the request's blocks; a server that can't hear it now (frozen,

@@ -1,90 +1,128 @@
-"""The prefill server's side of each pairing: the agreed KV transport per decode peer, NCCL
-groups, the exported pool for cuda-ipc, and each job's sender. (A finished job's blocks are held
-for its decode side by prefill_server.kv_lease, whatever the transport.)"""
+"""The prefill server's side of each KV transport: what a handshake sets up for a decode peer
+(`pair`), and the sender of one job's KV (`sender`). Each transport has one `TransportSenders`;
+`SENDERS` names them, as `PAIRINGS` does on the decode side, so nothing else asks which
+transport it is. (A finished job's blocks are held for its decode side by prefill_server.kv_lease,
+whatever the transport.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pd.v1 import prefill_pb2
 
 from engine.runner import ModelRunner
 from engine.transport.base import KVSender, KVTransport
+from engine.transport.grpc_stream import GrpcKVSender
+from engine.transport.grpc_wire import encode_kv
 from prefill_server.worker import PrefillJob
 
 if TYPE_CHECKING:
-    from engine.transport.nccl import NcclPair
     from engine.transport.nccl_rendezvous import PairingHost
 
+TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this
 
-SenderFactory = Callable[[PrefillJob, torch.Tensor], KVSender]
+
+class TransportSenders(ABC):
+    """One transport's state on the prefill server, for every decode peer paired over it."""
+
+    transport: ClassVar[KVTransport]
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        self.runner, self.timeout_s = runner, timeout_s
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        """Set up the transport for a decode peer (off the event loop); returns the reply's fields it adds."""
+        return prefill_pb2.HandshakeResponse()
+
+    def check_paired(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
+        """Raises LookupError when the peer's pairing is gone (it must handshake again)."""
+
+    @abstractmethod
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """On the engine thread: the sender of the job's KV at `slots` (tokens job.send_from on)."""
 
 
-class TransportHub:
-    def __init__(self, runner: ModelRunner, transfer_timeout_s: float = 60.0) -> None:
-        self.runner = runner
-        self.timeout_s = transfer_timeout_s
-        self._nccl: PairingHost | None = None
-        self._ipc_export: tuple[bytes, int] | None = None
+class GrpcSenders(TransportSenders):
+    """KV chunks in the job's own response stream, each naming its tokens' positions in the prompt."""
 
-    # --- handshake ----------------------------------------------------------------------------
-    def pair(self, peer_id: str, transport: KVTransport) -> dict[str, Any]:
-        """Set up `transport` for a decode peer; returns the HandshakeResponse fields it needs."""
-        if transport == KVTransport.NCCL:
-            return self._pair_nccl(peer_id)
-        if transport == KVTransport.CUDA_IPC:
-            from engine.transport.cuda_ipc import export_pool
+    transport = KVTransport.GRPC
 
-            if self._ipc_export is None:
-                self._ipc_export = export_pool(self.runner.pool)
-            handle, offset = self._ipc_export
-            return {"ipc_pool_handle": handle, "ipc_pool_offset": offset,
-                    "ipc_pool_num_slots": self.runner.pool.num_slots}
-        return {}
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        pool, skip = self.runner.pool, job.send_from
 
-    def _pair_nccl(self, peer_id: str) -> dict[str, Any]:
+        def send(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
+            job.out.send(encode_kv(layer, start + skip, end + skip, parts))
+
+        return GrpcKVSender(pool, slots, job.chunk_tokens, send, job.send_start(pool))
+
+
+class NcclSenders(TransportSenders):
+    """Each decode peer's own two-rank NCCL group, its rendezvous relayed through `Rendezvous` calls."""
+
+    transport = KVTransport.NCCL
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        super().__init__(runner, timeout_s)
+        self._host: PairingHost | None = None
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
         from engine.transport.nccl_rendezvous import PairingHost
 
-        if self._nccl is None:
-            self._nccl = PairingHost(self.runner.device, self.timeout_s)
-        pairing = self._nccl.open(peer_id)
-        return {"nccl_group": pairing.name, "nccl_secret": pairing.secret}
+        if self._host is None:
+            self._host = PairingHost(self.runner.device, self.timeout_s)
+        pairing = self._host.open(peer_id)
+        return prefill_pb2.HandshakeResponse(nccl_group=pairing.name, nccl_secret=pairing.secret)
 
     def rendezvous(self, request: prefill_pb2.RendezvousRequest) -> prefill_pb2.RendezvousResponse:
         """A store operation of a peer's NCCL pairing (engine.transport.nccl_rendezvous); PermissionError
         unless it carries that pairing's secret."""
-        if self._nccl is None:
+        if self._host is None:
             raise PermissionError(f"no NCCL pairing of peer {request.peer_id!r}; handshake first")
-        return self._nccl.rendezvous(request)
+        return self._host.rendezvous(request)
 
-    # --- per request --------------------------------------------------------------------------
-    def configure(self, job: PrefillJob) -> None:
-        """Give the job the sender (and block ownership) its transport needs; the worker's own
-        gRPC sender otherwise."""
-        if job.transport == KVTransport.NCCL:
-            pair = self._nccl.pair(job.peer_id) if self._nccl is not None else None
-            if pair is None or pair.broken:
-                raise LookupError("the NCCL pair with this decode server is gone; handshake again")
-            job.make_sender = self._nccl_sender(pair)
-        elif job.transport == KVTransport.CUDA_IPC:
-            job.make_sender = self._ipc_sender
+    def check_paired(self, peer_id: str) -> None:
+        pair = self._host.pair(peer_id) if self._host is not None else None
+        if pair is None or pair.broken:
+            raise LookupError("the NCCL pair with this decode server is gone; handshake again")
 
-    def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.nccl import NcclKVSender
 
-        def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
-            pool = self.runner.pool
-            sender = NcclKVSender(pair, pool, slots, self.timeout_s, job.send_start(pool))
-            job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
-            return sender
+        pair = self._host.pair(job.peer_id) if self._host is not None else None
+        if pair is None:
+            raise LookupError("the NCCL pair with this decode server is gone; handshake again")
+        pool = self.runner.pool
+        sender = NcclKVSender(pair, pool, slots, self.timeout_s, job.send_start(pool))
+        job.out.send(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
+        return sender
 
-        return make
 
-    def _ipc_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+class IpcSenders(TransportSenders):
+    """The whole pool exported once; the decode side copies each layer out as it is reported written."""
+
+    transport = KVTransport.CUDA_IPC
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        super().__init__(runner, timeout_s)
+        self._export: tuple[bytes, int] | None = None
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        from engine.transport.cuda_ipc import export_pool
+
+        if self._export is None:
+            self._export = export_pool(self.runner.pool)
+        handle, offset = self._export
+        return prefill_pb2.HandshakeResponse(ipc_pool_handle=handle, ipc_pool_offset=offset,
+                                             ipc_pool_num_slots=self.runner.pool.num_slots)
+
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.cuda_ipc import IpcKVSender
 
-        job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
+        job.out.send(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
             src_block_table=job.block_table, src_block_size=self.runner.layout.block_size)))
-        return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)))
+        return IpcKVSender(lambda layer: job.out.send(prefill_pb2.PrefillResponse(layer_sent=layer)))
+
+
+SENDERS: dict[KVTransport, type[TransportSenders]] = {s.transport: s for s in (GrpcSenders, NcclSenders, IpcSenders)}
