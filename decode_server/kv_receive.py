@@ -1,6 +1,7 @@
 """The decode side of each KV transport: what a handshake sets up with one prefill server
 (`Pairing`), and the handoff of one remote prefill's KV into this server's pool (`Handoff`).
-Each transport has one of each; `PAIRINGS` names them, so nothing else asks which transport it is.
+Each transport has one of each (nixl's in decode_server.nixl_receive); `decode_server.pairings.PAIRINGS`
+names them, so nothing else asks which transport it is.
 
 Blocks: the request's blocks were reserved at admission and are freed by the scheduler. A handoff
 only writes them, and `PrefillRouter` frees nothing until the handoff says that nothing can still
@@ -108,6 +109,10 @@ class Handoff(ABC):
             self.mark("posted")
         elif kind == "layer_sent":
             await self.on_layer_sent(message.layer_sent)
+
+    def request_fields(self, request_id: str) -> prefill_pb2.PrefillRequest:
+        """What the Prefill request must carry for this handoff, beyond the common fields."""
+        return prefill_pb2.PrefillRequest()
 
     async def on_kv(self, chunk: KVView) -> None:
         raise self._misfit("a KV chunk")
@@ -296,6 +301,11 @@ class Pairing(ABC):
     transport: ClassVar[KVTransport]
 
     @classmethod
+    def offer(cls, pool: KVPool) -> prefill_pb2.HandshakeRequest:
+        """On the writer thread, before the handshake: what the request must carry to offer this transport."""
+        return prefill_pb2.HandshakeRequest()
+
+    @classmethod
     @abstractmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
                 timeout: float, link: PeerLink) -> Pairing:
@@ -387,9 +397,6 @@ class IpcPairing(Pairing):
     def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
                 start: int = 0) -> Handoff:
         return IpcHandoff(pool, block_table, num_tokens, writer, self.remote, start)
-
-
-PAIRINGS: dict[KVTransport, type[Pairing]] = {p.transport: p for p in (GrpcPairing, NcclPairing, IpcPairing)}
 
 
 async def _drained(marker: torch.cuda.Event | None) -> None:

@@ -16,10 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
-from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing, PeerLink
+from decode_server.kv_receive import Handoff, HandoffError, Pairing, PeerLink
+from decode_server.pairings import PAIRINGS
 from decode_server.peer_watch import PROBE_EVERY_S, PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
+from engine.transport.base import KVTransport
 from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
     choose_transport,
@@ -85,12 +87,19 @@ class PrefillPeer:
             if self.pairing is not None and not self.pairing.broken:
                 return self.pairing
             self.forget_pairing()
-            ours = supported_transports(self.runner.device)
+            ours = supported_transports(self.runner.device, self.requested_transport)
             offer = ours if self.requested_transport == "auto" else [self.requested_transport]
             gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
             request = prefill_pb2.HandshakeRequest(layout=layout_to_proto(self.runner.layout), transports=offer,
                                                    peer_id=self.peer_id, host=socket.gethostname(),
                                                    gpu_index=gpu if gpu is not None else 0, pid=os.getpid())
+            for transport in offer:  # what each transport offered must bring (nixl: its agent, made once)
+                try:
+                    request.MergeFrom(await asyncio.get_running_loop().run_in_executor(
+                        writer, PAIRINGS[KVTransport(transport)].offer, self.runner.pool))
+                except Exception as e:
+                    raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"can't offer KV transport {transport}: {e}") \
+                        from e
             try:
                 reply = await self.stub.Handshake(request, timeout=min(timeout, HANDSHAKE_TIMEOUT_S))
             except grpc.aio.AioRpcError as e:
@@ -239,6 +248,7 @@ class PrefillRouter:
             request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling,
                                                  transport=pairing.transport, peer_id=peer.peer_id,
                                                  kv_checksums=self.verify_kv, decode_cached_tokens=cached_tokens)
+            request.MergeFrom(handoff.request_fields(request_id))
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done = None
             async for message in until_silent(call):

@@ -17,9 +17,11 @@ from engine.transport.base import KVSender, KVTransport
 from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
 from prefill_server.worker import PrefillJob
+from serving.grpc_common import StartupError
 
 if TYPE_CHECKING:
     from engine.transport.nccl_rendezvous import PairingHost
+    from engine.transport.nixl import NixlAgent, PoolAddress
 
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this
 
@@ -125,4 +127,50 @@ class IpcSenders(TransportSenders):
         return IpcKVSender(lambda layer: job.out.send(prefill_pb2.PrefillResponse(layer_sent=layer)))
 
 
-SENDERS: dict[KVTransport, type[TransportSenders]] = {s.transport: s for s in (GrpcSenders, NcclSenders, IpcSenders)}
+class NixlSenders(TransportSenders):
+    """The pool registered with this server's NIXL agent at start; each decode peer's agent loaded at its
+    handshake (again after a restart of either side). A job WRITEs into the blocks its request names."""
+
+    transport = KVTransport.NIXL
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        from engine.transport.nixl import NixlAgent
+
+        super().__init__(runner, timeout_s)
+        try:
+            self.agent: NixlAgent = NixlAgent(runner.pool, "prefill")
+        except Exception as e:
+            raise StartupError(f"can't start a NIXL agent with the UCX backend: {e} (UCX_TLS: docs/nixl.md)") from e
+        self._peers: dict[str, tuple[str, PoolAddress]] = {}  # decode peer id -> its agent, its pool
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        from engine.transport.nixl import PoolAddress
+
+        if not request.nixl_metadata or not request.nixl_pool_addr:
+            raise ValueError("the handshake offers nixl without the decode server's NIXL agent and pool")
+        if (old := self._peers.pop(peer_id, None)) is not None:
+            self.agent.remove_peer(old[0])  # a fresh pairing: the decode side's agent may have changed
+        agent = self.agent.add_peer(request.nixl_metadata)
+        self._peers[peer_id] = (agent, PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots,
+                                                   request.nixl_pool_device))
+        return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)
+
+    def check_paired(self, peer_id: str) -> None:
+        if peer_id not in self._peers:
+            raise LookupError("no NIXL pairing with this decode server; handshake again")
+
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        from engine.transport.nixl import NixlKVSender, slot_runs
+
+        agent, remote = self._peers[job.peer_id]
+        n, layout = len(job.token_ids), self.runner.layout
+        if job.dst_block_size < 1 or len(job.dst_block_table) * job.dst_block_size < n:
+            raise ValueError(f"the request's dst_block_table ({len(job.dst_block_table)} blocks of "
+                             f"{job.dst_block_size}) cannot hold its {n} tokens")
+        runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
+                         job.send_from, n)
+        return NixlKVSender(self.agent, agent, remote, runs, job.request_id, layout.num_layers, self.timeout_s)
+
+
+SENDERS: dict[KVTransport, type[TransportSenders]] = {
+    s.transport: s for s in (GrpcSenders, NcclSenders, IpcSenders, NixlSenders)}

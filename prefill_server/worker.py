@@ -61,6 +61,8 @@ class PrefillJob:
     kv_checksums: bool = False
     cached_tokens: int = 0  # leading tokens whose KV the prefix cache gave: the prefill starts after them
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
+    dst_block_table: list[int] = field(default_factory=list)  # nixl: the decode side's blocks, and their size
+    dst_block_size: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
