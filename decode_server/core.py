@@ -12,6 +12,7 @@ the request ends before it got there (`BatchScheduler.let_go`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -106,6 +107,7 @@ class DecodeCore:
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
         self.remote_backlog_tokens = 0  # their uncached tokens
+        self._holding: set[asyncio.Task[None]] = set()  # blocks of ended requests a transfer may still write
         self.draining = False
 
     def num_waiting(self) -> int:
@@ -179,6 +181,23 @@ class DecodeCore:
             seq.mode = PrefillMode.DISAGGREGATED if remote else PrefillMode(self.cfg.auto_local_mode)
         seq.timing.placement = REMOTE if seq.mode == PrefillMode.DISAGGREGATED else LOCAL
 
+    def _hold_blocks(self, seq: Sequence, failure: PrefillFailed) -> None:
+        """The sequence ends without its blocks, which a transfer may still write; they go back (through
+        the scheduler, as any ended sequence's) once the handoff proves it can't any more, if ever."""
+        held, seq.block_table = seq.block_table, []
+        settled_late = failure.settled_late
+
+        async def free_when_settled() -> None:
+            if settled_late is not None and await settled_late:
+                seq.block_table = held
+                self.scheduler.let_go(seq)
+            else:
+                log.error("request %s: %d KV blocks stay reserved for good", seq.request_id, len(held))
+
+        task = asyncio.get_running_loop().create_task(free_when_settled())
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
+
     async def remote_prefill(self, seq: Sequence) -> int:
         """Prefill on a prefill server; its KV lands in this request's blocks. Returns the first token.
 
@@ -202,8 +221,8 @@ class DecodeCore:
                                                             seq.prefilled, seq.timing)
                     break
                 except PrefillFailed as e:
-                    if not e.blocks_free:  # a transfer may still land in them: never freed, never reused
-                        seq.block_table = []
+                    if not e.blocks_free:  # a transfer may still land in them: not reused until it can't
+                        self._hold_blocks(seq, e)
                     retry = (attempt == 0 and e.blocks_free
                              and e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION))
                     if not retry:

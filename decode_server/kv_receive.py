@@ -72,6 +72,7 @@ class Handoff(ABC):
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
+        self.peer_silent = False  # the prefill server fell silent (frozen, cut off): it may yet resume
 
     @property
     def sent_table(self) -> list[int]:
@@ -144,6 +145,11 @@ class Handoff(ABC):
         """After a failure or cancel: True once nothing can still write into our blocks (they may be
         freed); False if a transfer may still land (the caller must not reuse them)."""
         return True
+
+    async def settled_late(self) -> bool:
+        """After `abandon` said False: True once nothing can write the blocks any more (then they may be
+        freed after all), False if that is never known."""
+        return False
 
     def verify(self, expected: list[int]) -> None:
         ours = layer_checksums_on_own_stream(self.pool, self.block_table, self.num_tokens, self.start)

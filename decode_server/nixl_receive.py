@@ -18,11 +18,11 @@ from pd.v1 import prefill_pb2
 from decode_server.kv_receive import Handoff, HandoffError, Pairing, PeerLink
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import KVTransport
-from engine.transport.nixl import NixlAgent, NixlKVReceiver, PoolAddress
+from engine.transport.nixl import TRANSFER_TIMEOUT_S, NixlAgent, NixlKVReceiver, PoolAddress
 
 log = logging.getLogger(__name__)
 
-PEER_GONE_WAIT_S = 2.0  # after a failure, how long a silent prefill server may still be writing
+ENDED_WAIT_S = 2.0  # after a failure or cancel, how long the prefill side's last notification may take
 
 _agent: NixlAgent | None = None  # this server's, with its pool: made at the first offer (start-up)
 _agent_lock = threading.Lock()
@@ -61,27 +61,37 @@ class NixlHandoff(Handoff):
             if time.monotonic() > deadline:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, "KV over nixl did not arrive in time")
             await asyncio.sleep(0.0002)
-        if self.pool.device.type == "cuda":  # UCX wrote behind the device's back: order it before our use
-            torch.cuda.synchronize(self.pool.device)
         self.bytes = self.sent_tokens * self.pool.layout.bytes_per_token
 
     async def abandon(self, failed: bool) -> bool:
-        """Until the prefill side's last notification says nothing more will land; after a failure
-        (the call broke: the peer died or cut us off) a silent peer is taken as stopped after a moment."""
-        receiver = self.receiver
-        if receiver is None:
+        """True once the prefill side's last notification says nothing more will land. Without it in a
+        moment: a prefill server whose call broke (its process or connection gone) is taken as stopped;
+        one that fell silent (it may resume) or was cancelled keeps the blocks until `settled_late`."""
+        if self.receiver is None:
             return True  # no Prefill request went out
-        limit = time.monotonic() + (PEER_GONE_WAIT_S if failed else 120.0)
-        while time.monotonic() < limit:
-            receiver.complete()
-            if receiver.ended:
-                return True
-            await asyncio.sleep(0.001)
-        if failed:
-            log.warning("no last notification from NIXL peer %s; it is taken as stopped", receiver.peer)
+        if await self._ended_within(ENDED_WAIT_S):
             return True
-        log.error("a NIXL transfer never ended; %d KV blocks stay reserved", len(self.block_table))
+        if failed and not self.peer_silent:
+            log.warning("no last notification from NIXL peer %s; its transfer is taken as stopped", self.peer)
+            return True
         return False
+
+    async def settled_late(self) -> bool:
+        """Its last notification, or the prefill side's transfer timeout (its sender has let go of
+        every write by then)."""
+        if not await self._ended_within(TRANSFER_TIMEOUT_S + ENDED_WAIT_S):
+            log.warning("no last notification from NIXL peer %s in %.0fs; its transfer is taken as stopped",
+                        self.peer, TRANSFER_TIMEOUT_S + ENDED_WAIT_S)
+        return True
+
+    async def _ended_within(self, seconds: float) -> bool:
+        receiver = self.receiver
+        assert receiver is not None
+        limit = time.monotonic() + seconds
+        while not receiver.ended and time.monotonic() < limit:
+            receiver.complete()
+            await asyncio.sleep(0.001)
+        return receiver.ended
 
 
 class NixlPairing(Pairing):

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -45,11 +46,14 @@ RELEASE_FOR_S = 60.0       # how long it is sent again: the prefill server's lea
 
 class PrefillFailed(StatusError):
     """A remote prefill failed; the request is answered with `code`. `blocks_free` is False when a
-    transfer may still land in the request's blocks: they must stay out of circulation."""
+    transfer may still land in the request's blocks: they must stay out of circulation until
+    `settled_late` (awaited) says True."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, blocks_free: bool = True) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, blocks_free: bool = True,
+                 settled_late: Coroutine[None, None, bool] | None = None) -> None:
         super().__init__(code, message)
         self.blocks_free = blocks_free
+        self.settled_late = settled_late  # when not free: True once they may be freed after all
 
 
 class PrefillPeer:
@@ -289,6 +293,8 @@ class PrefillRouter:
             timing.cached_tokens = max(cached_tokens, done.cached_tokens)
             return done.first_token_id
         except Silent as e:
+            if handoff is not None:
+                handoff.peer_silent = True
             peer.forget_pairing()
             peer.health.down(str(e))
             raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"prefill server {peer.address}: {e}") from e
@@ -312,7 +318,7 @@ class PrefillRouter:
                 # replaces the failure (or cancel) under way: the caller must learn the blocks are not free
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE if failed else grpc.StatusCode.CANCELLED,
                                     f"prefill server {peer.address}: a KV transfer into this request's blocks "
-                                    "never stopped", blocks_free=False)
+                                    "has not stopped", blocks_free=False, settled_late=handoff.settled_late())
 
     async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, failed: bool) -> bool:
         """Make sure nothing writes into the blocks once the caller frees them, then let the prefill

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from engine.transport.nccl_rendezvous import PairingHost
     from engine.transport.nixl import NixlAgent, PoolAddress
 
-TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this
+TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this (nixl's own: the same)
 
 
 class TransportSenders(ABC):

@@ -27,6 +27,7 @@ from engine.transport.base import KVReceiver, KVSender
 log = logging.getLogger(__name__)
 
 DONE, END = b"done", b"end"  # a notification's kind, before ":" and the transfer's tag
+TRANSFER_TIMEOUT_S = 60.0  # the prefill side's sender lets go of writes not done by then
 WHEEL = "nixl-cu13"  # the variant pyproject.toml installs (CPU and CUDA 13 builds of torch)
 
 
