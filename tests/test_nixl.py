@@ -127,3 +127,12 @@ def test_prefill_killed_mid_transfer_then_restarted(slow_pair) -> None:  # type:
         wait_kv_idle(decode, again, timeout=5)
     finally:
         stop_all([again])
+
+
+def test_endpoint_benchmark_moves_every_byte_both_ways() -> None:
+    """bench.kv_transfer's nixl endpoints (two processes, host memory here): WRITE and READ rows, bytes equal."""
+    from bench.kv_endpoints_nixl import rows
+
+    got = rows("tiny", 300, 1)
+    assert [r["op"] for r in got] == ["WRITE", "READ"]
+    assert all(r["bitwise_equal"] and r["bytes"] > 0 and r["gbps"] > 0 for r in got), got

@@ -100,14 +100,21 @@ class NixlAgent:
 
     def write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
         """Post a WRITE of `local` descriptors into the peer's `remote` ones; its handle."""
+        return self._post("WRITE", local, remote, peer)
+
+    def read(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        """Post a READ of the peer's `remote` descriptors into `local` ones; its handle."""
+        return self._post("READ", local, remote, peer)
+
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
         with self._lock:
             src = self._agent.get_xfer_descs(local, self.mem_type)
             dst = self._agent.get_xfer_descs(remote, self.mem_type)
-            handle = self._agent.initialize_xfer("WRITE", src, dst, peer)
+            handle = self._agent.initialize_xfer(op, src, dst, peer)
             state = self._agent.transfer(handle)
         if state == "ERR":
             self.release(handle)
-            raise TransferError(f"NIXL refused a WRITE to {peer}")
+            raise TransferError(f"NIXL refused a {op} with {peer}")
         return handle
 
     def state(self, handle: Any) -> str:
