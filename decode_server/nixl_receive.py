@@ -8,14 +8,14 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-import grpc
 import torch
 from pd.v1 import prefill_pb2
 
-from decode_server.kv_receive import Handoff, HandoffError, Pairing, PeerLink
+from decode_server.kv_receive import Handoff, Pairing, PeerLink
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import KVTransport
 from engine.transport.nixl import TRANSFER_TIMEOUT_S, NixlAgent, NixlKVReceiver, PoolAddress
@@ -46,22 +46,14 @@ class NixlHandoff(Handoff):
                  agent: NixlAgent, peer: str, start: int = 0) -> None:
         super().__init__(pool, block_table, num_tokens, writer, start)
         self.agent, self.peer = agent, peer
-        self.receiver = None  # made with the request's fields: the request id tags the transfer
+        self.receiver = None  # made with the request's fields
 
     def request_fields(self, request_id: str) -> prefill_pb2.PrefillRequest:
-        self.receiver = NixlKVReceiver(self.agent, self.peer, request_id)
-        return prefill_pb2.PrefillRequest(dst_block_table=self.block_table, dst_block_size=self.pool.layout.block_size)
-
-    async def wait_complete(self, deadline: float) -> None:
-        receiver = self.receiver
-        assert receiver is not None
-        while not receiver.complete():
-            if receiver.error is not None:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"KV over nixl: {receiver.error}")
-            if time.monotonic() > deadline:
-                raise HandoffError(grpc.StatusCode.UNAVAILABLE, "KV over nixl did not arrive in time")
-            await asyncio.sleep(0.0002)
-        self.bytes = self.sent_tokens * self.pool.layout.bytes_per_token
+        # a tag of its own: a late notification of an earlier transfer (a request id used again) never counts
+        tag = f"{request_id}:{uuid.uuid4().hex[:12]}"
+        self.receiver = NixlKVReceiver(self.agent, self.peer, tag)
+        return prefill_pb2.PrefillRequest(dst_block_table=self.block_table, dst_block_size=self.pool.layout.block_size,
+                                          dst_tag=tag)
 
     async def abandon(self, failed: bool) -> bool:
         """True once the prefill side's last notification says nothing more will land. Without it in a

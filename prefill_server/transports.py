@@ -164,12 +164,14 @@ class NixlSenders(TransportSenders):
 
         agent, remote = self._peers[job.peer_id]
         n, layout = len(job.token_ids), self.runner.layout
+        if not job.dst_tag:
+            raise ValueError("a Prefill over nixl without dst_tag")
         if job.dst_block_size < 1 or len(job.dst_block_table) * job.dst_block_size < n:
             raise ValueError(f"the request's dst_block_table ({len(job.dst_block_table)} blocks of "
                              f"{job.dst_block_size}) cannot hold its {n} tokens")
         runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
                          job.send_from, n)
-        return NixlKVSender(self.agent, agent, remote, runs, job.request_id, layout.num_layers, self.timeout_s)
+        return NixlKVSender(self.agent, agent, remote, runs, job.dst_tag, layout.num_layers, self.timeout_s)
 
 
 SENDERS: dict[KVTransport, type[TransportSenders]] = {

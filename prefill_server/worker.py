@@ -63,6 +63,7 @@ class PrefillJob:
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
     dst_block_table: list[int] = field(default_factory=list)  # nixl: the decode side's blocks, and their size
     dst_block_size: int = 0
+    dst_tag: str = ""  # nixl: the transfer's name in its notifications
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 

@@ -4,6 +4,9 @@ mid-transfer, and its restart leave no block held on either side."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.transport.nixl import nixl_available
 from serving.launch import start_all, stop_all
+from tests.servers import ROOT
 from tests.test_reliability import call
 from tests.test_reliability_fixtures import Server, request, wait_kv_idle, wait_until
 
@@ -129,10 +133,14 @@ def test_prefill_killed_mid_transfer_then_restarted(slow_pair) -> None:  # type:
         stop_all([again])
 
 
-def test_endpoint_benchmark_moves_every_byte_both_ways() -> None:
-    """bench.kv_transfer's nixl endpoints (two processes, host memory here): WRITE and READ rows, bytes equal."""
-    from bench.kv_endpoints_nixl import rows
-
-    got = rows("tiny", 300, 1)
-    assert [r["op"] for r in got] == ["WRITE", "READ"]
-    assert all(r["bitwise_equal"] and r["bytes"] > 0 and r["gbps"] > 0 for r in got), got
+def test_endpoint_benchmark_moves_every_byte_both_ways(tmp_path: Path) -> None:
+    """bench.kv_transfer's nixl endpoints (two processes, host memory here): WRITE and READ rows, bytes equal.
+    Run as the command it is: NIXL is never loaded into the test process (see nixl_available)."""
+    out = tmp_path / "kv.json"
+    done = subprocess.run([sys.executable, "-m", "bench.kv_transfer", "--mode", "endpoints", "--transport", "nixl",
+                           "--preset", "tiny", "--tokens", "300", "--repeats", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["WRITE", "READ"]
+    assert all(r["bitwise_equal"] and r["bytes"] > 0 and r["gbps"] > 0 for r in rows), rows

@@ -125,7 +125,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens", "dst_block_table", "dst_block_size")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens", "dst_block_table", "dst_block_size", "dst_tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PrefillRequest(_message.Message):
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DST_TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
@@ -146,7 +147,8 @@ class PrefillRequest(_message.Message):
     decode_cached_tokens: int
     dst_block_table: _containers.RepeatedScalarFieldContainer[int]
     dst_block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_table: _Optional[_Iterable[int]] = ..., dst_block_size: _Optional[int] = ...) -> None: ...
+    dst_tag: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_table: _Optional[_Iterable[int]] = ..., dst_block_size: _Optional[int] = ..., dst_tag: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")
