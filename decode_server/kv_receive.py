@@ -1,7 +1,8 @@
 """The decode side of each KV transport: what a handshake sets up with one prefill server
 (`Pairing`), and the handoff of one remote prefill's KV into this server's pool (`Handoff`).
-Each transport has one of each (nixl's in decode_server.nixl_receive); `decode_server.pairings.PAIRINGS`
-names them, so nothing else asks which transport it is.
+Each transport has one of each (the concrete pairings are in decode_server.pairings, nixl's both in
+decode_server.nixl_receive); `decode_server.pairings.PAIRINGS` names them, so nothing else asks which
+transport it is.
 
 Blocks: the request's blocks were reserved at admission and are freed by the scheduler. A handoff
 only writes them, and `PrefillRouter` frees nothing until the handoff says that nothing can still
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
 import torch
-from pd.v1 import prefill_pb2, prefill_pb2_grpc
+from pd.v1 import prefill_pb2
 
 from engine.kv_cache import KVLayout, KVPool
 from engine.kv_checksum import first_mismatch, layer_checksums_on_own_stream
@@ -330,79 +331,6 @@ class Pairing(ABC):
     def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
                 start: int = 0) -> Handoff:
         """The handoff of one request's KV, tokens [start, num_tokens), over this pairing."""
-
-
-class GrpcPairing(Pairing):
-    transport = KVTransport.GRPC
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, link: PeerLink) -> GrpcPairing:
-        return cls()
-
-    def forget(self) -> None:
-        pass  # nothing was set up beyond the channel
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return GrpcHandoff(pool, block_table, num_tokens, writer, start)
-
-
-class NcclPairing(Pairing):
-    """The pair's own two-rank NCCL group, its rendezvous relayed to the prefill server's store for it
-    over the handshake's channel (engine.transport.nccl_rendezvous)."""
-
-    transport = KVTransport.NCCL
-
-    def __init__(self, pair: NcclPair) -> None:
-        self.pair = pair
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, link: PeerLink) -> NcclPairing:
-        from engine.transport.nccl import DECODE_RANK, NcclPair
-        from engine.transport.nccl_rendezvous import RelayStore
-
-        with link.open_channel() as channel:  # closed once the pair has met
-            store = RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, link.peer_id, reply.nccl_secret,
-                               timeout)
-            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
-            pair.warm_up()
-        return cls(pair)
-
-    @property
-    def broken(self) -> bool:
-        return self.pair.broken
-
-    def forget(self) -> None:
-        self.pair.abort()
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return NcclHandoff(pool, block_table, num_tokens, writer, self.pair, start)
-
-
-class IpcPairing(Pairing):
-    """The prefill server's whole KV pool, mapped into this process once."""
-
-    transport = KVTransport.CUDA_IPC
-
-    def __init__(self, remote: RemotePool) -> None:
-        self.remote = remote
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, link: PeerLink) -> IpcPairing:
-        from engine.transport.cuda_ipc import RemotePool
-
-        return cls(RemotePool(layout, reply.ipc_pool_handle, reply.ipc_pool_offset, reply.ipc_pool_num_slots, device))
-
-    def forget(self) -> None:
-        pass  # the mapping stays open: copies queued from it may still run
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return IpcHandoff(pool, block_table, num_tokens, writer, self.remote, start)
 
 
 async def _drained(marker: torch.cuda.Event | None) -> None:
