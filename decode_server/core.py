@@ -12,6 +12,7 @@ the request ends before it got there (`BatchScheduler.let_go`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -113,6 +114,7 @@ class DecodeCore:
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
         self.remote_backlog_tokens = 0  # their uncached tokens
+        self._holding: set[asyncio.Task[None]] = set()  # blocks of ended requests a transfer may still write
         self.draining = False
 
     def num_waiting(self) -> int:
@@ -187,6 +189,23 @@ class DecodeCore:
             seq.mode = PrefillMode.DISAGGREGATED if remote else PrefillMode(self.cfg.auto_local_mode)
         seq.timing.placement = REMOTE if seq.mode == PrefillMode.DISAGGREGATED else LOCAL
 
+    def _hold_blocks(self, seq: RequestSequence, failure: PrefillFailed) -> None:
+        """The sequence ends without its blocks, which a transfer may still write; they go back (through
+        the scheduler, as any ended sequence's) once the handoff proves it can't any more, if ever."""
+        held, seq.block_table = seq.block_table, []
+        settled_late = failure.settled_late
+
+        async def free_when_settled() -> None:
+            if settled_late is not None and await settled_late:
+                seq.block_table = held
+                self.scheduler.let_go(seq)
+            else:
+                log.error("request %s: %d KV blocks stay reserved for good", seq.request_id, len(held))
+
+        task = asyncio.get_running_loop().create_task(free_when_settled())
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
+
     async def remote_prefill(self, seq: RequestSequence) -> int:
         """Prefill on a prefill server; its KV lands in this request's blocks. Returns the first token.
 
@@ -200,7 +219,6 @@ class DecodeCore:
         assert self.router is not None  # accept() refuses the mode without one
         p = seq.params
         sampling = decode_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
-        blocks = list(seq.block_table)
         uncached = len(seq.prompt) - seq.prefilled
         self.remote_prefills += 1
         self.remote_backlog_tokens += uncached
@@ -211,7 +229,9 @@ class DecodeCore:
                                                             seq.prefilled, seq.timing, seq.cache_salt)
                     break
                 except PrefillFailed as e:
-                    retry = (attempt == 0 and seq.block_table == blocks  # blocks not held back by the router
+                    if not e.blocks_free:  # a transfer may still land in them: not reused until it can't
+                        self._hold_blocks(seq, e)
+                    retry = (attempt == 0 and e.blocks_free
                              and e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION))
                     if not retry:
                         raise Rejected(e.code, str(e)) from e

@@ -1,6 +1,8 @@
 """The decode side of each KV transport: what a handshake sets up with one prefill server
 (`Pairing`), and the handoff of one remote prefill's KV into this server's pool (`Handoff`).
-Each transport has one of each; `PAIRINGS` names them, so nothing else asks which transport it is.
+Each transport has one of each (the concrete pairings are in decode_server.pairings, nixl's both in
+decode_server.nixl_receive); `decode_server.pairings.PAIRINGS` names them, so nothing else asks which
+transport it is.
 
 Blocks: the request's blocks were reserved at admission and are freed by the scheduler. A handoff
 only writes them, and `PrefillRouter` frees nothing until the handoff says that nothing can still
@@ -14,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
@@ -31,12 +33,18 @@ from serving.grpc_common import StatusError
 if TYPE_CHECKING:
     from engine.transport.cuda_ipc import IpcKVReceiver, RemotePool
     from engine.transport.nccl import NcclKVReceiver, NcclPair
-    from engine.transport.nccl_rendezvous import RelayStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# (the pairing's secret, timeout) -> a context holding a store relayed to the prefill server
-RelayOpener = Callable[[bytes, float], AbstractContextManager["RelayStore"]]
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """How a pairing reaches its prefill server while it is set up: the id this server has there, and
+    a blocking channel like the handshake's (NCCL's rendezvous store is called from the writer thread)."""
+
+    peer_id: str
+    open_channel: Callable[[], grpc.Channel]
 
 
 class HandoffError(StatusError):
@@ -65,6 +73,7 @@ class Handoff(ABC):
         self.post_s = 0.0    # setting up the receive after it (nccl: posting every layer's receive)
         self.post_busy_s = 0.0  # the part of post_s spent in the writer thread's calls (the rest: waiting for them)
         self.marks: list[tuple[str, float]] = []  # (what, monotonic): the handoff's timeline, logged at debug level
+        self.peer_silent = False  # the prefill server fell silent (frozen, cut off): it may yet resume
 
     @property
     def sent_table(self) -> list[int]:
@@ -103,6 +112,10 @@ class Handoff(ABC):
         elif kind == "layer_sent":
             await self.on_layer_sent(message.layer_sent)
 
+    def request_fields(self, request_id: str) -> prefill_pb2.PrefillRequest:
+        """What the Prefill request must carry for this handoff, beyond the common fields."""
+        return prefill_pb2.PrefillRequest()
+
     async def on_kv(self, chunk: KVView) -> None:
         raise self._misfit("a KV chunk")
 
@@ -133,6 +146,11 @@ class Handoff(ABC):
         """After a failure or cancel: True once nothing can still write into our blocks (they may be
         freed); False if a transfer may still land (the caller must not reuse them)."""
         return True
+
+    async def settled_late(self) -> bool:
+        """After `abandon` said False: True once nothing can write the blocks any more (then they may be
+        freed after all), False if that is never known."""
+        return False
 
     def verify(self, expected: list[int]) -> None:
         ours = layer_checksums_on_own_stream(self.pool, self.block_table, self.num_tokens, self.start)
@@ -290,11 +308,15 @@ class Pairing(ABC):
     transport: ClassVar[KVTransport]
 
     @classmethod
+    def offer(cls, pool: KVPool) -> prefill_pb2.HandshakeRequest:
+        """On the writer thread, before the handshake: what the request must carry to offer this transport."""
+        return prefill_pb2.HandshakeRequest()
+
+    @classmethod
     @abstractmethod
     def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> Pairing:
-        """On the writer thread, after the prefill server's handshake reply. `relay` opens a store whose
-        operations go to the prefill server over the channel the handshake used (NCCL's rendezvous)."""
+                timeout: float, link: PeerLink) -> Pairing:
+        """On the writer thread, after the prefill server's handshake reply; `link` reaches that server."""
 
     @property
     def broken(self) -> bool:
@@ -309,79 +331,6 @@ class Pairing(ABC):
     def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
                 start: int = 0) -> Handoff:
         """The handoff of one request's KV, tokens [start, num_tokens), over this pairing."""
-
-
-class GrpcPairing(Pairing):
-    transport = KVTransport.GRPC
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> GrpcPairing:
-        return cls()
-
-    def forget(self) -> None:
-        pass  # nothing was set up beyond the channel
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return GrpcHandoff(pool, block_table, num_tokens, writer, start)
-
-
-class NcclPairing(Pairing):
-    """The pair's own two-rank NCCL group, its rendezvous relayed to the prefill server's store for it
-    over the handshake's channel (engine.transport.nccl_rendezvous)."""
-
-    transport = KVTransport.NCCL
-
-    def __init__(self, pair: NcclPair) -> None:
-        self.pair = pair
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> NcclPairing:
-        from engine.transport.nccl import DECODE_RANK, NcclPair
-
-        with relay(reply.nccl_secret, timeout) as store:  # closed once the pair has met
-            pair = NcclPair(store, reply.nccl_group, DECODE_RANK, device, timeout)
-            pair.warm_up()
-        return cls(pair)
-
-    @property
-    def broken(self) -> bool:
-        return self.pair.broken
-
-    def forget(self) -> None:
-        self.pair.abort()
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return NcclHandoff(pool, block_table, num_tokens, writer, self.pair, start)
-
-
-class IpcPairing(Pairing):
-    """The prefill server's whole KV pool, mapped into this process once."""
-
-    transport = KVTransport.CUDA_IPC
-
-    def __init__(self, remote: RemotePool) -> None:
-        self.remote = remote
-
-    @classmethod
-    def connect(cls, reply: prefill_pb2.HandshakeResponse, layout: KVLayout, device: torch.device,
-                timeout: float, relay: RelayOpener) -> IpcPairing:
-        from engine.transport.cuda_ipc import RemotePool
-
-        return cls(RemotePool(layout, reply.ipc_pool_handle, reply.ipc_pool_offset, reply.ipc_pool_num_slots, device))
-
-    def forget(self) -> None:
-        pass  # the mapping stays open: copies queued from it may still run
-
-    def handoff(self, pool: KVPool, block_table: list[int], num_tokens: int, writer: ThreadPoolExecutor,
-                start: int = 0) -> Handoff:
-        return IpcHandoff(pool, block_table, num_tokens, writer, self.remote, start)
-
-
-PAIRINGS: dict[KVTransport, type[Pairing]] = {p.transport: p for p in (GrpcPairing, NcclPairing, IpcPairing)}
 
 
 async def _drained(marker: torch.cuda.Event | None) -> None:

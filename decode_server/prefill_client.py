@@ -11,18 +11,19 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
-from decode_server.kv_receive import PAIRINGS, Handoff, HandoffError, Pairing
+from decode_server.kv_receive import Handoff, HandoffError, Pairing, PeerLink
+from decode_server.pairings import PAIRINGS
 from decode_server.peer_watch import PROBE_EVERY_S, PeerHealth, Silent, until_silent
 from decode_server.timing import Timing
 from engine.runner import ModelRunner
+from engine.transport.base import KVTransport
 from engine.transport.grpc_wire import KVView, prefill_stream
 from engine.transport.handshake import (
     choose_transport,
@@ -35,9 +36,6 @@ from serving.grpc_common import GRPC_OPTIONS, StatusError
 from serving.kv_release import KV_LEASE_S
 from serving.token_ids import TokenIds
 
-if TYPE_CHECKING:
-    from engine.transport.nccl_rendezvous import RelayStore
-
 log = logging.getLogger(__name__)
 
 DNS_REFRESH_S = 10.0
@@ -48,7 +46,15 @@ BACKLOG_FRESH_S = 2.0      # a prefill server's backlog report older than this i
 
 
 class PrefillFailed(StatusError):
-    """A remote prefill failed; the request is answered with `code`."""
+    """A remote prefill failed; the request is answered with `code`. `blocks_free` is False when a
+    transfer may still land in the request's blocks: they must stay out of circulation until
+    `settled_late` (awaited) says True."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, blocks_free: bool = True,
+                 settled_late: Coroutine[None, None, bool] | None = None) -> None:
+        super().__init__(code, message)
+        self.blocks_free = blocks_free
+        self.settled_late = settled_late  # when not free: True once they may be freed after all
 
 
 class PrefillPeer:
@@ -86,12 +92,19 @@ class PrefillPeer:
             if self.pairing is not None and not self.pairing.broken:
                 return self.pairing
             self.forget_pairing()
-            ours = supported_transports(self.runner.device)
+            ours = supported_transports(self.runner.device, self.requested_transport)
             offer = ours if self.requested_transport == "auto" else [self.requested_transport]
             gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
             request = prefill_pb2.HandshakeRequest(layout=layout_to_proto(self.runner.layout), transports=offer,
                                                    peer_id=self.peer_id, host=socket.gethostname(),
                                                    gpu_index=gpu if gpu is not None else 0, pid=os.getpid())
+            for transport in offer:  # what each transport offered must bring (nixl: its agent, made once)
+                try:
+                    request.MergeFrom(await asyncio.get_running_loop().run_in_executor(
+                        writer, PAIRINGS[KVTransport(transport)].offer, self.runner.pool))
+                except Exception as e:
+                    raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, f"can't offer KV transport {transport}: {e}") \
+                        from e
             try:
                 reply = await self.stub.Handshake(request, timeout=min(timeout, HANDSHAKE_TIMEOUT_S))
             except grpc.aio.AioRpcError as e:
@@ -109,22 +122,17 @@ class PrefillPeer:
             try:
                 self.pairing = await asyncio.get_running_loop().run_in_executor(
                     writer, PAIRINGS[chosen].connect, reply, self.runner.layout, self.runner.device, timeout,
-                    self.relay)
+                    PeerLink(self.peer_id, self._blocking_channel))
             except Exception as e:
                 raise PrefillFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill server {self.address}: setting up {chosen} failed: {e}") from e
             log.info("paired with prefill server %s (%s) over %s", self.address, reply.server_id, chosen)
             return self.pairing
 
-    @contextmanager
-    def relay(self, secret: bytes, timeout: float) -> Iterator[RelayStore]:
-        """A store whose operations run on this prefill server's store for the pairing (NCCL's rendezvous),
-        over a blocking channel like the handshake's (torch calls the store from the writer thread)."""
-        from engine.transport.nccl_rendezvous import RelayStore
-
-        with (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
-              else grpc.insecure_channel(self.address, options=self.options)) as channel:
-            yield RelayStore(prefill_pb2_grpc.PrefillStub(channel).Rendezvous, self.peer_id, secret, timeout)
+    def _blocking_channel(self) -> grpc.Channel:
+        """A blocking channel to this prefill server, like the handshake's (its caller closes it)."""
+        return (grpc.secure_channel(self.address, self.credentials, options=self.options) if self.credentials
+                else grpc.insecure_channel(self.address, options=self.options))
 
     def forget_pairing(self) -> None:
         if self.pairing is not None:
@@ -231,7 +239,8 @@ class PrefillRouter:
         records where the time went in `timing`; `cache_salt` is the prompt's cache namespace there. A
         prefill server that fails or falls silent (UNAVAILABLE) leaves the rotation until it answers
         health checks again, so a retry goes to another. If the KV might still land after a failure, the
-        blocks are moved out of `block_table` (left reserved) so the caller cannot reuse them.
+        caller learns it from PrefillFailed (`blocks_free` False): `block_table`'s blocks must stay out of
+        circulation.
 
         The steps: pick a prefill server, pair with it, open the KV handoff into the blocks, call
         Prefill and receive its stream (`_receive`), wait for the KV to land, verify its checksums,
@@ -251,6 +260,7 @@ class PrefillRouter:
                                                  transport=pairing.transport, peer_id=peer.peer_id,
                                                  kv_checksums=self.verify_kv, decode_cached_tokens=cached_tokens,
                                                  cache_salt=cache_salt)
+            request.MergeFrom(handoff.request_fields(request_id))
             call = peer.prefill_call(request, timeout=self.timeout_s)
             done, done_at = await self._receive(peer, call, handoff, deadline)
             await handoff.wait_complete(deadline)
@@ -263,6 +273,8 @@ class PrefillRouter:
             timing.cached_tokens = max(cached_tokens, done.cached_tokens)
             return done.first_token_id
         except (Silent, grpc.aio.AioRpcError, HandoffError) as e:
+            if isinstance(e, Silent) and handoff is not None:
+                handoff.peer_silent = True
             raise self._failure(peer, e) from e
         except asyncio.CancelledError:
             failed = False  # the client left; the transfer itself is healthy
@@ -271,8 +283,11 @@ class PrefillRouter:
             peer.in_flight -= 1
             if call is not None and not call.done() and (handoff is None or handoff.cancels_call):
                 call.cancel()
-            if handoff is not None:
-                await asyncio.shield(self._settle(peer, handoff, request_id, block_table, failed))
+            if handoff is not None and not await asyncio.shield(self._settle(peer, handoff, request_id, failed)):
+                # replaces the failure (or cancel) under way: the caller must learn the blocks are not free
+                raise PrefillFailed(grpc.StatusCode.UNAVAILABLE if failed else grpc.StatusCode.CANCELLED,
+                                    f"prefill server {peer.address}: a KV transfer into this request's blocks "
+                                    "has not stopped", blocks_free=False, settled_late=handoff.settled_late())
 
     @staticmethod
     async def _receive(peer: PrefillPeer, call: AsyncIterable[Any], handoff: Handoff,
@@ -332,16 +347,15 @@ class PrefillRouter:
         peer.forget_pairing()
         return PrefillFailed(e.code, f"prefill server {peer.address}: {e}")
 
-    async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, block_table: list[int],
-                      failed: bool) -> None:
-        """Make sure nothing writes into the blocks once the caller frees them; then let the prefill
-        server free its own."""
+    async def _settle(self, peer: PrefillPeer, handoff: Handoff, request_id: str, failed: bool) -> bool:
+        """Make sure nothing writes into the blocks once the caller frees them, then let the prefill
+        server free its own; False when a transfer may still land in ours (they must not be reused)."""
         await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)  # writer calls have run
-        if not handoff.settled() and not await handoff.abandon(failed):
-            block_table.clear()  # a transfer may still land: keep those blocks out of circulation
+        blocks_free = handoff.settled() or await handoff.abandon(failed)
         task = asyncio.get_running_loop().create_task(self._release(peer, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+        return blocks_free
 
     async def _release(self, peer: PrefillPeer, request_id: str) -> None:
         """Tell the prefill server it may free the request's blocks; a server that can't hear it now (frozen,

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -30,8 +31,8 @@ from engine.transport.handshake import (
 )
 from prefill_server import metrics
 from prefill_server.config import PrefillConfig, PrefillFaults
-from prefill_server.transports import TransportHub
-from prefill_server.worker import PrefillJob, PrefillWorker
+from prefill_server.transports import SENDERS, NcclSenders, TransportSenders
+from prefill_server.worker import Message, PrefillJob, PrefillWorker, SenderFactory
 from serving.grpc_common import deadline_passed
 from serving.validation import InvalidRequest, check_cache_salt, check_lengths, check_token_ids
 
@@ -43,14 +44,33 @@ MAX_PAIRED_PEERS = 4096  # decode server instances remembered (oldest forgotten 
 HEARTBEAT_S = 0.5
 
 
-async def next_or_heartbeat(out: asyncio.Queue[object], backlog_tokens: Callable[[], int]) -> object:
-    """The job's next item, or a Heartbeat (with the server's backlog) once HEARTBEAT_S pass without one."""
-    if not out.empty():  # no timer (a task and a handle with wait_for) for an item already there
-        return out.get_nowait()
-    try:
-        return await asyncio.wait_for(out.get(), HEARTBEAT_S)
-    except TimeoutError:
-        return prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat(backlog_tokens=backlog_tokens()))
+@dataclass(frozen=True)
+class JobEnded:
+    error: Exception | None  # None: the job finished (or was cancelled) and its stream ends
+
+
+class StreamOutput:
+    """A job's output (worker.JobOutput) for its Prefill call: what the engine thread sends is
+    queued on the call's event loop, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Message | JobEnded] = asyncio.Queue()
+
+    def send(self, message: Message) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, message)
+
+    def end(self, error: Exception | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, JobEnded(error))
+
+    async def next_or_heartbeat(self, backlog_tokens: Callable[[], int]) -> Message | JobEnded:
+        """The job's next item, or a Heartbeat (with the server's backlog) once HEARTBEAT_S pass without one."""
+        if not self._queue.empty():  # no timer (a task and a handle with wait_for) for an item already there
+            return self._queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self._queue.get(), HEARTBEAT_S)
+        except TimeoutError:
+            return prefill_pb2.PrefillResponse(heartbeat=prefill_pb2.Heartbeat(backlog_tokens=backlog_tokens()))
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -66,7 +86,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         # peer_id -> transport agreed at its handshake; Prefill is refused to anyone not in here.
         self.paired: OrderedDict[str, str] = OrderedDict()
         self.cache = worker.cache
-        self.hub = TransportHub(runner)
+        self.senders: dict[KVTransport, TransportSenders] = {
+            t: SENDERS[t](runner) for t in self.transports}
 
     def start_draining(self) -> None:
         self.draining = True
@@ -91,7 +112,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if not request.peer_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handshake without a peer_id")
         try:
-            extra = await asyncio.to_thread(self.hub.pair, request.peer_id, transport)
+            extra = await asyncio.to_thread(self.senders[transport].pair, request.peer_id, request)
         except Exception as e:
             log.exception("setting up %s for %s failed", transport, request.peer_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill server could not set up {transport}: {e}")
@@ -101,9 +122,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.paired.popitem(last=False)
         gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
         log.info("paired with decode server %s over %s", request.peer_id, transport)
-        return prefill_pb2.HandshakeResponse(layout=layout_to_proto(self.runner.layout), transport=transport,
-                                             server_id=self.server_id, gpu_index=gpu if gpu is not None else 0,
-                                             **extra)
+        reply = prefill_pb2.HandshakeResponse(layout=layout_to_proto(self.runner.layout), transport=transport,
+                                              server_id=self.server_id, gpu_index=gpu if gpu is not None else 0)
+        reply.MergeFrom(extra)
+        return reply
 
     async def Release(self, request: prefill_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseResponse:
@@ -115,7 +137,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          context: grpc.aio.ServicerContext) -> prefill_pb2.RendezvousResponse:
         """A store operation of a decode peer's NCCL pairing (engine.transport.nccl_rendezvous)."""
         try:
-            return await asyncio.to_thread(self.hub.rendezvous, request)
+            nccl = self.senders.get(KVTransport.NCCL)
+            if not isinstance(nccl, NcclSenders):
+                raise PermissionError("this prefill server does not run KV transport nccl")
+            return await asyncio.to_thread(nccl.rendezvous, request)
         except PermissionError as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
@@ -163,16 +188,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         except OutOfBlocks as e:
             metrics.REQUESTS_TOTAL.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill KV pool is full: {e}")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[object] = asyncio.Queue()
+        out = StreamOutput(asyncio.get_running_loop())
         chunk = request.kv_chunk_tokens or chunk_tokens_for(self.runner.layout)
-        job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk,
-                         emit=lambda item: loop.call_soon_threadsafe(out.put_nowait, item), peer_id=request.peer_id,
-                         make_sender=self._faulty_sender if self.faults.active else None,
-                         kv_checksums=request.kv_checksums, cached_tokens=cached,
-                         send_from=request.decode_cached_tokens, cache_salt=request.cache_salt)
+        senders = self.senders[KVTransport(agreed)]
+        job = PrefillJob(request.request_id, tokens, params, table, agreed, chunk, out,
+                         make_sender=self._faulty_sender(senders) if self.faults.active else senders.sender,
+                         peer_id=request.peer_id, kv_checksums=request.kv_checksums, cached_tokens=cached,
+                         send_from=request.decode_cached_tokens, dst_block_table=list(request.dst_block_table),
+                         dst_block_size=request.dst_block_size, dst_tag=request.dst_tag,
+                         cache_salt=request.cache_salt)
         try:
-            self.hub.configure(job)
+            senders.check_paired(request.peer_id)
         except LookupError as e:
             self.cache.release(table)
             metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
@@ -181,13 +207,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.worker.submit(job)
         status = "OK"
         try:
-            while (item := await next_or_heartbeat(out, lambda: self.worker.backlog_tokens)) is not None:
-                if isinstance(item, Exception):
-                    status = "INTERNAL"
-                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(item).__name__}: {item}")
+            while not isinstance(item := await out.next_or_heartbeat(lambda: self.worker.backlog_tokens), JobEnded):
                 if isinstance(item, bytes):  # a pre-encoded KV chunk (engine.transport.grpc_wire)
                     metrics.KV_STREAMED_BYTES.inc(kv_payload_bytes(item))
                 yield item
+            if item.error is not None:
+                status = "INTERNAL"
+                error = item.error
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}")
         except (asyncio.CancelledError, GeneratorExit):
             status = "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
             raise
@@ -196,17 +223,21 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.in_flight -= 1
             metrics.REQUESTS_TOTAL.labels(status).inc()
 
-    def _faulty_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        """The usual gRPC sender, with the faults asked for (PrefillFaults): a pause before each layer's KV,
-        a bit flipped in the pool once the first layer's KV is sent (before its checksum is taken, so
+    def _faulty_sender(self, senders: TransportSenders) -> SenderFactory:
+        """The transport's own sender, with the faults asked for (PrefillFaults): a pause before each layer's
+        KV, a bit flipped in the pool once the first layer's KV is sent (before its checksum is taken, so
         what the decode side got differs from what the prefill server checksummed)."""
-        sender = self.worker.grpc_sender(job, slots)
+        return lambda job, slots: self._faulty(job, slots, senders.sender(job, slots))
+
+    def _faulty(self, job: PrefillJob, slots: torch.Tensor, sender: KVSender) -> KVSender:
         faults, pool = self.faults, self.runner.pool
 
         class Faulty(KVSender):
+            cancellable = sender.cancellable
+
             def layer_done(self, layer: int) -> None:
                 time.sleep(faults.layer_delay_s)
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() and sender.cancellable:
                     raise TransferCancelled
                 sender.layer_done(layer)
                 if faults.corrupt_kv and layer == 0:

@@ -1,90 +1,178 @@
-"""The prefill server's side of each pairing: the agreed KV transport per decode peer, NCCL
-groups, the exported pool for cuda-ipc, and each job's sender. (A finished job's blocks are held
-for its decode side by prefill_server.kv_lease, whatever the transport.)"""
+"""The prefill server's side of each KV transport: what a handshake sets up for a decode peer
+(`pair`), and the sender of one job's KV (`sender`). Each transport has one `TransportSenders`;
+`SENDERS` names them, as `PAIRINGS` does on the decode side, so nothing else asks which
+transport it is. (A finished job's blocks are held for its decode side by prefill_server.kv_lease,
+whatever the transport.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pd.v1 import prefill_pb2
 
 from engine.runner import ModelRunner
 from engine.transport.base import KVSender, KVTransport
+from engine.transport.grpc_stream import GrpcKVSender
+from engine.transport.grpc_wire import encode_kv
 from prefill_server.worker import PrefillJob
+from serving.grpc_common import StartupError
 
 if TYPE_CHECKING:
-    from engine.transport.nccl import NcclPair
     from engine.transport.nccl_rendezvous import PairingHost
+    from engine.transport.nixl import NixlAgent, PoolAddress
+
+TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this (nixl's own: the same)
 
 
-SenderFactory = Callable[[PrefillJob, torch.Tensor], KVSender]
+class TransportSenders(ABC):
+    """One transport's state on the prefill server, for every decode peer paired over it."""
+
+    transport: ClassVar[KVTransport]
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        self.runner, self.timeout_s = runner, timeout_s
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        """Set up the transport for a decode peer (off the event loop); returns the reply's fields it adds."""
+        return prefill_pb2.HandshakeResponse()
+
+    def check_paired(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
+        """Raises LookupError when the peer's pairing is gone (it must handshake again)."""
+
+    @abstractmethod
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        """On the engine thread: the sender of the job's KV at `slots` (tokens job.send_from on)."""
 
 
-class TransportHub:
-    def __init__(self, runner: ModelRunner, transfer_timeout_s: float = 60.0) -> None:
-        self.runner = runner
-        self.timeout_s = transfer_timeout_s
-        self._nccl: PairingHost | None = None
-        self._ipc_export: tuple[bytes, int] | None = None
+class GrpcSenders(TransportSenders):
+    """KV chunks in the job's own response stream, each naming its tokens' positions in the prompt."""
 
-    # --- handshake ----------------------------------------------------------------------------
-    def pair(self, peer_id: str, transport: KVTransport) -> dict[str, Any]:
-        """Set up `transport` for a decode peer; returns the HandshakeResponse fields it needs."""
-        if transport == KVTransport.NCCL:
-            return self._pair_nccl(peer_id)
-        if transport == KVTransport.CUDA_IPC:
-            from engine.transport.cuda_ipc import export_pool
+    transport = KVTransport.GRPC
 
-            if self._ipc_export is None:
-                self._ipc_export = export_pool(self.runner.pool)
-            handle, offset = self._ipc_export
-            return {"ipc_pool_handle": handle, "ipc_pool_offset": offset,
-                    "ipc_pool_num_slots": self.runner.pool.num_slots}
-        return {}
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        pool, skip = self.runner.pool, job.send_from
 
-    def _pair_nccl(self, peer_id: str) -> dict[str, Any]:
+        def send(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
+            job.out.send(encode_kv(layer, start + skip, end + skip, parts))
+
+        return GrpcKVSender(pool, slots, job.chunk_tokens, send, job.send_start(pool))
+
+
+class NcclSenders(TransportSenders):
+    """Each decode peer's own two-rank NCCL group, its rendezvous relayed through `Rendezvous` calls."""
+
+    transport = KVTransport.NCCL
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        super().__init__(runner, timeout_s)
+        self._host: PairingHost | None = None
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
         from engine.transport.nccl_rendezvous import PairingHost
 
-        if self._nccl is None:
-            self._nccl = PairingHost(self.runner.device, self.timeout_s)
-        pairing = self._nccl.open(peer_id)
-        return {"nccl_group": pairing.name, "nccl_secret": pairing.secret}
+        if self._host is None:
+            self._host = PairingHost(self.runner.device, self.timeout_s)
+        pairing = self._host.open(peer_id)
+        return prefill_pb2.HandshakeResponse(nccl_group=pairing.name, nccl_secret=pairing.secret)
 
     def rendezvous(self, request: prefill_pb2.RendezvousRequest) -> prefill_pb2.RendezvousResponse:
         """A store operation of a peer's NCCL pairing (engine.transport.nccl_rendezvous); PermissionError
         unless it carries that pairing's secret."""
-        if self._nccl is None:
+        if self._host is None:
             raise PermissionError(f"no NCCL pairing of peer {request.peer_id!r}; handshake first")
-        return self._nccl.rendezvous(request)
+        return self._host.rendezvous(request)
 
-    # --- per request --------------------------------------------------------------------------
-    def configure(self, job: PrefillJob) -> None:
-        """Give the job the sender (and block ownership) its transport needs; the worker's own
-        gRPC sender otherwise."""
-        if job.transport == KVTransport.NCCL:
-            pair = self._nccl.pair(job.peer_id) if self._nccl is not None else None
-            if pair is None or pair.broken:
-                raise LookupError("the NCCL pair with this decode server is gone; handshake again")
-            job.make_sender = self._nccl_sender(pair)
-        elif job.transport == KVTransport.CUDA_IPC:
-            job.make_sender = self._ipc_sender
+    def check_paired(self, peer_id: str) -> None:
+        pair = self._host.pair(peer_id) if self._host is not None else None
+        if pair is None or pair.broken:
+            raise LookupError("the NCCL pair with this decode server is gone; handshake again")
 
-    def _nccl_sender(self, pair: NcclPair) -> SenderFactory:
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.nccl import NcclKVSender
 
-        def make(job: PrefillJob, slots: torch.Tensor) -> KVSender:
-            pool = self.runner.pool
-            sender = NcclKVSender(pair, pool, slots, self.timeout_s, job.send_start(pool))
-            job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
-            return sender
+        pair = self._host.pair(job.peer_id) if self._host is not None else None
+        if pair is None:
+            raise LookupError("the NCCL pair with this decode server is gone; handshake again")
+        pool = self.runner.pool
+        sender = NcclKVSender(pair, pool, slots, self.timeout_s, job.send_start(pool))
+        job.out.send(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(sequence=sender.sequence)))
+        return sender
 
-        return make
 
-    def _ipc_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+class IpcSenders(TransportSenders):
+    """The whole pool exported once; the decode side copies each layer out as it is reported written."""
+
+    transport = KVTransport.CUDA_IPC
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        super().__init__(runner, timeout_s)
+        self._export: tuple[bytes, int] | None = None
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        from engine.transport.cuda_ipc import export_pool
+
+        if self._export is None:
+            self._export = export_pool(self.runner.pool)
+        handle, offset = self._export
+        return prefill_pb2.HandshakeResponse(ipc_pool_handle=handle, ipc_pool_offset=offset,
+                                             ipc_pool_num_slots=self.runner.pool.num_slots)
+
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.cuda_ipc import IpcKVSender
 
-        job.emit(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
+        job.out.send(prefill_pb2.PrefillResponse(start=prefill_pb2.TransferStart(
             src_block_table=job.block_table, src_block_size=self.runner.layout.block_size)))
-        return IpcKVSender(lambda layer: job.emit(prefill_pb2.PrefillResponse(layer_sent=layer)))
+        return IpcKVSender(lambda layer: job.out.send(prefill_pb2.PrefillResponse(layer_sent=layer)))
+
+
+class NixlSenders(TransportSenders):
+    """The pool registered with this server's NIXL agent at start; each decode peer's agent loaded at its
+    handshake (again after a restart of either side). A job WRITEs into the blocks its request names."""
+
+    transport = KVTransport.NIXL
+
+    def __init__(self, runner: ModelRunner, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        from engine.transport.nixl import NixlAgent
+
+        super().__init__(runner, timeout_s)
+        try:
+            self.agent: NixlAgent = NixlAgent(runner.pool, "prefill")
+        except Exception as e:
+            raise StartupError(f"can't start a NIXL agent with the UCX backend: {e} (UCX_TLS: docs/nixl.md)") from e
+        self._peers: dict[str, tuple[str, PoolAddress]] = {}  # decode peer id -> its agent, its pool
+
+    def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
+        from engine.transport.nixl import PoolAddress
+
+        if not request.nixl_metadata or not request.nixl_pool_addr:
+            raise ValueError("the handshake offers nixl without the decode server's NIXL agent and pool")
+        if (old := self._peers.pop(peer_id, None)) is not None:
+            self.agent.remove_peer(old[0])  # a fresh pairing: the decode side's agent may have changed
+        agent = self.agent.add_peer(request.nixl_metadata)
+        self._peers[peer_id] = (agent, PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots,
+                                                   request.nixl_pool_device))
+        return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)
+
+    def check_paired(self, peer_id: str) -> None:
+        if peer_id not in self._peers:
+            raise LookupError("no NIXL pairing with this decode server; handshake again")
+
+    def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
+        from engine.transport.nixl import NixlKVSender, slot_runs
+
+        agent, remote = self._peers[job.peer_id]
+        n, layout = len(job.token_ids), self.runner.layout
+        if not job.dst_tag:
+            raise ValueError("a Prefill over nixl without dst_tag")
+        if job.dst_block_size < 1 or len(job.dst_block_table) * job.dst_block_size < n:
+            raise ValueError(f"the request's dst_block_table ({len(job.dst_block_table)} blocks of "
+                             f"{job.dst_block_size}) cannot hold its {n} tokens")
+        runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
+                         job.send_from, n)
+        return NixlKVSender(self.agent, agent, remote, runs, job.dst_tag, layout.num_layers, self.timeout_s)
+
+
+SENDERS: dict[KVTransport, type[TransportSenders]] = {
+    s.transport: s for s in (GrpcSenders, NcclSenders, IpcSenders, NixlSenders)}

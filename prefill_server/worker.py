@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
 
 import torch
 from pd.v1 import prefill_pb2
@@ -20,8 +21,6 @@ from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.transport.base import KVSender, TransferCancelled
-from engine.transport.grpc_stream import GrpcKVSender
-from engine.transport.grpc_wire import encode_kv
 from engine.warmup import WarmUp
 from prefill_server import metrics
 from prefill_server.kv_lease import KVLeases
@@ -31,7 +30,20 @@ from serving.token_ids import TokenIds, as_array
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefill_server.requests")  # one JSON line per finished prefill
 
-Emit = Callable[[object], object]  # a PrefillResponse, an Exception, or None (end of stream)
+# A message of a job's response stream: a PrefillResponse, or a KV chunk pre-encoded as one (grpc_wire).
+Message: TypeAlias = prefill_pb2.PrefillResponse | bytes
+
+
+class JobOutput(Protocol):
+    """Where a job's messages go, in order, from the engine thread (and its senders' threads) to the
+    job's Prefill call; `end` comes once, last: the error that failed the job, or None."""
+
+    def send(self, message: Message) -> None: ...
+
+    def end(self, error: Exception | None = None) -> None: ...
+
+
+SenderFactory = Callable[["PrefillJob", torch.Tensor], KVSender]  # (job, its slots) -> its KV's sender
 
 
 @dataclass
@@ -42,13 +54,16 @@ class PrefillJob:
     block_table: list[int]
     transport: str
     chunk_tokens: int
-    emit: Emit
+    out: JobOutput
+    make_sender: SenderFactory  # the agreed transport's (prefill_server.transports)
     peer_id: str = ""  # the decode server whose Release lets go of the blocks
-    make_sender: Callable[[PrefillJob, torch.Tensor], KVSender] | None = None
     kv_checksums: bool = False
     cached_tokens: int = 0  # leading tokens whose KV the prefix cache gave: the prefill starts after them
     send_from: int = 0      # leading tokens whose KV the decode side holds: not sent
     cache_salt: str = ""    # the prompt's prefix-cache namespace
+    dst_block_table: list[int] = field(default_factory=list)  # nixl: the decode side's blocks, and their size
+    dst_block_size: int = 0
+    dst_tag: str = ""  # nixl: the transfer's name in its notifications
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -115,10 +130,10 @@ class PrefillWorker:
                 self._run(job)
             except TransferCancelled:
                 log.info("prefill %s cancelled", job.request_id)
-                job.emit(None)
+                job.out.end()
             except Exception as e:  # the request fails, the worker keeps serving
                 log.exception("prefill %s failed", job.request_id)
-                job.emit(e)
+                job.out.end(e)
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
             finally:
@@ -132,19 +147,6 @@ class PrefillWorker:
         with self._backlog_lock:
             self.backlog_tokens -= job.uncached_tokens
 
-    def _sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        return job.make_sender(job, slots) if job.make_sender is not None else self.grpc_sender(job, slots)
-
-    def grpc_sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        """The gRPC transport's sender: the job's KV as chunks in its response stream, each naming its
-        tokens' positions in the prompt."""
-        pool, skip = self.runner.pool, job.send_from
-
-        def emit(layer: int, start: int, end: int, parts: list[memoryview]) -> None:
-            job.emit(encode_kv(layer, start + skip, end + skip, parts))
-
-        return GrpcKVSender(pool, slots, job.chunk_tokens, emit, job.send_start(pool))
-
     def _run(self, job: PrefillJob) -> None:
         dequeued = time.perf_counter()
         if job.cancelled.is_set():
@@ -152,7 +154,7 @@ class PrefillWorker:
         runner = self.runner
         n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
         slots = runner.pool.slots(job.block_table, skip, n)
-        sender = self._sender(job, slots)
+        sender = job.make_sender(job, slots)
         checks = LayerChecksums(runner.pool, slots, job.send_start(runner.pool)) if job.kv_checksums else None
 
         def layer_done(layer: int) -> None:
@@ -184,8 +186,8 @@ class PrefillWorker:
                                        kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
                                        checksum_s=checked - sent, cached_tokens=cached,
                                        backlog_tokens=max(0, self.backlog_tokens - job.uncached_tokens))
-        job.emit(prefill_pb2.PrefillResponse(done=done))
-        job.emit(None)
+        job.out.send(prefill_pb2.PrefillResponse(done=done))
+        job.out.end()
         request_log.info(json.dumps({
             "event": "prefill_finished", "request_id": job.request_id, "prompt_tokens": n,
             "cached_tokens": cached, "sent_tokens": n - skip, "transport": job.transport,

@@ -21,6 +21,13 @@ DEFAULT_MAX_MODEL_LEN = 40960
 
 def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs: bool,
                  kv_reserve_gb: float, kv_cache_gb: float | None = None) -> ModelRunner:
+    if cfg.kv_transport == "nixl":
+        from engine.transport.nixl import NixlUnavailable, nixl_api
+
+        try:
+            nixl_api()
+        except NixlUnavailable as e:
+            raise StartupError(f"--kv-transport nixl: {e}") from e
     try:
         device = resolve_device(cfg.device, role)
         dtype = resolve_dtype(cfg.dtype, device)

@@ -57,8 +57,9 @@ class ServerConfig:
                                                                   "model's, capped at 40960"))
     prefix_cache: bool = field(default=True, metadata=opt("keep the KV of full prompt blocks after a request, "
                                                            "and reuse it for prompts that start the same way"))
-    kv_transport: str = field(default="auto", metadata=opt("KV data plane: grpc, nccl, cuda-ipc; auto = nccl "
-                                                            "with GPUs, grpc without", choices=KV_TRANSPORTS))
+    kv_transport: str = field(default="auto", metadata=opt("KV data plane: grpc, nccl, cuda-ipc, nixl "
+                                                            "(NIXL/UCX, docs/nixl.md); auto = nccl with GPUs, "
+                                                            "grpc without", choices=KV_TRANSPORTS))
     max_queued_requests: int = field(default=256, metadata=opt("requests waiting beyond this get "
                                                                 "RESOURCE_EXHAUSTED"))
     drain_timeout_s: float = field(default=30.0, metadata=opt("on SIGTERM, how long in-flight streams may "

@@ -25,6 +25,7 @@ import pytest
 
 from client.load_plan import LoadSpec, build_plan
 from client.load_run import Deployment, LoadRunner, Record
+from engine.transport.nixl import nixl_available
 from tests.test_reliability_fixtures import Server, start_all, stop_all, wait_kv_idle
 
 pytestmark = pytest.mark.soak
@@ -101,10 +102,14 @@ def check_statuses(records: list[Record], marks: dict[str, float]) -> None:
             assert ended_s(r) - stuck_from <= FREEZE_DETECT_S + RETRY_S, (r.key, r.sent_s, ended_s(r), marks)
 
 
-def test_chaos_under_load(server_logs: Path) -> None:
-    victim = Server("prefill_server", [], server_logs)
-    survivor = Server("prefill_server", [], server_logs)
-    decode = Server("decode_server", ["--prefill-addr", f"{victim.address},{survivor.address}"], server_logs)
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed"))])
+def test_chaos_under_load(server_logs: Path, transport: str) -> None:
+    """Over nixl the prefill server is killed, and frozen, mid-transfer as well: writes into the decode pool."""
+    flag = ["--kv-transport", transport]
+    victim = Server("prefill_server", flag, server_logs)
+    survivor = Server("prefill_server", flag, server_logs)
+    decode = Server("decode_server", [*flag, "--prefill-addr", f"{victim.address},{survivor.address}"], server_logs)
     start_all([victim, survivor, decode])
     servers = [decode, survivor, victim]
     duration = 3 * CALM_S + FREEZE_S + 10  # the restart's model load takes a few seconds of it

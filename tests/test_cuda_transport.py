@@ -1,4 +1,4 @@
-"""NCCL and CUDA IPC handoffs between real server processes. Needs GPUs (nccl: two)."""
+"""NCCL, CUDA IPC and NIXL handoffs between real server processes. Needs GPUs (nccl: two)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
+from engine.transport.nixl import nixl_available
 from tests.servers import ServerProcess, free_port
 from tests.test_reliability_fixtures import scrape, wait_until
 
@@ -21,6 +22,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.e2e, pytest.mark.skipif(GPUS == 0, r
 def needs(transport: str) -> None:
     if transport == "nccl" and GPUS < 2:
         pytest.skip("NCCL between two processes needs two GPUs")
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
 
 
 def gpu_pair(transport: str, logs: Path, extra: list[str] | None = None,
@@ -43,7 +46,7 @@ def generate(address: str, prompt: list[int], mode: int, n: int = 24, timeout: f
         return [r.token_id for r in replies]
 
 
-@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc", "nixl"])
 def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> None:
     """Without the prefix cache: with it, the colocated request would find the disaggregated one's blocks and
     prefill only its last block after a cached prefix, which rounds differently in bf16 (results.md)."""
@@ -60,7 +63,7 @@ def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> No
         prefill.stop()
 
 
-@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc"])
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "nixl"])
 def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs: Path) -> None:
     """Without the prefix cache, for the reason above: the disaggregated request after the restart
     would find the colocated one's blocks."""
@@ -116,7 +119,7 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
         prefill.stop()
 
 
-@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc"])
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc", "grpc", "nixl"])
 def test_a_conversation_hands_over_only_the_uncached_kv(transport: str, server_logs: Path) -> None:
     """Later turns of a conversation, disaggregated, with both prefix caches: the decode server holds
     the history and the prefill server sends only the KV after it (checksummed bit for bit on both

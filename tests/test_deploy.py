@@ -38,6 +38,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "scale-out": ("overlays/scale-out",),
     "two-gpu-node+random-weights": ("overlays/two-gpu-node", "components/random-weights"),
     "scale-out+random-weights": ("overlays/scale-out", "components/random-weights"),
+    "scale-out+rdma": ("overlays/scale-out", "components/rdma"),
     "scenario-job": ("jobs/scenario",),
     "fill-model-job": ("jobs/fill-model",),
 }
@@ -196,7 +197,9 @@ def test_server_command_lines_parse_with_the_real_clis(name: str) -> None:
             assert s.cfg.preset is None and s.cfg.model
     decode = by_role(name, "decode")
     assert decode.cfg.default_mode == "disaggregated"
-    assert decode.cfg.kv_transport in ("nccl", "grpc", "auto")
+    assert decode.cfg.kv_transport in ("nccl", "grpc", "auto", "nixl")
+    if name in SCALE_OUT:  # between nodes: NIXL, on both sides
+        assert {s.cfg.kv_transport for s in servers(name)} == {"nixl"}
 
 
 @pytest.mark.parametrize("name", SERVING)
@@ -459,3 +462,19 @@ def test_image_installs_every_runtime_dependency_but_torch() -> None:
     kept = module.runtime_requirements(ROOT / "pyproject.toml")
     assert [d for d in deps if module.requirement_name(d) == "torch"]
     assert kept == [d for d in deps if module.requirement_name(d) != "torch"]
+
+
+def test_rdma_component_gives_both_servers_the_device_the_capability_and_ucx_settings() -> None:
+    docs = render("scale-out+rdma")
+    [ucx] = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == "pd-ucx"]
+    assert set(ucx["data"]) >= {"UCX_TLS", "UCX_NET_DEVICES"} and "rc" in ucx["data"]["UCX_TLS"].split(",")
+    for s in servers("scale-out+rdma"):
+        limits = s.container["resources"]["limits"]
+        assert limits.get("rdma/ib") == "1" and int(limits[GPU]) == 1, limits
+        caps = s.container["securityContext"]["capabilities"]
+        assert caps["add"] == ["IPC_LOCK"] and caps["drop"] == ["ALL"]
+        assert {"configMapRef": {"name": "pd-ucx"}} in s.container["envFrom"]
+        shm = next(v for v in s.pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in s.container["volumeMounts"]
+        assert s.cfg.kv_transport == "nixl"

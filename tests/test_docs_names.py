@@ -22,6 +22,7 @@ PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
 EXTERNAL = {
     "AioRpcError", "CUDAOptions", "OpenAI", "ThreadPoolExecutor", "NetworkPolicy", "PyTorch", "LLMEngine",
     "MemPool", "set_context()", "pop_context()",  # torch.cuda's memory pools and green contexts
+    "cuda_ipc", "libuct_ib_efa", "show_gids",  # UCX's transport and library names, and an RDMA tool
 }
 
 CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

@@ -11,9 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
 GENERATED = ("proto/pd/",)
 # Over the limit for now, each with its reason; an entry must go once its file is back under the limit.
-OVER_LIMIT = {
-    "decode_server/kv_receive.py": "the transports' rework (a typed registry on both sides) splits it",
-}
+OVER_LIMIT: dict[str, str] = {}
 
 
 def _sources() -> list[str]:

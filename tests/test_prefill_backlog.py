@@ -21,17 +21,24 @@ WORKER_CHECK = textwrap.dedent("""
     from engine.offline import make_runner
     from engine.prefix_cache import PrefixCache
     from engine.sampling import SamplingParams
+    from prefill_server.transports import GrpcSenders
     from prefill_server.worker import PrefillJob, PrefillWorker
 
     runner = make_runner()
     worker = PrefillWorker(runner, PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=False))
 
+    class Output(list):
+        send = list.append
+        def end(self, error=None):
+            assert error is None, error
+
     def job(request_id, n, out):
         table = runner.pool.allocator.allocate(runner.pool.blocks_needed(n))
-        return PrefillJob(request_id, [i % 200 for i in range(n)], SamplingParams(), table, "grpc", 64, out.append)
+        return PrefillJob(request_id, [i % 200 for i in range(n)], SamplingParams(), table, "grpc", 64, out,
+                          GrpcSenders(runner).sender)
 
-    first_out = []
-    first, second = job("first", 40, first_out), job("second", 70, [])
+    first_out = Output()
+    first, second = job("first", 40, first_out), job("second", 70, Output())
     worker.submit(first)
     worker.submit(second)  # the engine thread is not started: both wait
     assert worker.backlog_tokens == 110, worker.backlog_tokens

@@ -30,6 +30,7 @@ import grpc
 import pytest
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
+from engine.transport.nixl import nixl_available
 from launcher.process import start_all, stop_all
 from tests.test_reliability_fixtures import Server, health_status, wait_kv_idle
 
@@ -233,10 +234,14 @@ def compare_with_fresh_server(outcomes: list[Outcome], server_logs: Path, rng: r
     return len(sample)
 
 
-def test_soak(server_logs: Path) -> None:
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed"))])
+def test_soak(server_logs: Path, transport: str) -> None:
+    """Over nixl the cancels, deadlines and the kill land mid-transfer into the decode pool too."""
     rng = random.Random(SEED)
-    prefill = Server("prefill_server", [], server_logs)
-    decode = Server("decode_server", ["--prefill-addr", prefill.address, "--max-model-len", str(CONTEXT),
+    flag = ["--kv-transport", transport]
+    prefill = Server("prefill_server", flag, server_logs)
+    decode = Server("decode_server", [*flag, "--prefill-addr", prefill.address, "--max-model-len", str(CONTEXT),
                                       "--kv-cache-gb", "0.01", "--max-batch-size", "16", "--max-queued-requests", "10",
                                       "--max-waiting-tokens", "12000"], server_logs)
     start_all([prefill, decode])

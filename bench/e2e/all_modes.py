@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--prefill-device", default="auto")
     p.add_argument("--decode-device", default="auto")
     p.add_argument("--kv-transport", nargs="+", default=["auto"],
-                   help="one or more of grpc, nccl, cuda-ipc, auto; each gets its own pair of servers")
+                   help="one or more of grpc, nccl, cuda-ipc, nixl, auto; each gets its own pair of servers")
     p.add_argument("--decode-args", default="", help="extra decode server flags")
     p.add_argument("--prefill-args", default="", help="extra prefill server flags")
     p.add_argument("--scenario-args", default="--b-len 16384 32768", help="client.scenario flags")

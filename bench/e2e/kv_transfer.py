@@ -8,7 +8,8 @@ checksums), and the part exposed after the prefill's last layer.
 --mode endpoints: the transport's real endpoints without a model, the whole KV moved with nothing
 to hide it under. grpc (any machine): a subprocess streams a KV pool of the preset's layout,
 filled with random values, through GrpcKVSender over gRPC on loopback, into GrpcKVReceiver and a
-pool here. nccl, cuda-ipc (two GPUs): `bench.e2e.kv_endpoints_gpu`.
+pool here. nccl, cuda-ipc (two GPUs): `bench.e2e.kv_endpoints_gpu`. nixl (any machine: host memory on
+the CPU, GPU 0's memory with a GPU): `bench.e2e.kv_endpoints_nixl`, WRITE and READ.
 Several --transport and --mode values run one after another into one --json.
 """
 
@@ -165,7 +166,7 @@ async def _timed_handoffs(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.e2e.kv_transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transport", nargs="+", default=["grpc"], choices=["grpc", "nccl", "cuda-ipc"])
+    p.add_argument("--transport", nargs="+", default=["grpc"], choices=["grpc", "nccl", "cuda-ipc", "nixl"])
     p.add_argument("--mode", nargs="+", choices=["servers", "endpoints"], default=None,
                    help="default: servers with a GPU, endpoints without")
     p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
@@ -195,6 +196,11 @@ def main() -> None:
                 rows += servers_rows(args, transport)
             elif transport == "grpc":
                 rows += endpoints_rows(args)
+            elif transport == "nixl":
+                from bench.e2e import kv_endpoints_nixl
+
+                device = "cuda:0" if torch.cuda.is_available() else "cpu"
+                rows += kv_endpoints_nixl.rows(args.preset, args.tokens, args.repeats, device)
             else:
                 from bench.e2e import kv_endpoints_gpu
 

@@ -22,6 +22,7 @@ class KVTransport(StrEnum):
     GRPC = "grpc"          # in the Prefill stream itself: portable, the fallback
     NCCL = "nccl"          # GPU to GPU over the pair's own NCCL group
     CUDA_IPC = "cuda-ipc"  # the decode GPU copies out of the prefill server's mapped pool (same host)
+    NIXL = "nixl"          # the prefill server WRITEs into the decode pool over NIXL/UCX (RDMA, TCP, ...)
 
 
 class TransferCancelled(Exception):

@@ -29,11 +29,11 @@ def layout_mismatch_message(decode: KVLayout, prefill: KVLayout) -> str | None:
     return f"KV layout mismatch ({sides}); start both servers with the same model, --dtype and --kv-cache-dtype"
 
 
-def supported_transports(device: torch.device) -> list[KVTransport]:
-    """What this end can do, best first."""
-    if device.type != "cuda":
-        return [KVTransport.GRPC]
-    return [KVTransport.NCCL, KVTransport.CUDA_IPC, KVTransport.GRPC]
+def supported_transports(device: torch.device, requested: str = "auto") -> list[KVTransport]:
+    """What this end can do, best first: `auto`'s choices, and nixl when asked for by name (it pins
+    the whole pool for NIXL, so auto never starts it)."""
+    ours = [KVTransport.GRPC] if device.type != "cuda" else [KVTransport.NCCL, KVTransport.CUDA_IPC, KVTransport.GRPC]
+    return [*ours, KVTransport.NIXL] if requested == KVTransport.NIXL else ours
 
 
 def choose_transport(requested: str, ours: list[KVTransport], theirs: list[str]) -> KVTransport | None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pd.v1 import decode_pb2 as pd_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/prefill.proto\x12\x05pd.v1\x1a\x12pd/v1/decode.proto\"\x8d\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bshape_order\x18\x07 \x01(\t\"\x86\x01\n\x10HandshakeRequest\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x12\n\ntransports\x18\x02 \x03(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x11\n\tgpu_index\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\"\xfb\x01\n\x11HandshakeResponse\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\x12\x12\n\nnccl_group\x18\x06 \x01(\t\x12\x17\n\x0fipc_pool_handle\x18\x07 \x01(\x0c\x12\x17\n\x0fipc_pool_offset\x18\x08 \x01(\x03\x12\x1a\n\x12ipc_pool_num_slots\x18\t \x01(\x03\x12\x13\n\x0bnccl_secret\x18\n \x01(\x0cJ\x04\x08\x05\x10\x06R\x0fnccl_store_addr\"\xc1\x02\n\x11RendezvousRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\x12\'\n\x02op\x18\x03 \x01(\x0e\x32\x1b.pd.v1.RendezvousRequest.Op\x12\x0c\n\x04keys\x18\x04 \x03(\t\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x06 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x07 \x01(\x03\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"\x8f\x01\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\n\n\x06OP_SET\x10\x01\x12\n\n\x06OP_GET\x10\x02\x12\n\n\x06OP_ADD\x10\x03\x12\x0c\n\x08OP_CHECK\x10\x04\x12\x0b\n\x07OP_WAIT\x10\x05\x12\x12\n\x0eOP_COMPARE_SET\x10\x06\x12\x11\n\rOP_DELETE_KEY\x10\x07\x12\x0f\n\x0bOP_NUM_KEYS\x10\x08\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\"\xe5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07peer_id\x18\x05 \x01(\t\x12\x17\n\x0fkv_chunk_tokens\x18\x06 \x01(\x05\x12\x14\n\x0ckv_checksums\x18\x07 \x01(\x08\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\"N\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0btoken_start\x18\x02 \x01(\x05\x12\x11\n\ttoken_end\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"R\n\rTransferStart\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x17\n\x0fsrc_block_table\x18\x02 \x03(\x05\x12\x16\n\x0esrc_block_size\x18\x03 \x01(\x05\"\xdd\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\tkv_send_s\x18\x03 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x12\n\nchecksum_s\x18\x07 \x01(\x01\x12\x17\n\x0flayer_checksums\x18\x08 \x03(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x62\x61\x63klog_tokens\x18\n \x01(\x03J\x04\x08\x05\x10\x06R\x0bkv_checksum\"#\n\tHeartbeat\x12\x16\n\x0e\x62\x61\x63klog_tokens\x18\x01 \x01(\x03\"\xc2\x01\n\x0fPrefillResponse\x12\x1c\n\x02kv\x18\x01 \x01(\x0b\x32\x0e.pd.v1.KVChunkH\x00\x12\x14\n\nlayer_sent\x18\x02 \x01(\x05H\x00\x12%\n\x05start\x18\x03 \x01(\x0b\x32\x14.pd.v1.TransferStartH\x00\x12\"\n\x04\x64one\x18\x04 \x01(\x0b\x32\x12.pd.v1.PrefillDoneH\x00\x12%\n\theartbeat\x18\x05 \x01(\x0b\x32\x10.pd.v1.HeartbeatH\x00\x42\t\n\x07payload\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\"\x11\n\x0fReleaseResponse2\x82\x02\n\x07Prefill\x12>\n\tHandshake\x12\x17.pd.v1.HandshakeRequest\x1a\x18.pd.v1.HandshakeResponse\x12:\n\x07Prefill\x12\x15.pd.v1.PrefillRequest\x1a\x16.pd.v1.PrefillResponse0\x01\x12\x38\n\x07Release\x12\x15.pd.v1.ReleaseRequest\x1a\x16.pd.v1.ReleaseResponse\x12\x41\n\nRendezvous\x12\x18.pd.v1.RendezvousRequest\x1a\x19.pd.v1.RendezvousResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/prefill.proto\x12\x05pd.v1\x1a\x12pd/v1/decode.proto\"\x8d\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bshape_order\x18\x07 \x01(\t\"\xec\x01\n\x10HandshakeRequest\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x12\n\ntransports\x18\x02 \x03(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x11\n\tgpu_index\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x16\n\x0enixl_pool_addr\x18\x08 \x01(\x04\x12\x1b\n\x13nixl_pool_num_slots\x18\t \x01(\x03\x12\x18\n\x10nixl_pool_device\x18\n \x01(\x05\"\x92\x02\n\x11HandshakeResponse\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\x12\x12\n\nnccl_group\x18\x06 \x01(\t\x12\x17\n\x0fipc_pool_handle\x18\x07 \x01(\x0c\x12\x17\n\x0fipc_pool_offset\x18\x08 \x01(\x03\x12\x1a\n\x12ipc_pool_num_slots\x18\t \x01(\x03\x12\x13\n\x0bnccl_secret\x18\n \x01(\x0c\x12\x15\n\rnixl_metadata\x18\x0b \x01(\x0cJ\x04\x08\x05\x10\x06R\x0fnccl_store_addr\"\xc1\x02\n\x11RendezvousRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\x12\'\n\x02op\x18\x03 \x01(\x0e\x32\x1b.pd.v1.RendezvousRequest.Op\x12\x0c\n\x04keys\x18\x04 \x03(\t\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x06 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x07 \x01(\x03\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"\x8f\x01\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\n\n\x06OP_SET\x10\x01\x12\n\n\x06OP_GET\x10\x02\x12\n\n\x06OP_ADD\x10\x03\x12\x0c\n\x08OP_CHECK\x10\x04\x12\x0b\n\x07OP_WAIT\x10\x05\x12\x12\n\x0eOP_COMPARE_SET\x10\x06\x12\x11\n\rOP_DELETE_KEY\x10\x07\x12\x0f\n\x0bOP_NUM_KEYS\x10\x08\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\"\xa7\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07peer_id\x18\x05 \x01(\t\x12\x17\n\x0fkv_chunk_tokens\x18\x06 \x01(\x05\x12\x14\n\x0ckv_checksums\x18\x07 \x01(\x08\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x17\n\x0f\x64st_block_table\x18\n \x03(\x05\x12\x16\n\x0e\x64st_block_size\x18\x0b \x01(\x05\x12\x0f\n\x07\x64st_tag\x18\x0c \x01(\t\"N\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0btoken_start\x18\x02 \x01(\x05\x12\x11\n\ttoken_end\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"R\n\rTransferStart\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x17\n\x0fsrc_block_table\x18\x02 \x03(\x05\x12\x16\n\x0esrc_block_size\x18\x03 \x01(\x05\"\xdd\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\tkv_send_s\x18\x03 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x12\n\nchecksum_s\x18\x07 \x01(\x01\x12\x17\n\x0flayer_checksums\x18\x08 \x03(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x62\x61\x63klog_tokens\x18\n \x01(\x03J\x04\x08\x05\x10\x06R\x0bkv_checksum\"#\n\tHeartbeat\x12\x16\n\x0e\x62\x61\x63klog_tokens\x18\x01 \x01(\x03\"\xc2\x01\n\x0fPrefillResponse\x12\x1c\n\x02kv\x18\x01 \x01(\x0b\x32\x0e.pd.v1.KVChunkH\x00\x12\x14\n\nlayer_sent\x18\x02 \x01(\x05H\x00\x12%\n\x05start\x18\x03 \x01(\x0b\x32\x14.pd.v1.TransferStartH\x00\x12\"\n\x04\x64one\x18\x04 \x01(\x0b\x32\x12.pd.v1.PrefillDoneH\x00\x12%\n\theartbeat\x18\x05 \x01(\x0b\x32\x10.pd.v1.HeartbeatH\x00\x42\t\n\x07payload\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\"\x11\n\x0fReleaseResponse2\x82\x02\n\x07Prefill\x12>\n\tHandshake\x12\x17.pd.v1.HandshakeRequest\x1a\x18.pd.v1.HandshakeResponse\x12:\n\x07Prefill\x12\x15.pd.v1.PrefillRequest\x1a\x16.pd.v1.PrefillResponse0\x01\x12\x38\n\x07Release\x12\x15.pd.v1.ReleaseRequest\x1a\x16.pd.v1.ReleaseResponse\x12\x41\n\nRendezvous\x12\x18.pd.v1.RendezvousRequest\x1a\x19.pd.v1.RendezvousResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=51
   _globals['_KVLAYOUT']._serialized_end=192
   _globals['_HANDSHAKEREQUEST']._serialized_start=195
-  _globals['_HANDSHAKEREQUEST']._serialized_end=329
-  _globals['_HANDSHAKERESPONSE']._serialized_start=332
-  _globals['_HANDSHAKERESPONSE']._serialized_end=583
-  _globals['_RENDEZVOUSREQUEST']._serialized_start=586
-  _globals['_RENDEZVOUSREQUEST']._serialized_end=907
-  _globals['_RENDEZVOUSREQUEST_OP']._serialized_start=764
-  _globals['_RENDEZVOUSREQUEST_OP']._serialized_end=907
-  _globals['_RENDEZVOUSRESPONSE']._serialized_start=909
-  _globals['_RENDEZVOUSRESPONSE']._serialized_end=972
-  _globals['_PREFILLREQUEST']._serialized_start=975
-  _globals['_PREFILLREQUEST']._serialized_end=1204
-  _globals['_KVCHUNK']._serialized_start=1206
-  _globals['_KVCHUNK']._serialized_end=1284
-  _globals['_TRANSFERSTART']._serialized_start=1286
-  _globals['_TRANSFERSTART']._serialized_end=1368
-  _globals['_PREFILLDONE']._serialized_start=1371
-  _globals['_PREFILLDONE']._serialized_end=1592
-  _globals['_HEARTBEAT']._serialized_start=1594
-  _globals['_HEARTBEAT']._serialized_end=1629
-  _globals['_PREFILLRESPONSE']._serialized_start=1632
-  _globals['_PREFILLRESPONSE']._serialized_end=1826
-  _globals['_RELEASEREQUEST']._serialized_start=1828
-  _globals['_RELEASEREQUEST']._serialized_end=1881
-  _globals['_RELEASERESPONSE']._serialized_start=1883
-  _globals['_RELEASERESPONSE']._serialized_end=1900
-  _globals['_PREFILL']._serialized_start=1903
-  _globals['_PREFILL']._serialized_end=2161
+  _globals['_HANDSHAKEREQUEST']._serialized_end=431
+  _globals['_HANDSHAKERESPONSE']._serialized_start=434
+  _globals['_HANDSHAKERESPONSE']._serialized_end=708
+  _globals['_RENDEZVOUSREQUEST']._serialized_start=711
+  _globals['_RENDEZVOUSREQUEST']._serialized_end=1032
+  _globals['_RENDEZVOUSREQUEST_OP']._serialized_start=889
+  _globals['_RENDEZVOUSREQUEST_OP']._serialized_end=1032
+  _globals['_RENDEZVOUSRESPONSE']._serialized_start=1034
+  _globals['_RENDEZVOUSRESPONSE']._serialized_end=1097
+  _globals['_PREFILLREQUEST']._serialized_start=1100
+  _globals['_PREFILLREQUEST']._serialized_end=1395
+  _globals['_KVCHUNK']._serialized_start=1397
+  _globals['_KVCHUNK']._serialized_end=1475
+  _globals['_TRANSFERSTART']._serialized_start=1477
+  _globals['_TRANSFERSTART']._serialized_end=1559
+  _globals['_PREFILLDONE']._serialized_start=1562
+  _globals['_PREFILLDONE']._serialized_end=1783
+  _globals['_HEARTBEAT']._serialized_start=1785
+  _globals['_HEARTBEAT']._serialized_end=1820
+  _globals['_PREFILLRESPONSE']._serialized_start=1823
+  _globals['_PREFILLRESPONSE']._serialized_end=2017
+  _globals['_RELEASEREQUEST']._serialized_start=2019
+  _globals['_RELEASEREQUEST']._serialized_end=2072
+  _globals['_RELEASERESPONSE']._serialized_start=2074
+  _globals['_RELEASERESPONSE']._serialized_end=2091
+  _globals['_PREFILL']._serialized_start=2094
+  _globals['_PREFILL']._serialized_end=2352
 # @@protoc_insertion_point(module_scope)

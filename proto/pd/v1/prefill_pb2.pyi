@@ -27,23 +27,31 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., shape_order: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "transports", "peer_id", "host", "gpu_index", "pid")
+    __slots__ = ("layout", "transports", "peer_id", "host", "gpu_index", "pid", "nixl_metadata", "nixl_pool_addr", "nixl_pool_num_slots", "nixl_pool_device")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_POOL_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NIXL_POOL_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_POOL_DEVICE_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transports: _containers.RepeatedScalarFieldContainer[str]
     peer_id: str
     host: str
     gpu_index: int
     pid: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    nixl_metadata: bytes
+    nixl_pool_addr: int
+    nixl_pool_num_slots: int
+    nixl_pool_device: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_index: _Optional[int] = ..., pid: _Optional[int] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool_addr: _Optional[int] = ..., nixl_pool_num_slots: _Optional[int] = ..., nixl_pool_device: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots", "nccl_secret")
+    __slots__ = ("layout", "transport", "server_id", "gpu_index", "nccl_group", "ipc_pool_handle", "ipc_pool_offset", "ipc_pool_num_slots", "nccl_secret", "nixl_metadata")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +61,7 @@ class HandshakeResponse(_message.Message):
     IPC_POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     IPC_POOL_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NCCL_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transport: str
     server_id: str
@@ -62,7 +71,8 @@ class HandshakeResponse(_message.Message):
     ipc_pool_offset: int
     ipc_pool_num_slots: int
     nccl_secret: bytes
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ..., nccl_secret: _Optional[bytes] = ...) -> None: ...
+    nixl_metadata: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., server_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., nccl_group: _Optional[str] = ..., ipc_pool_handle: _Optional[bytes] = ..., ipc_pool_offset: _Optional[int] = ..., ipc_pool_num_slots: _Optional[int] = ..., nccl_secret: _Optional[bytes] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("peer_id", "secret", "op", "keys", "value", "expected", "amount", "timeout_s")
@@ -115,7 +125,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "sampling", "transport", "peer_id", "kv_chunk_tokens", "kv_checksums", "decode_cached_tokens", "cache_salt", "dst_block_table", "dst_block_size", "dst_tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +135,9 @@ class PrefillRequest(_message.Message):
     KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DST_TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
@@ -134,7 +147,10 @@ class PrefillRequest(_message.Message):
     kv_checksums: bool
     decode_cached_tokens: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    dst_block_table: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_size: int
+    dst_tag: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., peer_id: _Optional[str] = ..., kv_chunk_tokens: _Optional[int] = ..., kv_checksums: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dst_block_table: _Optional[_Iterable[int]] = ..., dst_block_size: _Optional[int] = ..., dst_tag: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "data")

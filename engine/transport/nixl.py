@@ -1,0 +1,248 @@
+"""KV over NIXL (UCX backend): each server registers its whole KV pool with one NIXL agent at
+start; the agents' metadata travels in the pairing handshake (no port of NIXL's own). The prefill
+side WRITEs each layer's KV into the slots the decode server reserved, as each layer finishes,
+one descriptor per run of slots that is contiguous on both sides; once every write is done it
+sends a notification ("done" or, after a transfer that stopped early, "end"). UCX picks the wire
+(RDMA between hosts, cuda_ipc inside one, TCP otherwise) from the environment (UCX_TLS, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVPool, long_tensor
+from engine.transport.base import KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+
+DONE, END = b"done", b"end"  # a notification's kind, before ":" and the transfer's tag
+TRANSFER_TIMEOUT_S = 60.0  # the prefill side's sender lets go of writes not done by then
+WHEEL = "nixl-cu13"  # the variant pyproject.toml installs (CPU and CUDA 13 builds of torch)
+
+
+class NixlUnavailable(RuntimeError):
+    pass
+
+
+def nixl_api() -> ModuleType:
+    """NIXL's Python API, from whichever CUDA variant of the wheel is installed."""
+    for name in ("nixl_cu13", "nixl_cu12", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise NixlUnavailable(f"KV transport nixl needs NIXL: pip install {WHEEL}")
+
+
+def nixl_available() -> bool:
+    """Whether a NIXL wheel is installed, without loading it: its bundled libraries must not meet
+    grpc_tools' protoc in one process (both loaded, the process crashes), as in a test run."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu13", "nixl_cu12", "nixl"))
+
+
+@dataclass(frozen=True)
+class PoolAddress:
+    """Where a pool lies for NIXL: its base address, slots, and device (-1: host memory)."""
+
+    addr: int
+    num_slots: int
+    device: int
+
+    @classmethod
+    def of(cls, pool: KVPool) -> PoolAddress:
+        dev = pool.device.index if pool.device.type == "cuda" and pool.device.index is not None else -1
+        return cls(pool.storage.data_ptr(), pool.num_slots, dev)
+
+
+class NixlAgent:
+    """This process's agent, its pool registered once. Every call into NIXL holds one lock (the
+    engine thread sends, the writer thread and the event loop poll notifications)."""
+
+    def __init__(self, pool: KVPool, role: str) -> None:
+        api = nixl_api()
+        self.pool = pool
+        self.name = f"{role}-{uuid.uuid4().hex[:12]}"
+        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._reg = self._agent.register_memory(pool.storage)
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self.mem_type = "VRAM" if pool.device.type == "cuda" else "DRAM"
+        self._lock = threading.Lock()
+        self._notes: dict[str, set[bytes]] = {}  # peer agent -> notifications not yet taken
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer agent's metadata (replacing an earlier copy of the same agent); its name."""
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._notes.setdefault(name, set())
+            return name
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            self._notes.pop(name, None)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:  # a peer never fully loaded, or already gone
+                log.debug("removing NIXL peer %s: %s", name, e)
+
+    def write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        """Post a WRITE of `local` descriptors into the peer's `remote` ones; its handle."""
+        return self._post("WRITE", local, remote, peer)
+
+    def read(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        """Post a READ of the peer's `remote` descriptors into `local` ones; its handle."""
+        return self._post("READ", local, remote, peer)
+
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        with self._lock:
+            src = self._agent.get_xfer_descs(local, self.mem_type)
+            dst = self._agent.get_xfer_descs(remote, self.mem_type)
+            handle = self._agent.initialize_xfer(op, src, dst, peer)
+            state = self._agent.transfer(handle)
+        if state == "ERR":
+            self.release(handle)
+            raise TransferError(f"NIXL refused a {op} with {peer}")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        with self._lock:
+            return str(self._agent.check_xfer_state(handle))
+
+    def release(self, handle: Any) -> None:
+        with self._lock:
+            self._agent.release_xfer_handle(handle)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        with self._lock:
+            self._agent.send_notif(peer, message)
+
+    def take_note(self, peer: str, tag: bytes) -> bytes | None:
+        """DONE or END if the peer sent it for transfer `tag` (taken: asked once), else None."""
+        with self._lock:
+            for name, notes in self._agent.get_new_notifs().items():
+                self._notes.setdefault(name, set()).update(notes)
+            notes = self._notes.get(peer, set())
+            for kind in (DONE, END):
+                if kind + b":" + tag in notes:
+                    notes.discard(kind + b":" + tag)
+                    return kind
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._agent.deregister_memory(self._reg)
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+def slot_runs(src_table: list[int], src_block: int, dst_table: list[int], dst_block: int,
+              start: int, end: int) -> np.ndarray:
+    """Tokens [start, end) as runs contiguous on both sides: rows of (source slot, destination slot, length)."""
+    src = long_tensor(src_table).numpy()
+    dst = long_tensor(dst_table).numpy()
+    t = np.arange(start, end, dtype=np.int64)
+    s = src[t // src_block] * src_block + t % src_block
+    d = dst[t // dst_block] * dst_block + t % dst_block
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    firsts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((firsts, [len(t)])))
+    return np.stack((s[firsts], d[firsts], lengths), axis=1)
+
+
+def layer_descriptors(runs: np.ndarray, base: PoolAddress, which: int, layer: int, token_bytes: int) -> np.ndarray:
+    """One layer's (address, bytes, device) rows, K's runs then V's, for `runs`' column `which` (0 source, 1 dest)."""
+    rows = []
+    for kv in (0, 1):
+        plane = (layer * 2 + kv) * base.num_slots
+        addr = base.addr + (plane + runs[:, which]) * token_bytes
+        rows.append(np.stack((addr, runs[:, 2] * token_bytes, np.full(len(runs), max(base.device, 0))), axis=1))
+    return np.concatenate(rows).astype(np.uint64)
+
+
+class NixlKVSender(KVSender):
+    """Prefill side: each layer's WRITE posted from a thread of its own once the layer's KV is written
+    (a CUDA event on the GPU), so the prefill never waits; `finish` waits for every write, then
+    notifies DONE, or END when the transfer stopped early (a cancel or a failure: the decode side
+    then knows nothing more will land)."""
+
+    def __init__(self, agent: NixlAgent, peer: str, remote: PoolAddress, runs: np.ndarray, tag: str,
+                 num_layers: int, timeout_s: float) -> None:
+        self.agent, self.peer, self.remote, self.runs = agent, peer, remote, runs
+        self.timeout_s = timeout_s
+        self.tag, self.num_layers = tag.encode(), num_layers
+        self.local = PoolAddress.of(agent.pool)
+        self.token_bytes = agent.pool.layout.bytes_per_token_per_layer // 2
+        self._handles: list[Any] = []
+        self._error: BaseException | None = None
+        self._layers: queue.Queue[tuple[int, torch.cuda.Event | None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._post_loop, daemon=True, name="nixl-send")
+        self._thread.start()
+
+    def layer_done(self, layer: int) -> None:
+        if self._error is not None:
+            raise TransferError(f"KV over nixl: {self._error}")
+        event = None
+        if self.agent.pool.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._layers.put((layer, event))
+
+    def _post_loop(self) -> None:
+        while (item := self._layers.get()) is not None:
+            layer, event = item
+            if self._error is not None:
+                continue
+            try:
+                if event is not None:
+                    event.synchronize()
+                local = layer_descriptors(self.runs, self.local, 0, layer, self.token_bytes)
+                remote = layer_descriptors(self.runs, self.remote, 1, layer, self.token_bytes)
+                self._handles.append(self.agent.write(local, remote, self.peer))
+            except BaseException as e:
+                self._error = e
+
+    def finish(self) -> None:
+        self._layers.put(None)
+        self._thread.join()
+        give_up = time.monotonic() + self.timeout_s
+        for handle in self._handles:
+            while (state := self.agent.state(handle)) not in ("DONE", "ERR") and time.monotonic() < give_up:
+                time.sleep(0.0001)
+            if state != "DONE" and self._error is None:
+                self._error = TransferError(f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
+            self.agent.release(handle)
+        whole = self._error is None and len(self._handles) == self.num_layers
+        self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
+        if self._error is not None:
+            raise TransferError(f"KV over nixl: {self._error}") from self._error
+
+
+class NixlKVReceiver(KVReceiver):
+    """Decode side: the prefill server writes into the pool itself; this waits for its notification."""
+
+    def __init__(self, agent: NixlAgent, peer: str, tag: str) -> None:
+        self.agent, self.peer, self.tag = agent, peer, tag.encode()
+        self.ended = False  # the prefill side sent its last notification: nothing more will land
+
+    def complete(self) -> bool:
+        if not self.ended:
+            note = self.agent.take_note(self.peer, self.tag)
+            if note is not None:
+                self.ended = True
+                if note == END:
+                    self.error = TransferError("the prefill server stopped the transfer early")
+        return self.ended and self.error is None
