@@ -95,8 +95,9 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
     if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
         vh = h - NUM_HEADS - NUM_KV_HEADS
         dst = KV + s_kv_kind + slot * s_kv_slot + vh * s_kv_head
-        tl.store(dst + offs, x1, mask=live)
-        tl.store(dst + half + offs, x2, mask=live)
+        # an e4m3 pool: Triton converts to it from float32 only (exact for a 16-bit pool)
+        tl.store(dst + offs, x1.to(tl.float32).to(KV.dtype.element_ty), mask=live)
+        tl.store(dst + half + offs, x2.to(tl.float32).to(KV.dtype.element_ty), mask=live)
         if WRITE_V:
             out = V_OUT + (t[:, None] * NUM_KV_HEADS + vh) * HEAD_DIM
             tl.store(out + offs, x1, mask=live)
@@ -116,8 +117,8 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
             kh = h - NUM_HEADS
             dst = K_OUT + (t[:, None] * NUM_KV_HEADS + kh) * HEAD_DIM
             cache = KV + slot * s_kv_slot + kh * s_kv_head
-            tl.store(cache + offs, o1, mask=live)
-            tl.store(cache + half + offs, o2, mask=live)
+            tl.store(cache + offs, o1.to(tl.float32).to(KV.dtype.element_ty), mask=live)
+            tl.store(cache + half + offs, o2.to(tl.float32).to(KV.dtype.element_ty), mask=live)
         tl.store(dst + offs, o1, mask=live)
         tl.store(dst + half + offs, o2, mask=live)
 

@@ -70,14 +70,15 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 }
 
 
-# e4m3 weights at 1-16 rows (`python -m bench.micro.gemv --fp8 --sweep`, bench/results/gemv-fp8-sweep-h200.json:
-# the fastest tile of each shape at one row). At 17-64 rows `torch._scaled_mm` beat every tile swept at 64 rows
-# (gate_up 52 against 79 us, down 48 against 71), so FP8 layers take it there.
+# e4m3 weights at 1-16 rows: the 16-bit tiles (a decode step of 3.71 ms at batch 1 on the FP8 preset),
+# but for the two shapes whose FP8 tile the sweep measured faster alone at one row
+# (`python -m bench.micro.gemv --fp8 --sweep`, bench/results/gemv-fp8-sweep-h200.json): down 47.8 -> 30.0 us,
+# qkv 11.4 -> 10.4 us. Every shape on its swept tile made the step 6.48 ms at batch 1 (bench/NOTES.md); the
+# likeliest cause, not isolated, is gate/up, which runs gated at half a tile's columns. At 17-64 rows `torch._scaled_mm`
+# beat every tile swept at 64 rows (gate_up 52 against 79 us, down 48 against 71), so FP8 layers take it there.
 FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
-    "wide": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3),             # gate_up
-    "vocab": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3),            # lm_head
+    **NARROW_ROW_TILES,
     "tall": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=4),  # qkv
-    "square": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=7),  # o_proj
     "deep": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),  # down
 }
 

@@ -86,8 +86,10 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
             v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + offs_d)
             slot = tl.load(SLOTS + b).to(tl.int64)
             dst = KV + slot * s_kv_slot + kvh * s_kv_head
-            tl.store(dst + offs_g[:, None] * 0 + offs_d[None, :], k_new, mask=one[:, None])
-            tl.store(dst + s_kv_kind + offs_d, v_new)
+            # an e4m3 pool: Triton converts to it from float32 only (exact for a 16-bit pool)
+            tl.store(dst + offs_g[:, None] * 0 + offs_d[None, :], k_new.to(tl.float32).to(KV.dtype.element_ty),
+                     mask=one[:, None])
+            tl.store(dst + s_kv_kind + offs_d, v_new.to(tl.float32).to(KV.dtype.element_ty))
             tl.debug_barrier()  # this program's loads below see them
     else:
         q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
