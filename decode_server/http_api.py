@@ -19,7 +19,6 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +27,16 @@ import grpc
 from aiohttp import web
 
 from decode_server.core import DecodeCore, Generation
+from decode_server.http_request import (
+    HEADER_TIMEOUT_S,
+    PARSE_IN_THREAD_BYTES,
+    ApiError,
+    ClientErrorLog,
+    openai_errors,
+    parse_json,
+    read_body,
+    request_id_header,
+)
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
 from decode_server.sequence import Rejected
@@ -37,45 +46,10 @@ from serving.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# gRPC's ending -> (HTTP status, OpenAI error type)
-STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-SERVER_ERROR = (500, "server_error")
 FINISH_REASON = {"length": "length", "eos": "stop", "stop": "stop"}  # ours -> OpenAI's
-PARSE_IN_THREAD_BYTES = 1 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
-
-
-class ApiError(Exception):
-    """A request's ending as OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, kind: str, code: str, param: str | None = None,
-                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
-        self.grpc_code = grpc_code  # how the request log and metrics count it, as for gRPC
-
-    @classmethod
-    def from_status(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
-        status, kind = STATUS.get(code, SERVER_ERROR)
-        return cls(status, message, kind, code.name.lower(), param, code)
-
-    @classmethod
-    def internal(cls, message: str) -> ApiError:
-        return cls(SERVER_ERROR[0], message, SERVER_ERROR[1], "internal", None, grpc.StatusCode.INTERNAL)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
 
 
 class ChunkFormat:
@@ -111,9 +85,12 @@ class Answer:
 
 
 class OpenAIApi:
-    def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float) -> None:
+    def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float,
+                 ignore_unknown_fields: bool = False) -> None:
         self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
         self.model_name, self.max_model_len, self.timeout_s = model_name, parser.max_model_len, timeout_s
+        self.ignore_unknown_fields = ignore_unknown_fields
+        self.refusals = ClientErrorLog()
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
 
@@ -128,9 +105,12 @@ class OpenAIApi:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
         """Listen on host:port; a port in use is one StartupError line."""
-        # after the drain, what is left is cancelled within a second (as gRPC's server.stop grace)
+        # after the drain, what is left is cancelled within a second (as gRPC's server.stop grace); a
+        # connection whose headers have not all come within HEADER_TIMEOUT_S of its opening (or of its
+        # last answer) is closed, so a client that trickles them in can't hold it
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=FATAL_GRACE_S)
+                                     shutdown_timeout=FATAL_GRACE_S, keepalive_timeout=HEADER_TIMEOUT_S,
+                                     auto_decompress=False)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
@@ -166,11 +146,14 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.timeout_s if self.timeout_s else None
-        request_id = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
+            request_id = request_id_header(request) or request_id
             api, generation = await self._accept(request, chat, request_id, arrival)
         except ApiError as e:
             self.core.log_rejected(request_id, e.grpc_code, arrival)
+            if e.status < 500:
+                self.refusals.refused(request_id, e)
             return e.response()
         reply = Reply(request, api, ChunkFormat(request_id, chat, int(time.time()), self.model_name), self.tokenizer)
         status = "OK"
@@ -202,7 +185,7 @@ class OpenAIApi:
         """Read, check and accept a request; every refusal is an ApiError."""
         try:
             self.core.check_open()
-            api = read_request(await read_json(request), chat, request_id)
+            api = await self._read(request, chat, request_id)
             if api.model is not None and api.model != self.model_name:
                 raise ApiError(404, f"the model {api.model!r} does not exist; this server serves "
                                     f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
@@ -222,6 +205,19 @@ class OpenAIApi:
             log.exception("request %s: reading the request failed", request_id)
             raise ApiError.internal(f"reading the request failed: {type(e).__name__}: {e}") from e
 
+    async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
+        """The body into an ApiRequest; a large one is parsed and checked off the event loop."""
+        raw = await read_body(request)
+
+        def parse() -> tuple[ApiRequest, list[str]]:
+            return read_request(parse_json(raw), chat, request_id, self.max_model_len, self.ignore_unknown_fields)
+
+        api, unknown = await asyncio.to_thread(parse) if len(raw) > PARSE_IN_THREAD_BYTES else parse()
+        if unknown:
+            self.refusals.warn(request_id, f"took it without the unknown fields {', '.join(map(repr, unknown))} "
+                                           "(--ignore-unknown-fields)")
+        return api
+
     async def _render(self, messages: list[dict[str, str]]) -> str:
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
@@ -231,7 +227,7 @@ class OpenAIApi:
             raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
                                  f"{self.max_model_len} tokens", "messages")
         try:
-            if chars > TOKENIZE_IN_THREAD_CHARS:
+            if chars > TOKENIZE_IN_THREAD_CHARS or len(messages) > RENDER_IN_THREAD_MESSAGES:
                 return await asyncio.to_thread(self.tokenizer.render_chat, messages)
             return self.tokenizer.render_chat(messages)
         except ChatTemplateError as e:
@@ -315,36 +311,3 @@ class Reply:
         except ConnectionError:
             pass  # the client is gone too; there is no one left to tell
         return self.stream
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON: 413 past the size limit (told by Content-Length before reading, else found
-    while reading), 400 when it is not JSON."""
-    too_large = ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
-                         "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    if (request.content_length or 0) > MAX_REQUEST_BYTES:
-        raise too_large
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise too_large from e
-    try:
-        if len(raw) > PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(json.loads, raw)
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
-                       "invalid_json") from e
-
-
-@web.middleware
-async def openai_errors(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """aiohttp's own refusals (unknown path, wrong method) in OpenAI's error body too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
-                        e.reason.lower().replace(" ", "_")).response()

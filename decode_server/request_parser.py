@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.token_ids import TokenIds, token_ids
 from serving.validation import InvalidRequest, check_lengths, check_max_new_tokens, check_token_ids
@@ -35,7 +35,7 @@ class RequestFields:
     temperature: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None          # None: a random seed (the proto's 0 is read as None)
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
@@ -51,7 +51,7 @@ class FieldNames:
     prompt: str = "prompt"
     token_ids: str = "token_ids"
     max_new_tokens: str = "max_new_tokens"
-    sampling: str = "sampling"
+    sampling: str = "sampling"       # the sampling fields' parent ("" where they stand alone)
     stop_token_ids: str = "stop_token_ids"
     prefill_mode: str = "prefill_mode"
     chunk_size: str = "chunk_size"
@@ -98,10 +98,12 @@ class RequestParser:
             if not 0 <= token < vocab:
                 raise InvalidRequest(f"{names.stop_token_ids}[{position}] = {token} is outside the vocabulary "
                                      f"[0, {vocab})", names.stop_token_ids)
+        seed = f.seed if f.seed is not None else random.getrandbits(62)
         try:
-            params = SamplingParams(f.temperature, f.top_p, f.top_k, f.seed or random.getrandbits(62))
-        except ValueError as e:
-            raise InvalidRequest(f"bad {names.sampling} parameters: {e}", names.sampling) from e
+            params = SamplingParams(f.temperature, f.top_p, f.top_k, seed)
+        except SamplingError as e:
+            param = f"{names.sampling}.{e.field}" if names.sampling else e.field
+            raise InvalidRequest(f"bad sampling parameters: {e}", param) from e
         mode = PrefillMode.from_number(f.prefill_mode) if f.prefill_mode else self.cfg.default_mode
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "

@@ -39,8 +39,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     def _fields(request: decode_pb2.GenerateRequest, request_id: str) -> RequestFields:
         s = request.sampling
         return RequestFields(request_id, request.token_ids, request.prompt, True, request.max_new_tokens,
-                             s.temperature, s.top_p, s.top_k, s.seed, request.stop_token_ids, request.ignore_eos,
-                             request.prefill_mode, request.chunk_size, request.prefill_sms)
+                             s.temperature, s.top_p, s.top_k, s.seed or None, request.stop_token_ids,
+                             request.ignore_eos, request.prefill_mode, request.chunk_size, request.prefill_sms)
 
     # --- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request: decode_pb2.GenerateRequest | bytes,  # type: ignore[override]
