@@ -33,7 +33,7 @@ from decode_server.http_request import (
     ApiError,
     ClientErrorLog,
     openai_errors,
-    parse_json,
+    parse_body,
     read_body,
     request_id_header,
 )
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 FINISH_REASON = {"length": "length", "eos": "stop", "stop": "stop"}  # ours -> OpenAI's
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
+# A request that fits the context holds at most about this many JSON values: a token id each, or a
+# message (an object and two strings) each, beside its other fields.
+MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 3, 4096
 RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
 
 
@@ -208,11 +211,12 @@ class OpenAIApi:
     async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
         """The body into an ApiRequest; a large one is parsed and checked off the event loop."""
         raw = await read_body(request)
+        data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
 
-        def parse() -> tuple[ApiRequest, list[str]]:
-            return read_request(parse_json(raw), chat, request_id, self.max_model_len, self.ignore_unknown_fields)
+        def read() -> tuple[ApiRequest, list[str]]:
+            return read_request(data, chat, request_id, self.max_model_len, self.ignore_unknown_fields)
 
-        api, unknown = await asyncio.to_thread(parse) if len(raw) > PARSE_IN_THREAD_BYTES else parse()
+        api, unknown = await asyncio.to_thread(read) if len(raw) > PARSE_IN_THREAD_BYTES else read()
         if unknown:
             self.refusals.warn(request_id, f"took it without the unknown fields {', '.join(map(repr, unknown))} "
                                            "(--ignore-unknown-fields)")

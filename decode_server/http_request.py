@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -33,6 +34,28 @@ STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 SERVER_ERROR = (500, "server_error")
 PARSE_IN_THREAD_BYTES = 64 << 10   # bodies past this are decompressed and parsed off the event loop
+GATE_BYTES = 256 << 10             # ... and past this first counted in a separate process (see parse_body)
+GATES_AT_ONCE = 2
+# Run as `python -I -S -c GATE max_values` with the body on stdin: prints {"values": n} (counting
+# stops past max_values) or {"error": why it is not JSON}. Only json is imported, so it starts fast.
+GATE = """
+import json, sys
+limit = int(sys.argv[1])
+try:
+    data = json.loads(sys.stdin.buffer.read())
+except (ValueError, RecursionError) as e:
+    print(json.dumps({"error": str(e)}))
+    raise SystemExit
+n, todo = 0, [data]
+while todo and n <= limit:
+    x = todo.pop()
+    n += 1
+    if isinstance(x, list):
+        todo.extend(x)
+    elif isinstance(x, dict):
+        todo.extend(x.values())
+print(json.dumps({"values": n}))
+"""
 BODY_TIMEOUT_S = 20.0              # the whole body must arrive within this after the headers
 HEADER_TIMEOUT_S = 15.0            # ... and the headers within this of the connection opening (or going idle)
 MAX_REQUEST_ID_BYTES = 256
@@ -123,6 +146,37 @@ def inflate(raw: bytes, wbits: int, encoding: str) -> bytes:
     if not stream.eof:
         raise ApiError.bad_body(f"the request body's {encoding} stream is cut short", "invalid_encoding")
     return body
+
+
+_gates = asyncio.Semaphore(GATES_AT_ONCE)
+
+
+async def parse_body(raw: bytes, max_values: int) -> Any:
+    """The body as JSON. Parsing holds the GIL throughout (the json module's C scanner), so a body of
+    millions of small values, parsed in a thread of this process, would freeze every stream for
+    seconds. A large body is therefore parsed first in a short-lived process that only counts its
+    values: past `max_values` (more than any request that fits the context holds) it is refused
+    unparsed here, and what is left parses in a thread in a bounded time."""
+    if len(raw) <= PARSE_IN_THREAD_BYTES:
+        return parse_json(raw)
+    if len(raw) > GATE_BYTES:
+        async with _gates:
+            gate = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-c", GATE, str(max_values), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            try:
+                out, _ = await gate.communicate(raw)
+            finally:
+                if gate.returncode is None:  # cancelled: the client went away
+                    gate.kill()
+                    await gate.wait()
+        verdict = json.loads(out or b'{"error": "the JSON check failed"}')
+        if "error" in verdict:
+            raise ApiError.bad_body(f"the request body is not valid JSON: {verdict['error']}", "invalid_json")
+        if verdict["values"] > max_values:
+            raise ApiError.bad_body(f"the request body holds more than {max_values} JSON values; no request that "
+                                    "fits this server's context limit needs that many", "request_too_complex")
+    return await asyncio.to_thread(parse_json, raw)
 
 
 def parse_json(raw: bytes) -> Any:
