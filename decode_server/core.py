@@ -50,6 +50,7 @@ class Request:
     chunk_size: int
     arrival: float  # perf_counter when it came in
     prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
+    logprobs: int | None = None  # log probabilities of its tokens and this many alternatives; None: none
 
 
 class Generation:
@@ -134,7 +135,8 @@ class DecodeCore:
         self.in_flight.add(request.request_id)
         seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
-                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms)
+                       request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
+                       logprobs=request.logprobs)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:

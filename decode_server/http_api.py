@@ -37,6 +37,7 @@ from decode_server.http_request import (
     read_body,
     request_id_header,
 )
+from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
 from decode_server.sequence import Rejected
@@ -67,12 +68,16 @@ class ChunkFormat:
         choice = common + '"choices":[{"index":0,'
         self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
         self.head = choice + ('"delta":{"content":' if chat else '"text":')
-        close = "}" if chat else ""
-        self.tails = {reason: f'{close},"logprobs":null,"finish_reason":{json.dumps(reason)}}}]}}\n\n'
-                      for reason in (None, "stop", "length")}
+        self.close = "}" if chat else ""
+        self.finish = {reason: f',"finish_reason":{json.dumps(reason)}}}]}}\n\n' for reason in (None, "stop", "length")}
+        self.tails = {reason: f'{self.close},"logprobs":null{finish}' for reason, finish in self.finish.items()}
 
-    def token(self, text: str, finish_reason: str | None, first: bool) -> bytes:
-        return ((self.first if first else self.head) + json.dumps(text) + self.tails[finish_reason]).encode()
+    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None) -> bytes:
+        """One token's event; `logprobs`: its log probabilities' JSON, when the request asked."""
+        head = (self.first if first else self.head) + json.dumps(text)
+        if logprobs is None:
+            return (head + self.tails[finish_reason]).encode()
+        return (head + self.close + ',"logprobs":' + logprobs + self.finish[finish_reason]).encode()
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
@@ -85,6 +90,7 @@ class Answer:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
+    chars: int = 0  # of text produced so far, streamed or not
 
 
 class OpenAIApi:
@@ -249,6 +255,7 @@ class Reply:
         self.stops = StopMatcher(api.stop) if api.stop else None
         self.stream: web.StreamResponse | None = None
         self.prompt_tokens = 0
+        self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
 
     async def run(self, generation: Generation) -> web.StreamResponse:
         answer = Answer()
@@ -264,8 +271,12 @@ class Reply:
                         finish = "stop"
                     elif finish:
                         piece += self.stops.flush()
+                logprobs = None
+                if self.logprobs is not None and out.logprobs is not None:
+                    logprobs = self.logprobs.add(out.token_id, out.logprobs, answer.chars)
+                answer.chars += len(piece)
                 if self.api.stream:
-                    await self._send(piece, finish)
+                    await self._send(piece, finish, logprobs)
                 else:
                     answer.text += piece
                 if finish:
@@ -278,10 +289,10 @@ class Reply:
         await self.stream.prepare(self.request)
         return self.stream
 
-    async def _send(self, piece: str, finish: str | None) -> None:
+    async def _send(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> None:
         first = self.stream is None
         stream = await self._open() if self.stream is None else self.stream
-        await stream.write(self.fmt.token(piece, finish, first))
+        await stream.write(self.fmt.token(piece, finish, first, None if logprobs is None else json.dumps(logprobs)))
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -295,7 +306,8 @@ class Reply:
             await self.stream.write(DONE)
             await self.stream.write_eof()
             return self.stream
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs.whole() if self.logprobs is not None else None,
+                                  "finish_reason": answer.finish_reason}
         if self.api.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:

@@ -15,6 +15,7 @@ from typing import Any
 
 from decode_server.config import PrefillMode
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
+from engine.logprobs import MAX_TOP_LOGPROBS
 from serving.validation import InvalidRequest
 
 OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids="prompt",
@@ -34,11 +35,12 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt"})
-HONOURED_BY = {False: HONOURED | {"prompt"}, True: HONOURED | {"messages", "max_completion_tokens"}}
+HONOURED_BY = {False: HONOURED | {"prompt", "logprobs"},
+               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "top_logprobs": (0,), "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
+    "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,),
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
@@ -49,7 +51,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "store": (False,), "metadata": (),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "service_tier": ("auto",),
-    "web_search_options": (), "verbosity": (), "logprobs": (False,)}
+    "web_search_options": (), "verbosity": ()}
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def check_fields(body: Body, chat: bool, ignore_unknown: bool) -> list[str]:
             if value is not None and not body.data.get("tools"):
                 raise InvalidRequest("tool_choice is only allowed when tools are given", "tool_choice")
             continue  # tools themselves are refused as not implemented
-        if name in NOT_IMPLEMENTED:  # completions' logprobs=0 asks for the sampled token's: not false
+        if name in NOT_IMPLEMENTED:
             if not _asks_nothing(value, NOT_IMPLEMENTED[name]):
                 raise InvalidRequest(f"{name} is not supported by this server; leave it out", name)
             continue
@@ -184,8 +186,25 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         temperature=body.float32("temperature", 1.0), top_p=top_p, top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
-        prefill_sms=body.integer("prefill_sms", 0, *INT32))
+        prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop), unknown
+
+
+def _logprobs(body: Body, chat: bool) -> int | None:
+    """How many alternatives to each token's log probability; None: no log probabilities. Completions'
+    `logprobs: 0` asks for the sampled token's alone; chat's `logprobs: true` with `top_logprobs`."""
+    if not chat:
+        value = body.get("logprobs", int, "an integer")
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}", "logprobs")
+        return value if value is None else int(value)
+    wanted = body.flag("logprobs")
+    top = body.get("top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _top_k(value: int) -> int:

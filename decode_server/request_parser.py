@@ -21,6 +21,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per context token can't fit
 TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event loop
+LOGPROB_MODES = (PrefillMode.COLOCATED, PrefillMode.CHUNKED, PrefillMode.LAYERED)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RequestFields:
     prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
     chunk_size: int = 0
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
+    logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class FieldNames:
     prefill_mode: str = "prefill_mode"
     chunk_size: str = "chunk_size"
     prefill_sms: str = "prefill_sms"
+    logprobs: str = "logprobs"
 
 
 GRPC_NAMES = FieldNames()
@@ -108,6 +111,12 @@ class RequestParser:
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
+        if f.logprobs is not None and mode not in LOGPROB_MODES:
+            # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
+            if f.prefill_mode:
+                raise InvalidRequest(f"{names.logprobs} needs the prompt prefilled on this server: use "
+                                     f"{names.prefill_mode} colocated, chunked or layered", names.prefill_mode)
+            mode = PrefillMode.COLOCATED
         problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
         if problem:
             raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
@@ -119,7 +128,7 @@ class RequestParser:
             if problem:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
-                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms)
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.logprobs)
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

@@ -35,6 +35,7 @@ from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
+from engine.logprobs import StepLogprobs, TokenLogprobs
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
 from engine.warmup import WarmUp
@@ -66,6 +67,7 @@ class _StepInFlight:
     started: float
     rows: dict[int, int] = field(init=False)                     # id(seq) -> row
     release_after: list[Sequence] = field(default_factory=list)  # blocks it still writes: freed once it is done
+    logprobs: StepLogprobs | None = None                         # of the rows that asked for them
 
     def __post_init__(self) -> None:
         self.rows = {id(s): i for i, s in enumerate(self.seqs)}
@@ -265,10 +267,11 @@ class BatchScheduler:
             now = time.perf_counter()  # its KV is in the pool: the handoff completed before submit
             self._prompt_done(seq, arrival.first_token, now - seq.timing.admitted, now)
 
-    def _append(self, seq: Sequence, token: int, step_s: float, now: float) -> bool:
+    def _append(self, seq: Sequence, token: int, step_s: float, now: float,
+                logprobs: TokenLogprobs | None = None) -> bool:
         """Record a token and send it; True (and the sequence's blocks given back) if it was the last.
         A finished sequence's blocks stay cached with its answer in them: a chat's next turn re-sends it."""
-        seq.out.add(seq.append(token, step_s, now))
+        seq.out.add(seq.append(token, step_s, now, logprobs))
         self._woken.append(seq.out)
         if seq.finish_reason:
             if self.admission.cache.enabled:
@@ -287,11 +290,12 @@ class BatchScheduler:
         else:
             self.admission.release(seq)
 
-    def _prompt_done(self, seq: Sequence, token: int, step_s: float, now: float) -> None:
+    def _prompt_done(self, seq: Sequence, token: int, step_s: float, now: float,
+                     logprobs: TokenLogprobs | None = None) -> None:
         """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve
         others, and its first token goes out; then it waits for a batch slot, unless that token was its last."""
         self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt))
-        if not self._append(seq, token, step_s, now):
+        if not self._append(seq, token, step_s, now, logprobs):
             self.ready.append(seq)
 
     def _drop_cancelled(self) -> None:
@@ -398,13 +402,15 @@ class BatchScheduler:
     def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it."""
-        token = self._tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        sampled = sample(logits[None], [seq.params], [0])
+        logprobs = StepLogprobs.queue(logits[None], sampled, [seq.logprobs])
+        token = self._tokens.read(sampled)[0]
         now = time.perf_counter()
         elapsed = now - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        self._prompt_done(seq, token, elapsed, now)
+        self._prompt_done(seq, token, elapsed, now, logprobs.read(1)[0] if logprobs is not None else None)
 
     def _decode_step(self) -> None:
         """One decode step for the running sequences. Overlapped: the step is queued before the
@@ -438,10 +444,11 @@ class BatchScheduler:
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
         tokens = sample(logits, [s.params for s in seqs], indices, greedy)
+        logprobs = StepLogprobs.queue(logits, tokens, [s.logprobs for s in seqs])
         self._launched += 1
         reader = self._step_readers[self._launched % 2]  # the other may hold the step in flight
         reader.start(tokens)
-        return _StepInFlight(seqs, tokens, reader, t0)
+        return _StepInFlight(seqs, tokens, reader, t0, logprobs=logprobs)
 
     def _read_step(self, step: _StepInFlight) -> None:
         """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it
@@ -457,7 +464,8 @@ class BatchScheduler:
         for seq in step.release_after:
             self.admission.release(seq)
         live = {id(s) for s in self.running}
-        finished = {id(seq) for seq, token in zip(step.seqs, tokens, strict=True)
-                    if id(seq) in live and self._append(seq, token, elapsed, now)}
+        logprobs = step.logprobs.read(len(tokens)) if step.logprobs is not None else [None] * len(tokens)
+        finished = {id(seq) for seq, token, lp in zip(step.seqs, tokens, logprobs, strict=True)
+                    if id(seq) in live and self._append(seq, token, elapsed, now, lp)}
         if finished:
             self.running = [s for s in self.running if id(s) not in finished]

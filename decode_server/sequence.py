@@ -12,6 +12,7 @@ import numpy as np
 
 from decode_server.config import PrefillMode
 from decode_server.timing import Timing
+from engine.logprobs import TokenLogprobs
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
 from serving.token_ids import TokenIds, as_array
@@ -27,6 +28,7 @@ class TokenOutput:
     index: int
     finish_reason: str  # "" until the last token
     step_s: float       # the step (prefill or decode) that produced it
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 Output = TokenOutput | Rejected
@@ -82,6 +84,7 @@ class Sequence:
     out: RequestOutput = field(default_factory=RequestOutput)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
+    logprobs: int | None = None    # log probabilities of its tokens and this many alternatives; None: none
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""
@@ -96,7 +99,7 @@ class Sequence:
     def total_tokens(self) -> int:
         return len(self.prompt) + self.max_new_tokens
 
-    def append(self, token: int, step_s: float, now: float) -> TokenOutput:
+    def append(self, token: int, step_s: float, now: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
         self.tokens.append(token)
         if len(self.tokens) == 1:
@@ -107,4 +110,4 @@ class Sequence:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        return TokenOutput(token, len(self.tokens) - 1, self.finish_reason, step_s)
+        return TokenOutput(token, len(self.tokens) - 1, self.finish_reason, step_s, logprobs)

@@ -43,7 +43,7 @@ def completion(**fields: Any) -> bytes:
 
 # --- every field honoured or refused --------------------------------------------------------------
 NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/completions", {"logprobs": 0}), ("/v1/completions", {"echo": True}),
+    ("/v1/completions", {"echo": True}),
     ("/v1/completions", {"repetition_penalty": 1.1}), ("/v1/completions", {"min_p": 0.1}),
     ("/v1/completions", {"min_tokens": 2}), ("/v1/completions", {"guided_json": {"type": "object"}}),
     ("/v1/completions", {"guided_regex": "a+"}), ("/v1/completions", {"guided_choice": ["a", "b"]}),
@@ -51,7 +51,7 @@ NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"allowed_token_ids": [1, 2]}), ("/v1/completions", {"prompt_logprobs": 1}),
     ("/v1/completions", {"include_stop_str_in_output": True}), ("/v1/completions", {"skip_special_tokens": False}),
     ("/v1/completions", {"truncate_prompt_tokens": 4}), ("/v1/completions", {"frequency_penalty": 0.5}),
-    ("/v1/completions", {"logit_bias": {"5": 10}}), ("/v1/chat/completions", {"logprobs": True}),
+    ("/v1/completions", {"logit_bias": {"5": 10}}),
     ("/v1/chat/completions", {"add_generation_prompt": False}),
     ("/v1/chat/completions", {"continue_final_message": True}), ("/v1/chat/completions", {"chat_template": "x"}),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
