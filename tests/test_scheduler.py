@@ -88,7 +88,8 @@ def test_a_remote_first_token_is_appended_on_the_scheduler_thread(runner: ModelR
         threads: list[str] = []
         append = seq.append
 
-        def recording_append(token: int, step_s: float, now: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
+        def recording_append(token: int, step_s: float, now: float,
+                             logprobs: TokenLogprobs | None = None) -> TokenOutput:
             threads.append(threading.current_thread().name)
             return append(token, step_s, now, logprobs)
 
