@@ -51,6 +51,7 @@ class Request:
     arrival: float  # perf_counter when it came in
     prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
     logprobs: int | None = None  # log probabilities of its tokens and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # ... and of its prompt's tokens
 
 
 class Generation:
@@ -136,7 +137,7 @@ class DecodeCore:
         seq = Sequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
                        request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
-                       logprobs=request.logprobs)
+                       logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:

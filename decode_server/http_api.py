@@ -43,6 +43,7 @@ from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
 from serving.grpc_common import FATAL_GRACE_S, MAX_REQUEST_BYTES, StartupError
+from serving.token_ids import TokenIds, as_array
 from serving.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,7 @@ class Reply:
 
     def __init__(self, request: web.Request, api: ApiRequest, fmt: ChunkFormat, tokenizer: Tokenizer | None) -> None:
         self.request, self.api, self.fmt = request, api, fmt
+        self.tokenizer = tokenizer
         self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(api.stop) if api.stop else None
         self.stream: web.StreamResponse | None = None
@@ -259,9 +261,15 @@ class Reply:
 
     async def run(self, generation: Generation) -> web.StreamResponse:
         answer = Answer()
-        self.prompt_tokens = len(generation.seq.prompt)
+        seq = generation.seq
+        self.prompt_tokens = len(seq.prompt)
         async with aclosing(generation.tokens()) as tokens:
             async for out in tokens:
+                if self.api.echo and out.index == 0:  # the prompt's log probabilities are in by its first token
+                    answer.text = self._prompt_text(seq.prompt)
+                    answer.chars = len(answer.text)
+                    if self.logprobs is not None:
+                        self.logprobs.add_prompt(as_array(seq.prompt).tolist(), seq.prompt_logprob_values)
                 piece = self.detok.step(out.token_id) if self.detok is not None else ""
                 answer.tokens += 1
                 finish = FINISH_REASON.get(out.finish_reason)
@@ -283,6 +291,11 @@ class Reply:
                     answer.finish_reason = finish
                     break
         return await self._close(answer)
+
+    def _prompt_text(self, prompt: TokenIds) -> str:
+        if self.api.fields.prompt:
+            return self.api.fields.prompt
+        return self.tokenizer.decode(as_array(prompt).tolist()) if self.tokenizer is not None else ""
 
     async def _open(self) -> web.StreamResponse:
         self.stream = web.StreamResponse(headers=SSE_HEADERS)

@@ -40,6 +40,17 @@ class LogprobFormat:
         self.entries.append(entry)
         return self._completions([entry])
 
+    def add_prompt(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+        """A completion's echoed prompt: its first token has no log probability (nothing precedes it)."""
+        offset = 0
+        for n, token_id in enumerate(token_ids):
+            token = self.text(token_id)
+            if n == 0:
+                self.entries.append({"token": token, "logprob": None, "top": None, "offset": 0})
+            else:
+                self.add(token_id, logprobs[n - 1], offset)
+            offset += len(token)
+
     def whole(self) -> dict[str, Any]:
         """The answer's log probabilities, as a non-streamed choice's `logprobs`."""
         return {"content": self.entries} if self.chat else self._completions(self.entries)

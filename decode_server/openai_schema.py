@@ -35,7 +35,7 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt"})
-HONOURED_BY = {False: HONOURED | {"prompt", "logprobs"},
+HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
@@ -63,6 +63,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
+    echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -187,7 +188,11 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat))
-    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop), unknown
+    echo = not chat and body.flag("echo")
+    if echo and stream:
+        raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
+    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None)
+    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo), unknown
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:

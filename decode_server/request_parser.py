@@ -43,6 +43,7 @@ class RequestFields:
     chunk_size: int = 0
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
+    prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,11 @@ class RequestParser:
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
+        if f.prompt_logprobs and mode == PrefillMode.LAYERED:
+            if f.prefill_mode:  # its slices yield the last token's logits alone
+                raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
+                                     "chunked", names.prefill_mode)
+            mode = PrefillMode.COLOCATED
         if f.logprobs is not None and mode not in LOGPROB_MODES:
             # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
             if f.prefill_mode:
@@ -128,7 +134,8 @@ class RequestParser:
             if problem:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
-                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.logprobs)
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.logprobs,
+                       f.logprobs if f.prompt_logprobs else None)
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

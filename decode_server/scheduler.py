@@ -337,7 +337,9 @@ class BatchScheduler:
         piece = as_array(seq.prompt)[start:start + size]
         t0 = time.perf_counter()
         try:
-            logits = self.runner.prefill(piece, seq.block_table, start)
+            logits = self.runner.prefill(piece, seq.block_table, start, every_token=seq.prompt_logprobs is not None)
+            if seq.prompt_logprobs is not None:
+                logits = self._prompt_logprobs(seq, logits, start)
         except Exception as e:
             self._prefill_failed(seq, e)
             return
@@ -398,6 +400,19 @@ class BatchScheduler:
             seq.out.add(Rejected(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
         self._woken.append(seq.out)
         self.admission.release(seq)
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """A piece's every-token logits [T, V]: the log probabilities of the prompt tokens they
+        predict go to seq; the last row's logits [V] are returned."""
+        prompt = as_array(seq.prompt)
+        targets = prompt[start + 1:start + len(logits) + 1]  # the last piece's last row predicts the answer
+        if len(targets):
+            rows = logits[:len(targets)]
+            queued = StepLogprobs.queue(rows, torch.as_tensor(targets, device=rows.device),
+                                        [seq.prompt_logprobs] * len(targets))
+            assert queued is not None
+            seq.prompt_logprob_values.extend(lp for lp in queued.read(len(targets)) if lp is not None)
+        return logits[-1]
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq

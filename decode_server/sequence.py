@@ -85,6 +85,8 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
     logprobs: int | None = None    # log probabilities of its tokens and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # ... of its prompt's tokens too (after the first), filled by its prefill
+    prompt_logprob_values: list[TokenLogprobs] = field(default_factory=list)
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""

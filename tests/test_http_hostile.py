@@ -43,7 +43,7 @@ def completion(**fields: Any) -> bytes:
 
 # --- every field honoured or refused --------------------------------------------------------------
 NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/completions", {"echo": True}),
+    ("/v1/chat/completions", {"echo": True}),
     ("/v1/completions", {"repetition_penalty": 1.1}), ("/v1/completions", {"min_p": 0.1}),
     ("/v1/completions", {"min_tokens": 2}), ("/v1/completions", {"guided_json": {"type": "object"}}),
     ("/v1/completions", {"guided_regex": "a+"}), ("/v1/completions", {"guided_choice": ["a", "b"]}),

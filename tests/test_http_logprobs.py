@@ -91,3 +91,26 @@ def test_logprob_fields_checked(http_server: HttpServer) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
                                   extra_body={"prefill_mode": "disaggregated"})
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "prefill_mode"
+
+
+@pytest.mark.parametrize("mode", ["colocated", "chunked"])
+def test_echo_scores_the_prompt_as_the_model_does(http_server: HttpServer, mode: str) -> None:
+    """lm-eval-harness' loglikelihood request: echo, logprobs, one token. Sent twice, so the second
+    finds the prompt in the prefix cache, whose blocks would have no logits to give."""
+    ids = prompt(40, salt=13)
+    reference = reference_logprobs(ids[:1], ids[1:])
+    for _ in range(2):
+        got = http_server.client().completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0,
+                                                      logprobs=1, echo=True,
+                                                      extra_body={"prefill_mode": mode, "chunk_size": 16})
+        lp = got.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert len(lp.token_logprobs) == 41 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i, token in enumerate(ids[1:]):
+            assert lp.token_logprobs[i + 1] == pytest.approx(float(reference[i][token]), abs=1e-3), i
+        assert got.usage is not None and got.usage.prompt_tokens == 40
+    plain = http_server.client().completions.create(model=MODEL, prompt="Once upon", max_tokens=3, echo=True)
+    assert plain.choices[0].text.startswith("Once upon") and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as caught:
+        http_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True, stream=True)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "echo"
