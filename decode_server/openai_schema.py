@@ -16,6 +16,7 @@ from typing import Any
 from decode_server.config import PrefillMode
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
+from engine.penalties import Penalties
 from serving.validation import InvalidRequest
 
 OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids="prompt",
@@ -28,22 +29,23 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
 MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
 TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary check comes later
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
 # `cache_salt` belongs to the prefix cache).
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
-                      "cache_salt"})
+                      "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                      "min_p", "min_tokens"})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (True, False), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,),
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
+    "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "best_of": (1,), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
     "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
@@ -187,7 +189,8 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         temperature=body.float32("temperature", 1.0), top_p=top_p, top_k=_top_k(body.integer("top_k", 0, *INT32)),
         seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
-        prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat))
+        prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
+        penalties=_penalties(body))
     echo = not chat and body.flag("echo")
     if echo and stream:
         raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
@@ -210,6 +213,32 @@ def _logprobs(body: Body, chat: bool) -> int | None:
     if top and not wanted:
         raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if wanted else None
+
+
+def _penalties(body: Body) -> Penalties | None:
+    """None when every penalty and filter is at its do-nothing value."""
+    def number(name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+        value = body.float32(name, default)
+        if not (low < value if low_open else low <= value) or value > high:
+            raise InvalidRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got "
+                                 f"{body.data[name]}", name)
+        return value
+
+    bias = body.get("logit_bias", dict, "an object of token id: bias") or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or isinstance(value, bool) or not isinstance(value, int | float) \
+                or not -100 <= value <= 100:
+            raise InvalidRequest("logit_bias maps token ids (as strings) to numbers in [-100, 100], got "
+                                 f"{key[:20]!r}: {str(value)[:20]}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    penalties = Penalties(
+        presence=number("presence_penalty", 0.0, -2, 2), frequency=number("frequency_penalty", 0.0, -2, 2),
+        repetition=number("repetition_penalty", 1.0, 0, 2, low_open=True), logit_bias=tuple(sorted(pairs)),
+        min_tokens=body.integer("min_tokens", 0, 0, 2**31), min_p=number("min_p", 0.0, 0, 1))
+    return penalties if penalties.active else None
 
 
 def _top_k(value: int) -> int:

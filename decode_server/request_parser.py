@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
+from engine.penalties import Penalties
 from engine.sampling import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.token_ids import TokenIds, token_ids
@@ -44,6 +45,7 @@ class RequestFields:
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
     prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
+    penalties: Penalties | None = None
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,21 @@ class RequestParser:
                 raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
                                      "chunked", names.prefill_mode)
             mode = PrefillMode.COLOCATED
-        if f.logprobs is not None and mode not in LOGPROB_MODES:
+        if (f.logprobs is not None or f.penalties is not None) and mode not in LOGPROB_MODES:
             # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
             if f.prefill_mode:
-                raise InvalidRequest(f"{names.logprobs} needs the prompt prefilled on this server: use "
+                what = names.logprobs if f.logprobs is not None else "penalties and logit filters"
+                raise InvalidRequest(f"{what} need the prompt prefilled on this server: use "
                                      f"{names.prefill_mode} colocated, chunked or layered", names.prefill_mode)
             mode = PrefillMode.COLOCATED
+        if f.penalties is not None:
+            for token, _ in f.penalties.logit_bias:
+                if not 0 <= token < vocab:
+                    raise InvalidRequest(f"logit_bias names token {token}, outside the vocabulary [0, {vocab})",
+                                         "logit_bias")
+            if f.penalties.min_tokens > max_new:
+                raise InvalidRequest(f"min_tokens ({f.penalties.min_tokens}) is more than max_tokens ({max_new})",
+                                     "min_tokens")
         problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
         if problem:
             raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
@@ -135,7 +146,7 @@ class RequestParser:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
                        f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.logprobs,
-                       f.logprobs if f.prompt_logprobs else None)
+                       f.logprobs if f.prompt_logprobs else None, f.penalties)
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

@@ -33,9 +33,11 @@ from decode_server.admission import Admission
 from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, Sequence
+from engine import penalties
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.logprobs import StepLogprobs, TokenLogprobs
+from engine.penalties import PenaltyState
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
 from engine.warmup import WarmUp
@@ -401,6 +403,14 @@ class BatchScheduler:
         self._woken.append(seq.out)
         self.admission.release(seq)
 
+    def _penalty_states(self, seqs: list[Sequence], vocab: int) -> list[PenaltyState | None]:
+        """Each sequence's penalties on the device (made at its first use), None where it has none."""
+        for seq in seqs:
+            if seq.penalties is not None and seq.penalty_state is None:
+                seq.penalty_state = PenaltyState.create(seq.penalties, torch.as_tensor(as_array(seq.prompt)),
+                                                        sorted(seq.eos_ids | seq.stop_ids), vocab, self.runner.device)
+        return [seq.penalty_state for seq in seqs]
+
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> torch.Tensor:
         """A piece's every-token logits [T, V]: the log probabilities of the prompt tokens they
         predict go to seq; the last row's logits [V] are returned."""
@@ -417,7 +427,10 @@ class BatchScheduler:
     def _first_token(self, seq: Sequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it."""
-        sampled = sample(logits[None], [seq.params], [0])
+        states = self._penalty_states([seq], logits.shape[-1])
+        adjusted, _ = penalties.apply(logits[None], states, [seq.params.temperature], [0])
+        sampled = sample(adjusted, [seq.params], [0])
+        penalties.count(states, sampled)
         logprobs = StepLogprobs.queue(logits[None], sampled, [seq.logprobs])
         token = self._tokens.read(sampled)[0]
         now = time.perf_counter()
@@ -458,7 +471,13 @@ class BatchScheduler:
             batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
-        tokens = sample(logits, [s.params for s in seqs], indices, greedy)
+        states = self._penalty_states(seqs, logits.shape[-1])
+        adjusted, changed = penalties.apply(logits, states, [s.params.temperature for s in seqs], indices)
+        if changed:  # the fused argmax is of the logits before the penalties
+            greedy = greedy.clone()
+            greedy[changed] = adjusted[changed].argmax(dim=-1).to(greedy.dtype)
+        tokens = sample(adjusted, [s.params for s in seqs], indices, greedy)
+        penalties.count(states, tokens)
         logprobs = StepLogprobs.queue(logits, tokens, [s.logprobs for s in seqs])
         self._launched += 1
         reader = self._step_readers[self._launched % 2]  # the other may hold the step in flight

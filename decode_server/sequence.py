@@ -13,6 +13,7 @@ import numpy as np
 from decode_server.config import PrefillMode
 from decode_server.timing import Timing
 from engine.logprobs import TokenLogprobs
+from engine.penalties import Penalties, PenaltyState
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
 from serving.token_ids import TokenIds, as_array
@@ -87,6 +88,8 @@ class Sequence:
     logprobs: int | None = None    # log probabilities of its tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... of its prompt's tokens too (after the first), filled by its prefill
     prompt_logprob_values: list[TokenLogprobs] = field(default_factory=list)
+    penalties: Penalties | None = None
+    penalty_state: PenaltyState | None = None  # on the device, made by the engine's thread
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""
