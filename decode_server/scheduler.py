@@ -36,7 +36,7 @@ from decode_server.sequence import Rejected, RequestOutput, Sequence
 from engine import penalties
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
-from engine.logprobs import StepLogprobs, TokenLogprobs
+from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
 from engine.penalties import PenaltyState
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
@@ -407,7 +407,7 @@ class BatchScheduler:
         """Each sequence's penalties on the device (made at its first use), None where it has none."""
         for seq in seqs:
             if seq.penalties is not None and seq.penalty_state is None:
-                seq.penalty_state = PenaltyState.create(seq.penalties, torch.as_tensor(as_array(seq.prompt)),
+                seq.penalty_state = PenaltyState.create(seq.penalties, as_array(seq.prompt),
                                                         sorted(seq.eos_ids | seq.stop_ids), vocab, self.runner.device)
         return [seq.penalty_state for seq in seqs]
 
@@ -418,7 +418,7 @@ class BatchScheduler:
         targets = prompt[start + 1:start + len(logits) + 1]  # the last piece's last row predicts the answer
         if len(targets):
             rows = logits[:len(targets)]
-            queued = StepLogprobs.queue(rows, torch.as_tensor(targets, device=rows.device),
+            queued = StepLogprobs.queue(rows, device_tensor(targets, torch.long, rows.device),
                                         [seq.prompt_logprobs] * len(targets))
             assert queued is not None
             seq.prompt_logprob_values.extend(lp for lp in queued.read(len(targets)) if lp is not None)
@@ -474,8 +474,9 @@ class BatchScheduler:
         states = self._penalty_states(seqs, logits.shape[-1])
         adjusted, changed = penalties.apply(logits, states, [s.params.temperature for s in seqs], indices)
         if changed:  # the fused argmax is of the logits before the penalties
+            penalised = device_tensor(changed, torch.long, greedy.device)
             greedy = greedy.clone()
-            greedy[changed] = adjusted[changed].argmax(dim=-1).to(greedy.dtype)
+            greedy[penalised] = adjusted.index_select(0, penalised).argmax(dim=-1).to(greedy.dtype)
         tokens = sample(adjusted, [s.params for s in seqs], indices, greedy)
         penalties.count(states, tokens)
         logprobs = StepLogprobs.queue(logits, tokens, [s.logprobs for s in seqs])

@@ -4,11 +4,22 @@ as vLLM returns them by default. A step where no row asks computes nothing here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def device_tensor(values: Sequence[float] | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on the device without waiting for it: a copy from pageable memory would first wait
+    for the stream (the step in flight); from pinned memory it is queued behind it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class StepLogprobs:
         if not rows:
             return None
         tops = [asked[i] or 0 for i in rows]
-        index = torch.tensor(rows, device=logits.device)
+        index = device_tensor(rows, torch.long, logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         chosen = logprobs.gather(1, tokens.index_select(0, index).long()[:, None])[:, 0]
         top_values, top_ids = logprobs.topk(max(1, max(tops)), dim=-1)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.logprobs import device_tensor
 from engine.sampling import GREEDY_BELOW_TEMPERATURE
 
 
@@ -42,18 +44,18 @@ class PenaltyState:
     ban: torch.Tensor
 
     @classmethod
-    def create(cls, penalties: Penalties, prompt: torch.Tensor, end_ids: list[int], vocab: int,
+    def create(cls, penalties: Penalties, prompt: np.ndarray, end_ids: list[int], vocab: int,
                device: torch.device) -> PenaltyState:
         counts = torch.zeros(vocab, device=device)
         in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-        in_prompt[prompt.to(device)] = True
+        in_prompt[device_tensor(prompt, torch.long, device)] = True
         bias = torch.zeros(vocab, device=device)
         if penalties.logit_bias:
             ids, values = zip(*penalties.logit_bias, strict=True)
-            bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+            bias[device_tensor(ids, torch.long, device)] = device_tensor(values, torch.float32, device)
         ban = torch.zeros(vocab, dtype=torch.bool, device=device)
         if end_ids:
-            ban[torch.tensor(end_ids, device=device)] = True
+            ban[device_tensor(end_ids, torch.long, device)] = True
         return cls(penalties, counts, in_prompt, bias, ban)
 
 
@@ -66,24 +68,25 @@ def apply(logits: torch.Tensor, states: list[PenaltyState | None], temperatures:
     if not rows:
         return logits, []
     picked = [s for s in states if s is not None]
-    index = torch.tensor(rows, device=logits.device)
+    dev = logits.device
+    index = device_tensor(rows, torch.long, dev)
     x = logits.index_select(0, index).float()
     counts = torch.stack([s.counts for s in picked])
     seen = torch.stack([s.in_prompt for s in picked]) | (counts > 0)
     p = [s.penalties for s in picked]
-    rep = torch.tensor([q.repetition for q in p], device=x.device)[:, None]
+    rep = device_tensor([q.repetition for q in p], torch.float32, dev)[:, None]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - torch.tensor([q.frequency for q in p], device=x.device)[:, None] * counts
-    x = x - torch.tensor([q.presence for q in p], device=x.device)[:, None] * (counts > 0)
+    x = x - device_tensor([q.frequency for q in p], torch.float32, dev)[:, None] * counts
+    x = x - device_tensor([q.presence for q in p], torch.float32, dev)[:, None] * (counts > 0)
     x = x + torch.stack([s.bias for s in picked])
     banned = [n for n, (s, row) in enumerate(zip(picked, rows, strict=True)) if produced[row] < s.penalties.min_tokens]
     if banned:
-        which = torch.tensor(banned, device=x.device)
+        which = device_tensor(banned, torch.long, dev)
         x[which] = x[which].masked_fill(torch.stack([picked[n].ban for n in banned]), float("-inf"))
     floors = [math.log(q.min_p) * max(temperatures[row], GREEDY_BELOW_TEMPERATURE) if q.min_p > 0 else -math.inf
               for q, row in zip(p, rows, strict=True)]
     if any(math.isfinite(f) for f in floors):
-        floor = x.max(dim=-1, keepdim=True).values + torch.tensor(floors, device=x.device)[:, None]
+        floor = x.max(dim=-1, keepdim=True).values + device_tensor(floors, torch.float32, dev)[:, None]
         x = x.masked_fill(x < floor, float("-inf"))
     out = logits.clone()
     out[index] = x.to(out.dtype)
