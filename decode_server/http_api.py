@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from decode_server.core import DecodeCore, Generation
+from decode_server.core import DecodeCore, Generation, Request
 from decode_server.http_request import (
     HEADER_TIMEOUT_S,
     PARSE_IN_THREAD_BYTES,
@@ -37,6 +37,7 @@ from decode_server.http_request import (
     read_body,
     request_id_header,
 )
+from decode_server.openai_events import ChunkFormat
 from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
@@ -55,33 +56,6 @@ DONE = b"data: [DONE]\n\n"
 # message (an object and two strings) each, beside its other fields.
 MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 3, 4096
 RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
-
-
-class ChunkFormat:
-    """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
-
-    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
-        self.request_id, self.model = request_id, model
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
-                  f'"model":{json.dumps(model)},')
-        self.usage_head = common + '"choices":[],"usage":'
-        choice = common + '"choices":[{"index":0,'
-        self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
-        self.head = choice + ('"delta":{"content":' if chat else '"text":')
-        self.close = "}" if chat else ""
-        self.finish = {reason: f',"finish_reason":{json.dumps(reason)}}}]}}\n\n' for reason in (None, "stop", "length")}
-        self.tails = {reason: f'{self.close},"logprobs":null{finish}' for reason, finish in self.finish.items()}
-
-    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None) -> bytes:
-        """One token's event; `logprobs`: its log probabilities' JSON, when the request asked."""
-        head = (self.first if first else self.head) + json.dumps(text)
-        if logprobs is None:
-            return (head + self.tails[finish_reason]).encode()
-        return (head + self.close + ',"logprobs":' + logprobs + self.finish[finish_reason]).encode()
-
-    def usage(self, usage: dict[str, int]) -> bytes:
-        return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
 
 
 @dataclass
@@ -159,12 +133,14 @@ class OpenAIApi:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             request_id = request_id_header(request) or request_id
-            api, generation = await self._accept(request, chat, request_id, arrival)
+            api, parsed, generation = await self._accept(request, chat, request_id, arrival)
         except ApiError as e:
             self.core.log_rejected(request_id, e.grpc_code, arrival)
             if e.status < 500:
                 self.refusals.refused(request_id, e)
             return e.response()
+        if api.n > 1:
+            return await self._choices(request, api, parsed, generation, deadline)
         reply = Reply(request, api, ChunkFormat(request_id, chat, int(time.time()), self.model_name), self.tokenizer)
         status = "OK"
         try:
@@ -190,8 +166,58 @@ class OpenAIApi:
         finally:
             self.core.finish(generation, status)
 
+    async def _choices(self, request: web.Request, api: ApiRequest, parsed: Request, first: Generation,
+                       deadline: float | None) -> web.StreamResponse:
+        """n > 1 (not streamed): the first choice runs alone until its first token, by when its prompt's
+        full blocks are in the prefix cache; then the others are accepted and take them from there, so
+        the prompt is not prefilled n times. Choice i samples with the request's seed + i."""
+        fmt = ChunkFormat(parsed.request_id, api.chat, int(time.time()), self.model_name)
+        replies = [Reply(request, api, fmt, self.tokenizer) for _ in range(api.n)]
+        generations, tasks, status = [first], [], "OK"
+        try:
+            async with asyncio.timeout_at(deadline):
+                replies[0].first_token = asyncio.Event()
+                tasks.append(asyncio.create_task(replies[0].collect(first)))
+                seen = asyncio.create_task(replies[0].first_token.wait())
+                await asyncio.wait([tasks[0], seen], return_when=asyncio.FIRST_COMPLETED)
+                seen.cancel()
+                for i in range(1, api.n):
+                    sampling = replace(parsed.sampling, seed=parsed.sampling.seed + i)
+                    generations.append(self.core.accept(replace(parsed, request_id=f"{parsed.request_id}-{i}",
+                                                                sampling=sampling)))
+                    tasks.append(asyncio.create_task(replies[i].collect(generations[i])))
+                answers = await asyncio.gather(*tasks)
+        except Rejected as e:
+            status = e.code.name
+            return ApiError.from_status(e.code, str(e)).response()
+        except TimeoutError:
+            status = "DEADLINE_EXCEEDED"
+            return ApiError.from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"the request ran past --http-timeout-s {self.timeout_s:g}").response()
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except Exception as e:
+            status = "INTERNAL"
+            log.exception("request %s failed", parsed.request_id)
+            return ApiError.internal(f"internal error: {type(e).__name__}: {e}").response()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for generation in generations:
+                self.core.finish(generation, status)
+        prompt_tokens = len(parsed.prompt)
+        completion_tokens = sum(a.tokens for a in answers)
+        return web.json_response({
+            "id": parsed.request_id, "object": "chat.completion" if api.chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name,
+            "choices": [reply.choice(answer, i) for i, (reply, answer) in enumerate(zip(replies, answers,
+                                                                                         strict=True))],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}})
+
     async def _accept(self, request: web.Request, chat: bool, request_id: str,
-                      arrival: float) -> tuple[ApiRequest, Generation]:
+                      arrival: float) -> tuple[ApiRequest, Request, Generation]:
         """Read, check and accept a request; every refusal is an ApiError."""
         try:
             self.core.check_open()
@@ -204,7 +230,7 @@ class OpenAIApi:
             if chat:
                 fields = replace(fields, prompt=await self._render(api.messages), add_special_tokens=False)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
-            return api, self.core.accept(parsed)
+            return api, parsed, self.core.accept(parsed)
         except Rejected as e:
             raise ApiError.from_status(e.code, str(e)) from e
         except InvalidRequest as e:
@@ -258,13 +284,20 @@ class Reply:
         self.stream: web.StreamResponse | None = None
         self.prompt_tokens = 0
         self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
+        self.first_token: asyncio.Event | None = None  # set once the first token is in, when given
 
     async def run(self, generation: Generation) -> web.StreamResponse:
+        return await self._close(await self.collect(generation))
+
+    async def collect(self, generation: Generation) -> Answer:
+        """Its tokens, streamed as they come when asked to be, and what they made."""
         answer = Answer()
         seq = generation.seq
         self.prompt_tokens = len(seq.prompt)
         async with aclosing(generation.tokens()) as tokens:
             async for out in tokens:
+                if self.first_token is not None:
+                    self.first_token.set()
                 if self.api.echo and out.index == 0:  # the prompt's log probabilities are in by its first token
                     answer.text = self._prompt_text(seq.prompt)
                     answer.chars = len(answer.text)
@@ -290,7 +323,7 @@ class Reply:
                 if finish:
                     answer.finish_reason = finish
                     break
-        return await self._close(answer)
+        return answer
 
     def _prompt_text(self, prompt: TokenIds) -> str:
         if self.api.fields.prompt:
@@ -319,15 +352,19 @@ class Reply:
             await self.stream.write(DONE)
             await self.stream.write_eof()
             return self.stream
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs.whole() if self.logprobs is not None else None,
+        return web.json_response({
+            "id": self.fmt.request_id, "object": "chat.completion" if self.api.chat else "text_completion",
+            "created": int(time.time()), "model": self.fmt.model, "choices": [self.choice(answer)], "usage": usage})
+
+    def choice(self, answer: Answer, index: int = 0) -> dict[str, Any]:
+        """The answer as a non-streamed response's choice."""
+        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs.whole() if self.logprobs else None,
                                   "finish_reason": answer.finish_reason}
         if self.api.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:
             choice["text"] = answer.text
-        return web.json_response({
-            "id": self.fmt.request_id, "object": "chat.completion" if self.api.chat else "text_completion",
-            "created": int(time.time()), "model": self.fmt.model, "choices": [choice], "usage": usage})
+        return choice
 
     async def fail(self, error: ApiError) -> web.StreamResponse:
         """The request's error: its HTTP status before the stream began, an SSE event after."""

@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
 MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
 TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary check comes later
@@ -66,6 +67,7 @@ class ApiRequest:
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
+    n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -154,9 +156,10 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     unknown = check_fields(body, chat, ignore_unknown)
     model = body.get("model", str, "a string")
     body.get("user", str, "a string")
-    if body.integer("n", 1) != 1:
-        raise InvalidRequest("n must be 1: this server returns one choice per request", "n")
+    n = body.integer("n", 1, 1, MAX_CHOICES + 1)
     stream = body.flag("stream")
+    if n > 1 and stream:
+        raise InvalidRequest("n > 1 is not supported with stream: true; leave one out", "n")
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
@@ -195,7 +198,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     if echo and stream:
         raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
     fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None)
-    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo), unknown
+    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n), unknown
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:

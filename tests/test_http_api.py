@@ -150,7 +150,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None, list[str]]] = [
     (dict(temperature=-1), "temperature", ["temperature must be a finite number >= 0"]),
     (dict(top_p=2), "top_p", ["top_p must be in (0, 1], got 2"]),
     (dict(top_p=0), "top_p", ["top_p must be in (0, 1], got 0"]),
-    (dict(n=2), "n", ["n must be 1"]),
+    (dict(n=17), "n", ["n must be in [1, 17), got 17"]),
     (dict(prompt=[1, 999]), "prompt", ["token id 999 at position 1", "[0, 320)"]),
     (dict(prompt=""), "prompt", ["prompt is empty"]),
     (dict(prompt=["a", "b"]), "prompt", ["2 prompts"]),
