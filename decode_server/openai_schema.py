@@ -38,7 +38,7 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens"})
+                      "min_p", "min_tokens", "allowed_token_ids"})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
@@ -48,7 +48,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"},), "best_of": (1,), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
-    "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
+    "bad_words": ([],), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
@@ -237,10 +237,15 @@ def _penalties(body: Body) -> Penalties | None:
             raise InvalidRequest("logit_bias maps token ids (as strings) to numbers in [-100, 100], got "
                                  f"{key[:20]!r}: {str(value)[:20]}", "logit_bias")
         pairs.append((int(key), float(value)))
+    allowed = body.get("allowed_token_ids", list, "an array of token ids") or []
+    if len(allowed) > MAX_LOGIT_BIAS or any(not isinstance(t, int) or isinstance(t, bool) for t in allowed):
+        raise InvalidRequest(f"allowed_token_ids must be an array of at most {MAX_LOGIT_BIAS} token ids",
+                             "allowed_token_ids")
     penalties = Penalties(
         presence=number("presence_penalty", 0.0, -2, 2), frequency=number("frequency_penalty", 0.0, -2, 2),
         repetition=number("repetition_penalty", 1.0, 0, 2, low_open=True), logit_bias=tuple(sorted(pairs)),
-        min_tokens=body.integer("min_tokens", 0, 0, 2**31), min_p=number("min_p", 0.0, 0, 1))
+        min_tokens=body.integer("min_tokens", 0, 0, 2**31), min_p=number("min_p", 0.0, 0, 1),
+        allowed=tuple(sorted(set(allowed))))
     return penalties if penalties.active else None
 
 

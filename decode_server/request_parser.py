@@ -131,6 +131,10 @@ class RequestParser:
                 if not 0 <= token < vocab:
                     raise InvalidRequest(f"logit_bias names token {token}, outside the vocabulary [0, {vocab})",
                                          "logit_bias")
+            for token in f.penalties.allowed:
+                if not 0 <= token < vocab:
+                    raise InvalidRequest(f"allowed_token_ids names token {token}, outside the vocabulary [0, {vocab})",
+                                         "allowed_token_ids")
             if f.penalties.min_tokens > max_new:
                 raise InvalidRequest(f"min_tokens ({f.penalties.min_tokens}) is more than max_tokens ({max_new})",
                                      "min_tokens")

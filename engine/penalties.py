@@ -4,7 +4,7 @@ left alone and a step where no row has any computes nothing here. As vLLM: prese
 penalties count the answer's tokens, the repetition penalty the prompt's and the answer's (divides a
 positive logit, multiplies a negative one), `logit_bias` adds to a token's logit, `min_tokens` bans
 the end tokens until that many were produced, `min_p` drops tokens less likely than that share of the
-likeliest one (at the request's temperature)."""
+likeliest one (at the request's temperature), `allowed_token_ids` keeps those tokens alone."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     min_p: float = 0.0
+    allowed: tuple[int, ...] = ()  # empty: every token
 
     @property
     def active(self) -> bool:
@@ -40,7 +41,7 @@ class PenaltyState:
     penalties: Penalties
     counts: torch.Tensor
     in_prompt: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor               # logit_bias, and -inf outside allowed_token_ids
     ban: torch.Tensor
 
     @classmethod
@@ -53,6 +54,10 @@ class PenaltyState:
         if penalties.logit_bias:
             ids, values = zip(*penalties.logit_bias, strict=True)
             bias[device_tensor(ids, torch.long, device)] = device_tensor(values, torch.float32, device)
+        if penalties.allowed:
+            outside = torch.ones(vocab, dtype=torch.bool, device=device)
+            outside[device_tensor(penalties.allowed, torch.long, device)] = False
+            bias.masked_fill_(outside, float("-inf"))
         ban = torch.zeros(vocab, dtype=torch.bool, device=device)
         if end_ids:
             ban[device_tensor(end_ids, torch.long, device)] = True
@@ -82,7 +87,9 @@ def apply(logits: torch.Tensor, states: list[PenaltyState | None], temperatures:
     banned = [n for n, (s, row) in enumerate(zip(picked, rows, strict=True)) if produced[row] < s.penalties.min_tokens]
     if banned:
         which = device_tensor(banned, torch.long, dev)
-        x[which] = x[which].masked_fill(torch.stack([picked[n].ban for n in banned]), float("-inf"))
+        rows_banned = x[which].masked_fill(torch.stack([picked[n].ban for n in banned]), float("-inf"))
+        # a row that the ban would leave no token (allowed_token_ids all end tokens) keeps them
+        x[which] = torch.where(torch.isfinite(rows_banned).any(-1, keepdim=True), rows_banned, x[which])
     floors = [math.log(q.min_p) * max(temperatures[row], GREEDY_BELOW_TEMPERATURE) if q.min_p > 0 else -math.inf
               for q, row in zip(p, rows, strict=True)]
     if any(math.isfinite(f) for f in floors):

@@ -47,7 +47,7 @@ NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"guided_json": {"type": "object"}}),
     ("/v1/completions", {"guided_regex": "a+"}), ("/v1/completions", {"guided_choice": ["a", "b"]}),
     ("/v1/completions", {"structured_outputs": {"regex": "a"}}), ("/v1/completions", {"bad_words": ["x"]}),
-    ("/v1/completions", {"allowed_token_ids": [1, 2]}), ("/v1/completions", {"prompt_logprobs": 1}),
+    ("/v1/completions", {"spaces_between_special_tokens": False}), ("/v1/completions", {"prompt_logprobs": 1}),
     ("/v1/completions", {"include_stop_str_in_output": True}), ("/v1/completions", {"skip_special_tokens": False}),
     ("/v1/completions", {"truncate_prompt_tokens": 4}), ("/v1/completions", {"best_of": 2}),
     ("/v1/chat/completions", {"add_generation_prompt": False}),

@@ -98,14 +98,20 @@ def test_logit_bias_min_tokens_and_min_p(http_server: HttpServer) -> None:
     only_best = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=1.0, seed=4,
                                           extra_body={"ignore_eos": True, "min_p": 1.0}).choices[0].text
     assert only_best == greedy  # min_p 1 keeps the likeliest token alone
+    allowed = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=1.0, seed=2,
+                                        extra_body={"ignore_eos": True, "allowed_token_ids": [97, 98, 99]})
+    assert set(allowed.choices[0].text) <= set("abc") and len(allowed.choices[0].text) == 12
+    only_end = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=1.0, seed=2,
+                                         extra_body={"allowed_token_ids": [eos], "min_tokens": 3})
+    assert only_end.usage is not None and only_end.usage.completion_tokens == 1  # nothing else could come
 
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"min_tokens": 9}, "min_tokens"),
     ({"logit_bias": {"999": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"presence_penalty": 1, "prefill_mode": "disaggregated"},
-                                                 "prefill_mode"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"allowed_token_ids": [1, 400]}, "allowed_token_ids"),
+    ({"presence_penalty": 1, "prefill_mode": "disaggregated"}, "prefill_mode"),
 ])
 def test_bad_penalties_are_400(http_server: HttpServer, fields: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
