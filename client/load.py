@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--api", choices=APIS, default="grpc",
                        help="grpc (pd.v1.Decode) or openai (/v1/completions over HTTP); default grpc")
     where.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS (gRPC)")
+    where.add_argument("--openai-extra-body", type=json_object, default="", metavar="JSON",
+                       help="openai: fields added to every request, e.g. '{\"logprobs\": 5}'")
     load = p.add_argument_group("load")
     load.add_argument("--rate", type=float, default=d.rate, help=f"Poisson arrivals per second (default {d.rate})")
     load.add_argument("--duration", type=float, default=d.duration,
@@ -143,13 +145,26 @@ def parse_compare(item: str, default_targets: tuple[str, ...], mode: str | None,
     return Deployment(match["name"], targets, mode, size or chunk, api=api_for(targets, api))
 
 
+def json_object(text: str) -> str:
+    try:
+        ok = isinstance(json.loads(text), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return text
+
+
 def deployments(args: argparse.Namespace) -> list[Deployment]:
     targets = split_targets(args.target)
     if not args.compare:
         if not targets:
             raise ValueError("give --target HOST:PORT (or --compare)")
-        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api=api_for(targets, args.api))]
+        return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api=api_for(targets, args.api),
+                           extra_body=args.openai_extra_body)]
     runs = [parse_compare(item, targets, args.mode, args.chunk_size, args.api) for item in args.compare]
+    if args.openai_extra_body:
+        runs = [dataclasses.replace(r, extra_body=args.openai_extra_body) if r.api == "openai" else r for r in runs]
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"--compare names must differ: {names}")

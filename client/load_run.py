@@ -36,6 +36,7 @@ class Deployment:
     chunk_size: int = 0         # 0: the server's --chunk-size
     prefill_sms: int = 0        # partitioned: 0 = the server's --prefill-sms
     api: str = "grpc"           # one of APIS; openai targets are HTTP URLs or host:port (/v1 added)
+    extra_body: str = ""        # openai: a JSON object merged into every request (logprobs, penalties, ...)
 
     def describe(self) -> str:
         mode = self.mode or "server default"
@@ -128,7 +129,7 @@ class LoadRunner:
         """The request as the deployment's API takes it (an OpenAI body: JSON bytes)."""
         d = self.deployment
         if self.openai:
-            return completion_body(token_ids, max_new_tokens, d.mode, d.chunk_size, d.prefill_sms)
+            return completion_body(token_ids, max_new_tokens, d.mode, d.chunk_size, d.prefill_sms, d.extra_body)
         return decode_pb2.GenerateRequest(
             request_id=request_id, token_ids=token_ids, max_new_tokens=max_new_tokens,
             ignore_eos=True,  # output lengths are as planned

@@ -34,8 +34,9 @@ def base_url(target: str) -> str:
 
 
 def completion_body(token_ids: list[int], max_tokens: int, mode: str | None, chunk_size: int,
-                    prefill_sms: int = 0) -> bytes:
-    """What the gRPC load sends, as an OpenAI request: greedy, ignore_eos, this project's prefill fields."""
+                    prefill_sms: int = 0, extra_body: str = "") -> bytes:
+    """What the gRPC load sends, as an OpenAI request: greedy, ignore_eos, this project's prefill fields;
+    `extra_body` (a JSON object) adds fields of its own."""
     body: dict[str, Any] = {"prompt": token_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                             "stream": True}
     if mode:
@@ -44,6 +45,8 @@ def completion_body(token_ids: list[int], max_tokens: int, mode: str | None, chu
         body["chunk_size"] = chunk_size
     if prefill_sms:
         body["prefill_sms"] = prefill_sms
+    if extra_body:
+        body.update(json.loads(extra_body))
     return json.dumps(body).encode()
 
 

@@ -77,7 +77,9 @@ class Admission:
     def _take(self, seq: RequestSequence, need: int) -> bool:
         """The sequence's blocks, cached prefix first, if the pool has them now (a waiter holds none)."""
         try:
-            seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt, need, seq.cache_salt)
+            # a prompt's own log probabilities need every token's logits: none may come from the cache
+            seq.block_table, seq.prefilled = self.cache.acquire(seq.prompt if seq.prompt_logprobs is None else (),
+                                                                need, seq.cache_salt)
         except OutOfBlocks:
             return False
         seq.timing.cached_tokens = seq.prefilled

@@ -109,6 +109,9 @@ class DecodeConfig(ServerConfig):
         "the model id the HTTP API lists and takes; default: the checkpoint folder's or preset's name"))
     http_timeout_s: float = field(default=0.0, metadata=opt(
         "longest an HTTP request may take before it ends 504; 0 = no limit"))
+    ignore_unknown_fields: bool = field(default=False, metadata=opt(
+        "HTTP: take request fields this server does not know with a logged warning, instead of a 400 (for "
+        "clients of a newer OpenAI or vLLM API; fields it knows but does not implement are still refused)"))
     default_chat_max_tokens: int = field(default=4096, metadata=opt(
         "max_tokens of a chat request that sends none, capped by the context (a request reserves KV for "
         "all its tokens up front)"))

@@ -29,6 +29,7 @@ from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from decode_server.timing import Timing
+from engine.penalties import Penalties
 from engine.sampling import SamplingParams
 from serving.loop_lag import LoopLagProbe
 from serving.token_ids import TokenIds
@@ -52,6 +53,9 @@ class Request:
     arrival: float  # perf_counter when it came in
     prefill_sms: int = 0  # partitioned: its prefill's SM count; 0 = the server's
     cache_salt: str = ""  # its prefix-cache namespace, in both servers; "" = none
+    logprobs: int | None = None  # log probabilities of its tokens and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # ... and of its prompt's tokens
+    penalties: Penalties | None = None
 
 
 class Generation:
@@ -144,7 +148,8 @@ class DecodeCore:
         seq = RequestSequence(request.request_id, request.prompt, request.max_new_tokens, request.sampling,
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
                        request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
-                       cache_salt=request.cache_salt)
+                       cache_salt=request.cache_salt, logprobs=request.logprobs,
+                       prompt_logprobs=request.prompt_logprobs, penalties=request.penalties)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:

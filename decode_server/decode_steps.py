@@ -20,7 +20,9 @@ from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.sequence import RequestSequence
 from decode_server.step_trace import StepMarks, StepTrace
+from engine import penalties
 from engine.host_read import TokenReader
+from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
 from engine.runner import DecodeSeq, ModelRunner
 from engine.sampling import sample
 
@@ -32,7 +34,8 @@ FIRST_TOKEN_POLL_S = 0.0002
 class TokenSink(Protocol):
     """Where a decode step's tokens go (the scheduler)."""
 
-    def append(self, seq: RequestSequence, token: int, step_s: float, now: float) -> bool:
+    def append(self, seq: RequestSequence, token: int, step_s: float, now: float,
+               logprobs: TokenLogprobs | None = None) -> bool:
         """Record and send a token; True if it was the sequence's last (its blocks then go back)."""
 
     def remote_first_token_due(self) -> bool:
@@ -51,6 +54,7 @@ class StepInFlight:
     reader: TokenReader
     started: float
     marks: StepMarks | None  # --step-trace
+    logprobs: StepLogprobs | None  # of the rows that asked for them
     rows: dict[int, int] = field(init=False)                            # id(seq) -> row
     release_after: list[RequestSequence] = field(default_factory=list)  # blocks it still writes: freed once done
 
@@ -113,13 +117,21 @@ class DecodeSteps:
             batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
-        tokens = sample(logits, [s.params for s in seqs], indices, greedy)
+        states = [s.penalties_on(logits.shape[-1], self.runner.device) for s in seqs]
+        adjusted, changed = penalties.apply(logits, states, [s.params.temperature for s in seqs], indices)
+        if changed:  # the fused argmax is of the logits before the penalties
+            penalised = device_tensor(changed, torch.long, greedy.device)
+            greedy = greedy.clone()
+            greedy[penalised] = adjusted.index_select(0, penalised).argmax(dim=-1).to(greedy.dtype)
+        tokens = sample(adjusted, [s.params for s in seqs], indices, greedy)
+        penalties.count(states, tokens)
+        logprobs = StepLogprobs.queue(logits, tokens, [s.logprobs for s in seqs])
         if marks is not None and self.trace is not None:
             self.trace.step_queued(marks)
         self._launched += 1
         reader = self.readers[self._launched % 2]  # the other may hold the step in flight
         reader.start(tokens)
-        return StepInFlight(seqs, tokens, reader, t0, marks)
+        return StepInFlight(seqs, tokens, reader, t0, marks, logprobs)
 
     def _read(self, step: StepInFlight, running: list[RequestSequence]) -> set[int]:
         """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it
@@ -138,5 +150,6 @@ class DecodeSteps:
         for seq in step.release_after:
             self.admission.release(seq)
         live = {id(s) for s in running}
-        return {id(seq) for seq, token in zip(step.seqs, tokens, strict=True)
-                if id(seq) in live and self.sink.append(seq, token, elapsed, now)}
+        logprobs = step.logprobs.read(len(tokens)) if step.logprobs is not None else [None] * len(tokens)
+        return {id(seq) for seq, token, lp in zip(step.seqs, tokens, logprobs, strict=True)
+                if id(seq) in live and self.sink.append(seq, token, elapsed, now, lp)}

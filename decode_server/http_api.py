@@ -19,7 +19,6 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,78 +26,36 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from decode_server.core import DecodeCore, Generation
+from decode_server.core import DecodeCore, Generation, Request
+from decode_server.http_request import (
+    HEADER_TIMEOUT_S,
+    PARSE_IN_THREAD_BYTES,
+    ApiError,
+    ClientErrorLog,
+    openai_errors,
+    parse_body,
+    read_body,
+    request_id_header,
+)
+from decode_server.openai_events import ChunkFormat
+from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
 from serving.grpc_common import FATAL_GRACE_S, MAX_REQUEST_BYTES, StartupError
+from serving.token_ids import TokenIds, as_array
 from serving.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# gRPC's ending -> (HTTP status, OpenAI error type)
-STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-SERVER_ERROR = (500, "server_error")
 FINISH_REASON = {"length": "length", "eos": "stop", "stop": "stop"}  # ours -> OpenAI's
-PARSE_IN_THREAD_BYTES = 1 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
-
-
-class ApiError(Exception):
-    """A request's ending as OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, kind: str, code: str, param: str | None = None,
-                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
-        self.grpc_code = grpc_code  # how the request log and metrics count it, as for gRPC
-
-    @classmethod
-    def from_status(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
-        status, kind = STATUS.get(code, SERVER_ERROR)
-        return cls(status, message, kind, code.name.lower(), param, code)
-
-    @classmethod
-    def internal(cls, message: str) -> ApiError:
-        return cls(SERVER_ERROR[0], message, SERVER_ERROR[1], "internal", None, grpc.StatusCode.INTERNAL)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
-
-
-class ChunkFormat:
-    """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
-
-    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
-        self.request_id, self.model = request_id, model
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
-                  f'"model":{json.dumps(model)},')
-        self.usage_head = common + '"choices":[],"usage":'
-        choice = common + '"choices":[{"index":0,'
-        self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
-        self.head = choice + ('"delta":{"content":' if chat else '"text":')
-        close = "}" if chat else ""
-        self.tails = {reason: f'{close},"logprobs":null,"finish_reason":{json.dumps(reason)}}}]}}\n\n'
-                      for reason in (None, "stop", "length")}
-
-    def token(self, text: str, finish_reason: str | None, first: bool) -> bytes:
-        return ((self.first if first else self.head) + json.dumps(text) + self.tails[finish_reason]).encode()
-
-    def usage(self, usage: dict[str, int]) -> bytes:
-        return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
+# A request that fits the context holds at most about this many JSON values: a token id each, or a
+# message (an object and two strings) each, beside its other fields.
+MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 3, 4096
+RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
 
 
 @dataclass
@@ -108,12 +65,16 @@ class Answer:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
+    chars: int = 0  # of text produced so far, streamed or not
 
 
 class OpenAIApi:
-    def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float) -> None:
+    def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float,
+                 ignore_unknown_fields: bool = False) -> None:
         self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
         self.model_name, self.max_model_len, self.timeout_s = model_name, parser.max_model_len, timeout_s
+        self.ignore_unknown_fields = ignore_unknown_fields
+        self.refusals = ClientErrorLog()
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
 
@@ -128,9 +89,12 @@ class OpenAIApi:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
         """Listen on host:port; a port in use is one StartupError line."""
-        # after the drain, what is left is cancelled within a second (as gRPC's server.stop grace)
+        # after the drain, what is left is cancelled within a second (as gRPC's server.stop grace); a
+        # connection whose headers have not all come within HEADER_TIMEOUT_S of its opening (or of its
+        # last answer) is closed, so a client that trickles them in can't hold it
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=FATAL_GRACE_S)
+                                     shutdown_timeout=FATAL_GRACE_S, keepalive_timeout=HEADER_TIMEOUT_S,
+                                     auto_decompress=False)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
@@ -166,12 +130,17 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.timeout_s if self.timeout_s else None
-        request_id = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            api, generation = await self._accept(request, chat, request_id, arrival)
+            request_id = request_id_header(request) or request_id
+            api, parsed, generation = await self._accept(request, chat, request_id, arrival)
         except ApiError as e:
             self.core.log_rejected(request_id, e.grpc_code, arrival)
+            if e.status < 500:
+                self.refusals.refused(request_id, e)
             return e.response()
+        if api.n > 1:
+            return await self._choices(request, api, parsed, generation, deadline)
         reply = Reply(request, api, ChunkFormat(request_id, chat, int(time.time()), self.model_name), self.tokenizer)
         status = "OK"
         try:
@@ -197,12 +166,62 @@ class OpenAIApi:
         finally:
             self.core.finish(generation, status)
 
+    async def _choices(self, request: web.Request, api: ApiRequest, parsed: Request, first: Generation,
+                       deadline: float | None) -> web.StreamResponse:
+        """n > 1 (not streamed): the first choice runs alone until its first token, by when its prompt's
+        full blocks are in the prefix cache; then the others are accepted and take them from there, so
+        the prompt is not prefilled n times. Choice i samples with the request's seed + i."""
+        fmt = ChunkFormat(parsed.request_id, api.chat, int(time.time()), self.model_name)
+        replies = [Reply(request, api, fmt, self.tokenizer) for _ in range(api.n)]
+        generations, tasks, status = [first], [], "OK"
+        try:
+            async with asyncio.timeout_at(deadline):
+                replies[0].first_token = asyncio.Event()
+                tasks.append(asyncio.create_task(replies[0].collect(first)))
+                seen = asyncio.create_task(replies[0].first_token.wait())
+                await asyncio.wait([tasks[0], seen], return_when=asyncio.FIRST_COMPLETED)
+                seen.cancel()
+                for i in range(1, api.n):
+                    sampling = replace(parsed.sampling, seed=parsed.sampling.seed + i)
+                    generations.append(self.core.accept(replace(parsed, request_id=f"{parsed.request_id}-{i}",
+                                                                sampling=sampling)))
+                    tasks.append(asyncio.create_task(replies[i].collect(generations[i])))
+                answers = await asyncio.gather(*tasks)
+        except Rejected as e:
+            status = e.code.name
+            return ApiError.from_status(e.code, str(e)).response()
+        except TimeoutError:
+            status = "DEADLINE_EXCEEDED"
+            return ApiError.from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"the request ran past --http-timeout-s {self.timeout_s:g}").response()
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except Exception as e:
+            status = "INTERNAL"
+            log.exception("request %s failed", parsed.request_id)
+            return ApiError.internal(f"internal error: {type(e).__name__}: {e}").response()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for generation in generations:
+                self.core.finish(generation, status)
+        prompt_tokens = len(parsed.prompt)
+        completion_tokens = sum(a.tokens for a in answers)
+        return web.json_response({
+            "id": parsed.request_id, "object": "chat.completion" if api.chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name,
+            "choices": [reply.choice(answer, i) for i, (reply, answer) in enumerate(zip(replies, answers,
+                                                                                         strict=True))],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}})
+
     async def _accept(self, request: web.Request, chat: bool, request_id: str,
-                      arrival: float) -> tuple[ApiRequest, Generation]:
+                      arrival: float) -> tuple[ApiRequest, Request, Generation]:
         """Read, check and accept a request; every refusal is an ApiError."""
         try:
             self.core.check_open()
-            api = read_request(await read_json(request), chat, request_id)
+            api = await self._read(request, chat, request_id)
             if api.model is not None and api.model != self.model_name:
                 raise ApiError(404, f"the model {api.model!r} does not exist; this server serves "
                                     f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
@@ -211,7 +230,7 @@ class OpenAIApi:
             if chat:
                 fields = replace(fields, prompt=await self._render(api.messages), add_special_tokens=False)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
-            return api, self.core.accept(parsed)
+            return api, parsed, self.core.accept(parsed)
         except Rejected as e:
             raise ApiError.from_status(e.code, str(e)) from e
         except InvalidRequest as e:
@@ -222,6 +241,20 @@ class OpenAIApi:
             log.exception("request %s: reading the request failed", request_id)
             raise ApiError.internal(f"reading the request failed: {type(e).__name__}: {e}") from e
 
+    async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
+        """The body into an ApiRequest; a large one is parsed and checked off the event loop."""
+        raw = await read_body(request)
+        data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+
+        def read() -> tuple[ApiRequest, list[str]]:
+            return read_request(data, chat, request_id, self.max_model_len, self.ignore_unknown_fields)
+
+        api, unknown = await asyncio.to_thread(read) if len(raw) > PARSE_IN_THREAD_BYTES else read()
+        if unknown:
+            self.refusals.warn(request_id, f"took it without the unknown fields {', '.join(map(repr, unknown))} "
+                                           "(--ignore-unknown-fields)")
+        return api
+
     async def _render(self, messages: list[dict[str, str]]) -> str:
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
@@ -231,7 +264,7 @@ class OpenAIApi:
             raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
                                  f"{self.max_model_len} tokens", "messages")
         try:
-            if chars > TOKENIZE_IN_THREAD_CHARS:
+            if chars > TOKENIZE_IN_THREAD_CHARS or len(messages) > RENDER_IN_THREAD_MESSAGES:
                 return await asyncio.to_thread(self.tokenizer.render_chat, messages)
             return self.tokenizer.render_chat(messages)
         except ChatTemplateError as e:
@@ -245,16 +278,31 @@ class Reply:
 
     def __init__(self, request: web.Request, api: ApiRequest, fmt: ChunkFormat, tokenizer: Tokenizer | None) -> None:
         self.request, self.api, self.fmt = request, api, fmt
+        self.tokenizer = tokenizer
         self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(api.stop) if api.stop else None
         self.stream: web.StreamResponse | None = None
         self.prompt_tokens = 0
+        self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
+        self.first_token: asyncio.Event | None = None  # set once the first token is in, when given
 
     async def run(self, generation: Generation) -> web.StreamResponse:
+        return await self._close(await self.collect(generation))
+
+    async def collect(self, generation: Generation) -> Answer:
+        """Its tokens, streamed as they come when asked to be, and what they made."""
         answer = Answer()
-        self.prompt_tokens = len(generation.seq.prompt)
+        seq = generation.seq
+        self.prompt_tokens = len(seq.prompt)
         async with aclosing(generation.run()) as tokens:
             async for out in tokens:
+                if self.first_token is not None:
+                    self.first_token.set()
+                if self.api.echo and out.index == 0:  # the prompt's log probabilities are in by its first token
+                    answer.text = self._prompt_text(seq.prompt)
+                    answer.chars = len(answer.text)
+                    if self.logprobs is not None:
+                        self.logprobs.add_prompt(as_array(seq.prompt).tolist(), seq.prompt_logprob_values)
                 piece = self.detok.step(out.token_id) if self.detok is not None else ""
                 answer.tokens += 1
                 finish = FINISH_REASON.get(out.finish_reason)
@@ -264,24 +312,33 @@ class Reply:
                         finish = "stop"
                     elif finish:
                         piece += self.stops.flush()
+                logprobs = None
+                if self.logprobs is not None and out.logprobs is not None:
+                    logprobs = self.logprobs.add(out.token_id, out.logprobs, answer.chars)
+                answer.chars += len(piece)
                 if self.api.stream:
-                    await self._send(piece, finish)
+                    await self._send(piece, finish, logprobs)
                 else:
                     answer.text += piece
                 if finish:
                     answer.finish_reason = finish
                     break
-        return await self._close(answer)
+        return answer
+
+    def _prompt_text(self, prompt: TokenIds) -> str:
+        if self.api.fields.prompt:
+            return self.api.fields.prompt
+        return self.tokenizer.decode(as_array(prompt).tolist()) if self.tokenizer is not None else ""
 
     async def _open(self) -> web.StreamResponse:
         self.stream = web.StreamResponse(headers=SSE_HEADERS)
         await self.stream.prepare(self.request)
         return self.stream
 
-    async def _send(self, piece: str, finish: str | None) -> None:
+    async def _send(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> None:
         first = self.stream is None
         stream = await self._open() if self.stream is None else self.stream
-        await stream.write(self.fmt.token(piece, finish, first))
+        await stream.write(self.fmt.token(piece, finish, first, None if logprobs is None else json.dumps(logprobs)))
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -295,14 +352,19 @@ class Reply:
             await self.stream.write(DONE)
             await self.stream.write_eof()
             return self.stream
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
+        return web.json_response({
+            "id": self.fmt.request_id, "object": "chat.completion" if self.api.chat else "text_completion",
+            "created": int(time.time()), "model": self.fmt.model, "choices": [self.choice(answer)], "usage": usage})
+
+    def choice(self, answer: Answer, index: int = 0) -> dict[str, Any]:
+        """The answer as a non-streamed response's choice."""
+        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs.whole() if self.logprobs else None,
+                                  "finish_reason": answer.finish_reason}
         if self.api.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:
             choice["text"] = answer.text
-        return web.json_response({
-            "id": self.fmt.request_id, "object": "chat.completion" if self.api.chat else "text_completion",
-            "created": int(time.time()), "model": self.fmt.model, "choices": [choice], "usage": usage})
+        return choice
 
     async def fail(self, error: ApiError) -> web.StreamResponse:
         """The request's error: its HTTP status before the stream began, an SSE event after."""
@@ -315,36 +377,3 @@ class Reply:
         except ConnectionError:
             pass  # the client is gone too; there is no one left to tell
         return self.stream
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON: 413 past the size limit (told by Content-Length before reading, else found
-    while reading), 400 when it is not JSON."""
-    too_large = ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
-                         "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    if (request.content_length or 0) > MAX_REQUEST_BYTES:
-        raise too_large
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise too_large from e
-    try:
-        if len(raw) > PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(json.loads, raw)
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
-                       "invalid_json") from e
-
-
-@web.middleware
-async def openai_errors(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """aiohttp's own refusals (unknown path, wrong method) in OpenAI's error body too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
-                        e.reason.lower().replace(" ", "_")).response()

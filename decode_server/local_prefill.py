@@ -24,8 +24,10 @@ from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
 from decode_server.sequence import Rejected, RequestSequence
 from decode_server.step_trace import StepTrace
+from engine import penalties
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
+from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
 from engine.runner import ModelRunner
 from engine.sampling import sample
 from engine.warmup import WarmUp
@@ -37,7 +39,8 @@ log = logging.getLogger(__name__)
 class PromptSink(Protocol):
     """Where a prompt prefilled here goes at its end (the scheduler)."""
 
-    def prompt_done(self, seq: RequestSequence, token: int, step_s: float, now: float) -> None:
+    def prompt_done(self, seq: RequestSequence, token: int, step_s: float, now: float,
+                    logprobs: TokenLogprobs | None = None) -> None:
         """Its KV is in the pool (or queued on the engine's stream) and `token` is its first."""
 
     def refuse(self, seq: RequestSequence, rejected: Rejected) -> None:
@@ -135,7 +138,9 @@ class LocalPrefill:
         piece = as_array(seq.prompt)[start:start + size]
         t0 = time.perf_counter()
         try:
-            logits = self.runner.prefill(piece, seq.block_table, start)
+            logits = self.runner.prefill(piece, seq.block_table, start, every_token=seq.prompt_logprobs is not None)
+            if seq.prompt_logprobs is not None:
+                logits = self._prompt_logprobs(seq, logits, start)
         except Exception as e:
             self._head_failed(seq, e)
             return
@@ -180,13 +185,32 @@ class LocalPrefill:
         log.error("local prefill of %s failed", seq.request_id, exc_info=error)
         self.sink.refuse(seq, Rejected(grpc.StatusCode.INTERNAL, f"prefill failed: {type(error).__name__}: {error}"))
 
+    def _prompt_logprobs(self, seq: RequestSequence, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """A piece's every-token logits [T, V]: the log probabilities of the prompt tokens they
+        predict go to seq; the last row's logits [V] are returned."""
+        prompt = as_array(seq.prompt)
+        targets = prompt[start + 1:start + len(logits) + 1]  # the last piece's last row predicts the answer
+        if len(targets):
+            rows = logits[:len(targets)]
+            queued = StepLogprobs.queue(rows, device_tensor(targets, torch.long, rows.device),
+                                        [seq.prompt_logprobs] * len(targets))
+            assert queued is not None
+            seq.prompt_logprob_values.extend(lp for lp in queued.read(len(targets)) if lp is not None)
+        return logits[-1]
+
     def _first_token(self, seq: RequestSequence, logits: torch.Tensor, started: float) -> None:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
-        is the head of `prefilling`: sample its first token once the device has it."""
-        token = self.first_tokens.read(sample(logits[None], [seq.params], [0]))[0]
+        is the head of `prefilling`: sample its first token once the device has it (after its
+        penalties; its log probabilities are the raw logits')."""
+        states = [seq.penalties_on(logits.shape[-1], self.runner.device)]
+        adjusted, _ = penalties.apply(logits[None], states, [seq.params.temperature], [0])
+        sampled = sample(adjusted, [seq.params], [0])
+        penalties.count(states, sampled)
+        logprobs = StepLogprobs.queue(logits[None], sampled, [seq.logprobs])
+        token = self.first_tokens.read(sampled)[0]
         now = time.perf_counter()
         elapsed = now - started
         seq.timing.prefill_s += elapsed
         metrics.PREFILL_SECONDS.observe(seq.timing.prefill_s)
         self.prefilling.popleft()
-        self.sink.prompt_done(seq, token, elapsed, now)
+        self.sink.prompt_done(seq, token, elapsed, now, logprobs.read(1)[0] if logprobs is not None else None)

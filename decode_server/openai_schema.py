@@ -1,7 +1,9 @@
 """The OpenAI API's request bodies (`/v1/completions`, `/v1/chat/completions`) read into the
 decode server's `RequestFields`, each field's type checked here and its limits in
-decode_server.request_parser, as for gRPC. Fields this server does not implement are ignored, as
-OpenAI clients send many of them at their defaults; those that would change the answer are refused."""
+decode_server.request_parser, as for gRPC. Every field is honoured or refused: one this server
+knows but does not implement is refused unless it holds its default, and an unknown one is refused
+too (or, with --ignore-unknown-fields, taken with a warning), so no answer looks valid while a field
+that would have changed it was dropped."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
-from decode_server.request_parser import FieldNames, RequestFields
+from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
+from engine.logprobs import MAX_TOP_LOGPROBS
+from engine.penalties import Penalties
 from serving.validation import InvalidRequest
 
 OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids="prompt",
-                          max_new_tokens="max_tokens", sampling="sampling", stop_token_ids="stop_token_ids",
+                          max_new_tokens="max_tokens", sampling="", stop_token_ids="stop_token_ids",
                           prefill_mode="prefill_mode", chunk_size="chunk_size")
 CHAT_NAMES = replace(OPENAI_NAMES, prompt="messages", token_ids="messages")
 
@@ -25,9 +29,32 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Answers they would change, so a request that asks for them is refused rather than answered without.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias", "response_format",
-               "frequency_penalty", "presence_penalty", "best_of")
+MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
+MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
+MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
+TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary check comes later
+# Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
+# `cache_salt` belongs to the prefix cache).
+HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+                      "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
+                      "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                      "min_p", "min_tokens", "allowed_token_ids"})
+HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
+               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+# Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
+# that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "best_of": (1,), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
+    "bad_words": ([],), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
+    "return_tokens_as_token_ids": (False,), "priority": (0,), "store": (False,), "metadata": (),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "service_tier": ("auto",),
+    "web_search_options": (), "verbosity": ()}
 
 
 @dataclass(frozen=True)
@@ -39,10 +66,35 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
+    echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
+    n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
 
 
-def _is_unset(value: Any) -> bool:
-    return value is None or value is False or value == 0 or value == [] or value == {} or value == ""
+def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """null, or one of the field's do-nothing values (true/false are no numbers here)."""
+    return value is None or any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
+
+
+def check_fields(body: Body, chat: bool, ignore_unknown: bool) -> list[str]:
+    """Refuses what would not be honoured; returns the unknown fields taken (with ignore_unknown)."""
+    honoured, unknown = HONOURED_BY[chat], []
+    for name, value in body.data.items():
+        if name in honoured:
+            continue
+        if name == "tool_choice":
+            if value is not None and not body.data.get("tools"):
+                raise InvalidRequest("tool_choice is only allowed when tools are given", "tool_choice")
+            continue  # tools themselves are refused as not implemented
+        if name in NOT_IMPLEMENTED:
+            if not _asks_nothing(value, NOT_IMPLEMENTED[name]):
+                raise InvalidRequest(f"{name} is not supported by this server; leave it out", name)
+            continue
+        if not ignore_unknown:
+            shown = name[:MAX_FIELD_NAME_CHARS]
+            raise InvalidRequest(f"unknown field {shown!r}: this server does not implement it; leave it out (a server "
+                                 "started with --ignore-unknown-fields takes it with a warning)", shown)
+        unknown.append(name[:MAX_FIELD_NAME_CHARS])
+    return unknown
 
 
 class Body:
@@ -94,17 +146,20 @@ def json_type(value: Any) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
-    """A chat without max_tokens leaves it None: the request parser gives it the server's default,
-    capped by the context."""
+def read_request(data: Any, chat: bool, request_id: str, max_items: int,
+                 ignore_unknown: bool = False) -> tuple[ApiRequest, list[str]]:
+    """The request and the unknown fields it held (refused unless `ignore_unknown`). A chat without
+    max_tokens leaves it None: the request parser gives it the server's default, capped by the
+    context. `max_items` (the context length) bounds a prompt's token ids and a chat's messages
+    before any per-item work: neither can be longer and still fit."""
     body = Body(data)
-    for name in UNSUPPORTED:
-        if not _is_unset(body.data.get(name)):
-            raise InvalidRequest(f"{name} is not supported by this server; leave it out", name)
+    unknown = check_fields(body, chat, ignore_unknown)
     model = body.get("model", str, "a string")
-    if body.integer("n", 1) != 1:
-        raise InvalidRequest("n must be 1: this server returns one choice per request", "n")
+    body.get("user", str, "a string")
+    n = body.integer("n", 1, 1, MAX_CHOICES + 1)
     stream = body.flag("stream")
+    if n > 1 and stream:
+        raise InvalidRequest("n > 1 is not supported with stream: true; leave one out", "n")
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
@@ -112,6 +167,8 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
     max_tokens = _max_tokens(body, chat)
     stop = _stop_strings(body.data.get("stop"))
     stop_ids = body.get("stop_token_ids", list, "an array of token ids") or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{len(stop_ids)} stop_token_ids; the limit is {MAX_STOP_TOKEN_IDS}", "stop_token_ids")
     if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_ids):
         raise InvalidRequest("stop_token_ids must be an array of integers", "stop_token_ids")
     mode = body.get("prefill_mode", str, f"one of {', '.join(PrefillMode)}")
@@ -121,17 +178,75 @@ def read_request(data: Any, chat: bool, request_id: str) -> ApiRequest:
     token_ids: list[int] = []
     prompt = ""
     if chat:
-        messages = _messages(body.data.get("messages"))
+        messages = _messages(body.data.get("messages"), max_items)
     else:
-        prompt, token_ids = _prompt(body.data.get("prompt"))
+        prompt, token_ids = _prompt(body.data.get("prompt"), max_items)
+    top_p = body.float32("top_p", 1.0)
+    if not 0 < top_p <= 1:  # 0 would keep no token (over gRPC, where fields can't be unset, 0 is "off")
+        raise InvalidRequest(f"top_p must be in (0, 1], got {body.data['top_p']}", "top_p")
+    seed = body.get("seed", int, "an integer")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidRequest(f"seed must be in [0, {2**64}), got {seed}", "seed")
     fields = RequestFields(
-        request_id=request_id, token_ids=token_ids, prompt=prompt, max_new_tokens=max_tokens,
-        temperature=body.float32("temperature", 1.0), top_p=body.float32("top_p", 1.0),
-        top_k=_top_k(body.integer("top_k", 0, *INT32)),
-        seed=body.integer("seed", 0, 0, 2**64), stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
+        request_id=request_id, token_ids=token_ids, prompt=prompt, add_special_tokens=True, max_new_tokens=max_tokens,
+        temperature=body.float32("temperature", 1.0), top_p=top_p, top_k=_top_k(body.integer("top_k", 0, *INT32)),
+        seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
-        prefill_sms=body.integer("prefill_sms", 0, *INT32), cache_salt=_cache_salt(body))
-    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop)
+        prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
+        penalties=_penalties(body), cache_salt=_cache_salt(body))
+    echo = not chat and body.flag("echo")
+    if echo and stream:
+        raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
+    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None)
+    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n), unknown
+
+
+def _logprobs(body: Body, chat: bool) -> int | None:
+    """How many alternatives to each token's log probability; None: no log probabilities. Completions'
+    `logprobs: 0` asks for the sampled token's alone; chat's `logprobs: true` with `top_logprobs`."""
+    if not chat:
+        value = body.get("logprobs", int, "an integer")
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}", "logprobs")
+        return value if value is None else int(value)
+    wanted = body.flag("logprobs")
+    top = body.get("top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _penalties(body: Body) -> Penalties | None:
+    """None when every penalty and filter is at its do-nothing value."""
+    def number(name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+        value = body.float32(name, default)
+        if not (low < value if low_open else low <= value) or value > high:
+            raise InvalidRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got "
+                                 f"{body.data[name]}", name)
+        return value
+
+    bias = body.get("logit_bias", dict, "an object of token id: bias") or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or isinstance(value, bool) or not isinstance(value, int | float) \
+                or not -100 <= value <= 100:
+            raise InvalidRequest("logit_bias maps token ids (as strings) to numbers in [-100, 100], got "
+                                 f"{key[:20]!r}: {str(value)[:20]}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    allowed = body.get("allowed_token_ids", list, "an array of token ids") or []
+    if len(allowed) > MAX_LOGIT_BIAS or any(not isinstance(t, int) or isinstance(t, bool) for t in allowed):
+        raise InvalidRequest(f"allowed_token_ids must be an array of at most {MAX_LOGIT_BIAS} token ids",
+                             "allowed_token_ids")
+    penalties = Penalties(
+        presence=number("presence_penalty", 0.0, -2, 2), frequency=number("frequency_penalty", 0.0, -2, 2),
+        repetition=number("repetition_penalty", 1.0, 0, 2, low_open=True), logit_bias=tuple(sorted(pairs)),
+        min_tokens=body.integer("min_tokens", 0, 0, 2**31), min_p=number("min_p", 0.0, 0, 1),
+        allowed=tuple(sorted(set(allowed))))
+    return penalties if penalties.active else None
 
 
 def _cache_salt(body: Body) -> str:
@@ -172,7 +287,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt(value: Any) -> tuple[str, list[int]]:
+def _prompt(value: Any, max_items: int) -> tuple[str, list[int]]:
     """One prompt: text or token ids (also as a batch of one); a batch of several is refused."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
@@ -180,16 +295,27 @@ def _prompt(value: Any) -> tuple[str, list[int]]:
         if not value:
             raise InvalidRequest("prompt is empty", "prompt")
         return _check_text(value, "prompt"), []
+    if isinstance(value, list) and len(value) > max_items:
+        raise InvalidRequest(f"prompt holds {len(value)} items; no prompt longer than the context limit of "
+                             f"{max_items} tokens fits", "prompt")
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        low, high = TOKEN_ID_RANGE
+        for position, token in enumerate(value):
+            if not low <= token < high:
+                raise InvalidRequest(f"token id {token} at position {position} of prompt is outside the vocabulary",
+                                     "prompt")
         return "", value
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
         raise InvalidRequest(f"prompt holds {len(value)} prompts; this server takes one per request", "prompt")
     raise InvalidRequest("prompt must be a non-empty string or array of token ids", "prompt")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any, max_items: int) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty array of {role, content} objects", "messages")
+    if len(value) > max_items:  # every message is at least one token of the rendered chat
+        raise InvalidRequest(f"messages holds {len(value)} messages; no chat of more than the context limit of "
+                             f"{max_items} tokens fits", "messages")
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
-from engine.sampling import SamplingParams
+from engine.penalties import Penalties
+from engine.sampling import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.token_ids import TokenIds, token_ids
 from serving.validation import InvalidRequest, check_cache_salt, check_lengths, check_max_new_tokens, check_token_ids
@@ -21,6 +22,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_CHARS_PER_TOKEN = 64   # text longer than this many characters per context token can't fit
 TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event loop
+LOGPROB_MODES = (PrefillMode.COLOCATED, PrefillMode.CHUNKED, PrefillMode.LAYERED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,13 +38,16 @@ class RequestFields:
     temperature: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None          # None: a random seed (the proto's 0 is read as None)
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     prefill_mode: int = 0            # PrefillMode.number; 0 = the server's --mode
     chunk_size: int = 0
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
     cache_salt: str = ""             # its prefix-cache namespace; "" = none
+    logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
+    prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
+    penalties: Penalties | None = None
 
 
 @dataclass(frozen=True)
@@ -53,12 +58,13 @@ class FieldNames:
     prompt: str = "prompt"
     token_ids: str = "token_ids"
     max_new_tokens: str = "max_new_tokens"
-    sampling: str = "sampling"
+    sampling: str = "sampling"       # the sampling fields' parent ("" where they stand alone)
     stop_token_ids: str = "stop_token_ids"
     prefill_mode: str = "prefill_mode"
     chunk_size: str = "chunk_size"
     prefill_sms: str = "prefill_sms"
     cache_salt: str = "cache_salt"
+    logprobs: str = "logprobs"
 
 
 GRPC_NAMES = FieldNames()
@@ -102,14 +108,40 @@ class RequestParser:
             if not 0 <= token < vocab:
                 raise InvalidRequest(f"{names.stop_token_ids}[{position}] = {token} is outside the vocabulary "
                                      f"[0, {vocab})", names.stop_token_ids)
+        seed = f.seed if f.seed is not None else random.getrandbits(62)
         try:
-            params = SamplingParams(f.temperature, f.top_p, f.top_k, f.seed or random.getrandbits(62))
-        except ValueError as e:
-            raise InvalidRequest(f"bad {names.sampling} parameters: {e}", names.sampling) from e
+            params = SamplingParams(f.temperature, f.top_p, f.top_k, seed)
+        except SamplingError as e:
+            param = f"{names.sampling}.{e.field}" if names.sampling else e.field
+            raise InvalidRequest(f"bad sampling parameters: {e}", param) from e
         mode = PrefillMode.from_number(f.prefill_mode) if f.prefill_mode else self.cfg.default_mode
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
+        if f.prompt_logprobs and mode == PrefillMode.LAYERED:
+            if f.prefill_mode:  # its slices yield the last token's logits alone
+                raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
+                                     "chunked", names.prefill_mode)
+            mode = PrefillMode.COLOCATED
+        if (f.logprobs is not None or f.penalties is not None) and mode not in LOGPROB_MODES:
+            # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
+            if f.prefill_mode:
+                what = names.logprobs if f.logprobs is not None else "penalties and logit filters"
+                raise InvalidRequest(f"{what} need the prompt prefilled on this server: use "
+                                     f"{names.prefill_mode} colocated, chunked or layered", names.prefill_mode)
+            mode = PrefillMode.COLOCATED
+        if f.penalties is not None:
+            for token, _ in f.penalties.logit_bias:
+                if not 0 <= token < vocab:
+                    raise InvalidRequest(f"logit_bias names token {token}, outside the vocabulary [0, {vocab})",
+                                         "logit_bias")
+            for token in f.penalties.allowed:
+                if not 0 <= token < vocab:
+                    raise InvalidRequest(f"allowed_token_ids names token {token}, outside the vocabulary [0, {vocab})",
+                                         "allowed_token_ids")
+            if f.penalties.min_tokens > max_new:
+                raise InvalidRequest(f"min_tokens ({f.penalties.min_tokens}) is more than max_tokens ({max_new})",
+                                     "min_tokens")
         problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
         if problem:
             raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
@@ -121,7 +153,9 @@ class RequestParser:
             if problem:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
-                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, f.cache_salt)
+                       f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, cache_salt=f.cache_salt,
+                       logprobs=f.logprobs, prompt_logprobs=f.logprobs if f.prompt_logprobs else None,
+                       penalties=f.penalties)
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

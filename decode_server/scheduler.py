@@ -35,6 +35,7 @@ from decode_server.partitioned import PrefillDone
 from decode_server.sequence import Rejected, RequestOutput, RequestSequence
 from decode_server.step_trace import StepTrace
 from engine.green_context import SmPartitions
+from engine.logprobs import TokenLogprobs
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -229,10 +230,11 @@ class BatchScheduler:
             now = time.perf_counter()  # its KV is in the pool: the handoff completed before submit
             self.prompt_done(seq, arrival.first_token, now - seq.timing.admitted, now)
 
-    def append(self, seq: RequestSequence, token: int, step_s: float, now: float) -> bool:
+    def append(self, seq: RequestSequence, token: int, step_s: float, now: float,
+               logprobs: TokenLogprobs | None = None) -> bool:
         """Record a token and send it; True (and the sequence's blocks given back) if it was the last.
         A finished sequence's blocks stay cached with its answer in them: a chat's next turn re-sends it."""
-        seq.out.add(seq.append(token, step_s, now))
+        seq.out.add(seq.append(token, step_s, now, logprobs))
         self._woken.append(seq.out)
         if seq.finish_reason:
             if self.admission.cache.enabled:
@@ -242,11 +244,12 @@ class BatchScheduler:
             return True
         return False
 
-    def prompt_done(self, seq: RequestSequence, token: int, step_s: float, now: float) -> None:
+    def prompt_done(self, seq: RequestSequence, token: int, step_s: float, now: float,
+                    logprobs: TokenLogprobs | None = None) -> None:
         """The prompt's KV is in the pool (or queued on the engine's stream): its full blocks may serve
         others, and its first token goes out; then it waits for a batch slot, unless that token was its last."""
         self.admission.cache.publish(seq.prompt, seq.block_table, len(seq.prompt), seq.cache_salt)
-        if not self.append(seq, token, step_s, now):
+        if not self.append(seq, token, step_s, now, logprobs):
             self.ready.append(seq)
 
     def refuse(self, seq: RequestSequence, rejected: Rejected) -> None:

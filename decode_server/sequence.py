@@ -9,9 +9,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from decode_server.config import PrefillMode
 from decode_server.timing import Timing
+from engine.logprobs import TokenLogprobs
+from engine.penalties import Penalties, PenaltyState
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
 from serving.token_ids import TokenIds, as_array
@@ -27,6 +30,7 @@ class TokenOutput:
     index: int
     finish_reason: str  # "" until the last token
     step_s: float       # the step (prefill or decode) that produced it
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 Output = TokenOutput | Rejected
@@ -83,6 +87,18 @@ class RequestSequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_sms: int = 0           # partitioned mode: SMs of its prefill's green context; 0 = the server's
     cache_salt: str = ""           # its prefix-cache namespace; "" = none
+    logprobs: int | None = None    # log probabilities of its tokens and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # ... of its prompt's tokens too (after the first), filled by its prefill
+    prompt_logprob_values: list[TokenLogprobs] = field(default_factory=list)
+    penalties: Penalties | None = None
+    penalty_state: PenaltyState | None = None  # on the device, made by the engine's thread
+
+    def penalties_on(self, vocab: int, device: torch.device) -> PenaltyState | None:
+        """Its penalties' state on the device, made at its first use (engine thread); None without any."""
+        if self.penalties is not None and self.penalty_state is None:
+            self.penalty_state = PenaltyState.create(self.penalties, as_array(self.prompt),
+                                                     sorted(self.eos_ids | self.stop_ids), vocab, device)
+        return self.penalty_state
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""
@@ -97,7 +113,7 @@ class RequestSequence:
     def total_tokens(self) -> int:
         return len(self.prompt) + self.max_new_tokens
 
-    def append(self, token: int, step_s: float, now: float) -> TokenOutput:
+    def append(self, token: int, step_s: float, now: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
         self.tokens.append(token)
         if len(self.tokens) == 1:
@@ -108,4 +124,4 @@ class RequestSequence:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        return TokenOutput(token, len(self.tokens) - 1, self.finish_reason, step_s)
+        return TokenOutput(token, len(self.tokens) - 1, self.finish_reason, step_s, logprobs)

@@ -40,7 +40,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         s = request.sampling
         return RequestFields(request_id=request_id, token_ids=request.token_ids, prompt=request.prompt,
                              max_new_tokens=request.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                             top_k=s.top_k, seed=s.seed, stop_token_ids=request.stop_token_ids,
+                             top_k=s.top_k, seed=s.seed or None, stop_token_ids=request.stop_token_ids,
                              ignore_eos=request.ignore_eos, prefill_mode=request.prefill_mode,
                              chunk_size=request.chunk_size, prefill_sms=request.prefill_sms,
                              cache_salt=request.cache_salt)

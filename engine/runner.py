@@ -91,10 +91,12 @@ class ModelRunner:
                  self.max_model_len, time.perf_counter() - started)
 
     def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]."""
+                on_layer_done: Callable[[int], None] | None = None, every_token: bool = False) -> torch.Tensor:
+        """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]
+        (`every_token`: every token's, [T, V], for the prompt's own log probabilities)."""
         ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
-        return self.model(ids, positions, self.pool, meta, last_only=True, on_layer_done=on_layer_done)[0]
+        logits = self.model(ids, positions, self.pool, meta, last_only=not every_token, on_layer_done=on_layer_done)
+        return logits if every_token else logits[0]
 
     def prefill_slices(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], slice_tokens: int,
                        start: int = 0) -> Iterator[torch.Tensor | None]:

@@ -16,6 +16,14 @@ import torch
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -25,11 +33,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise SamplingError("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:  # also false for NaN
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingError("top_k", f"top_k must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -5,8 +5,10 @@ stream, or a leaked KV block; and the server then answers as before."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
+import zlib
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves i
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
 
 VOCAB, CONTEXT = 320, 40960
-DEFINED = {200, 400, 404, 429}
+DEFINED = {200, 400, 404, 413, 415, 429}
 MAX_EVENTS = 30   # a long stream: read this many events, then hang up (that path is fuzzed too)
 CALL_TIMEOUT = 30.0
 FUZZ = settings(max_examples=60, deadline=None, database=None,
@@ -33,7 +35,10 @@ json_values = st.recursive(
     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "stop_token_ids", "prefill_mode",
-          "chunk_size", "logprobs", "user", "presence_penalty"]
+          "chunk_size", "logprobs", "user", "presence_penalty", "echo", "tools", "tool_choice", "response_format",
+          "repetition_penalty", "min_p", "min_tokens", "guided_json", "guided_choice", "structured_outputs",
+          "bad_words", "allowed_token_ids", "prompt_logprobs", "skip_special_tokens", "add_generation_prompt",
+          "logit_bias", "top_logprobs", "cache_salt"]
 # every field anything, but never a long non-streamed answer (the only thing that would merely be slow)
 def short(body: dict[str, Any]) -> dict[str, Any]:
     tokens = body.get("max_tokens")
@@ -43,7 +48,10 @@ def short(body: dict[str, Any]) -> dict[str, Any]:
 wild = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=10), json_values, max_size=8).map(short)
 samplings = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.floats(0, 3), st.just(0)), "top_p": st.floats(0, 1),
-    "top_k": st.integers(-1, 400), "seed": st.integers(0, 2**64 - 1)})
+    "top_k": st.integers(-1, 400), "seed": st.integers(0, 2**64 - 1),
+    # fields not implemented, at their do-nothing values or not
+    "frequency_penalty": st.sampled_from([0, 0.0, 0.5]), "min_p": st.sampled_from([0, 0.1]),
+    "logprobs": st.sampled_from([None, 0, 2])})
 texts = st.text(min_size=1, max_size=200)
 common = st.fixed_dictionaries({"max_tokens": st.integers(1, 40)}, optional={
     "model": st.sampled_from(["tiny", "tiny", "other"]), "stop": st.one_of(texts, st.lists(st.text(max_size=4),
@@ -95,10 +103,10 @@ def check_stream(response: http.client.HTTPResponse) -> None:
     raise AssertionError("the stream ended without data: [DONE]")
 
 
-def send(port: int, path: str, body: bytes) -> int:
+def send(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CALL_TIMEOUT)
     try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         assert response.status in DEFINED, (response.status, response.read())
         if response.status != 200:
@@ -136,9 +144,13 @@ def test_fuzz_openai_raw_bytes(http_server: HttpServer) -> None:
 
     @FUZZ
     @given(payload=st.one_of(st.binary(max_size=300), st.binary(max_size=len(valid)).map(
-        lambda b: valid[:len(b)] + b)), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-    def one(payload: bytes, path: str) -> None:
-        send(http_server.http_port, path, payload)
+        lambda b: valid[:len(b)] + b)), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        encoding=st.sampled_from([None, None, "gzip", "deflate", "br", "x-zstd"]),
+        compressed=st.booleans())
+    def one(payload: bytes, path: str, encoding: str | None, compressed: bool) -> None:
+        if compressed and encoding in ("gzip", "deflate"):
+            payload = gzip.compress(payload) if encoding == "gzip" else zlib.compress(payload)
+        send(http_server.http_port, path, payload, {"Content-Encoding": encoding} if encoding else None)
 
     one()
     after_fuzzing(http_server, reference)

@@ -18,6 +18,7 @@ from decode_server.core import DecodeCore, Generation, Request
 from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from engine.host_read import TokenReader
+from engine.logprobs import TokenLogprobs
 from engine.offline import generate, make_runner
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -88,9 +89,10 @@ def test_a_remote_first_token_is_appended_on_the_scheduler_thread(runner: ModelR
         threads: list[str] = []
         append = seq.append
 
-        def recording_append(token: int, step_s: float, now: float) -> TokenOutput:
+        def recording_append(token: int, step_s: float, now: float,
+                             logprobs: TokenLogprobs | None = None) -> TokenOutput:
             threads.append(threading.current_thread().name)
-            return append(token, step_s, now)
+            return append(token, step_s, now, logprobs)
 
         seq.append = recording_append  # type: ignore[method-assign]
         scheduler.submit(seq, first_token=alone[0])

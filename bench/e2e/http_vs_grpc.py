@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=50081, help="gRPC port; HTTP on --http-port")
     p.add_argument("--http-port", type=int, default=8081)
     p.add_argument("--server-args", default="", help="extra decode server flags")
+    p.add_argument("--extra-body", default="", help="a JSON object of fields added to every HTTP request "
+                   "(logprobs, penalties, ...): their cost shows as HTTP's ITL over gRPC's")
     p.add_argument("--json", default="bench/results/http-h200.json")
     p.add_argument("--logs", default=None)
     args = p.parse_args()
@@ -61,7 +63,8 @@ def main() -> None:
     server = ServerProcess("decode_server", server_args, f"127.0.0.1:{args.port}", logs / "decode_server.log")
     out = logs / "load.json"
     load_args = ["--rate", "0", "--background-users", str(args.users), "--duration", str(args.duration),
-                 "--prompt-len", args.prompt_len, "--output-len", args.output_len, "--seed", str(args.seed)]
+                 "--prompt-len", args.prompt_len, "--output-len", args.output_len, "--seed", str(args.seed),
+                 *(["--openai-extra-body", args.extra_body] if args.extra_body else [])]
     cmd = [sys.executable, "-m", "client.load", "--no-progress", "--json", str(out), *load_args, "--compare",
            f"grpc=127.0.0.1:{args.port}", f"http=http://127.0.0.1:{args.http_port}/v1"]
     try:
@@ -77,6 +80,7 @@ def main() -> None:
     added = overhead(grpc_itl, http_itl)
     doc = {**metadata(), "model": args.model or f"preset:{args.preset}", "device": args.device,
            "server": f"python -m decode_server {' '.join(server_args)}", "load_command": " ".join(cmd[2:]),
+           "extra_body": args.extra_body or None,
            "itl_ms": {"grpc": grpc_itl, "http": http_itl}, "http_minus_grpc_ms": added, "budget_ms": BUDGET_MS,
            "within_budget": added["p50"] is not None and added["p50"] <= BUDGET_MS,
            "runs": runs}

@@ -1,0 +1,228 @@
+"""An HTTP request's envelope, before its fields are read: the body (size, compression, JSON, read
+timeout), the X-Request-Id header, and every refusal as OpenAI's error body, aiohttp's own included.
+
+Bodies are decompressed here, not by aiohttp (started with auto_decompress=False), so that an
+unknown encoding or a corrupt stream is a 4xx in OpenAI's body, and a decompression bomb stops at the
+size limit. Large bodies are decompressed and parsed off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from serving.grpc_common import MAX_REQUEST_BYTES
+
+log = logging.getLogger(__name__)
+
+# gRPC's ending -> (HTTP status, OpenAI error type)
+STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+SERVER_ERROR = (500, "server_error")
+PARSE_IN_THREAD_BYTES = 64 << 10   # bodies past this are decompressed and parsed off the event loop
+GATE_BYTES = 256 << 10             # ... and past this first counted in a separate process (see parse_body)
+GATES_AT_ONCE = 2
+# Run as `python -I -S -c GATE max_values` with the body on stdin: prints {"values": n} (counting
+# stops past max_values) or {"error": why it is not JSON}. Only json is imported, so it starts fast.
+GATE = """
+import json, sys
+limit = int(sys.argv[1])
+try:
+    data = json.loads(sys.stdin.buffer.read())
+except (ValueError, RecursionError) as e:
+    print(json.dumps({"error": str(e)}))
+    raise SystemExit
+n, todo = 0, [data]
+while todo and n <= limit:
+    x = todo.pop()
+    n += 1
+    if isinstance(x, list):
+        todo.extend(x)
+    elif isinstance(x, dict):
+        todo.extend(x.values())
+print(json.dumps({"values": n}))
+"""
+BODY_TIMEOUT_S = 20.0              # the whole body must arrive within this after the headers
+HEADER_TIMEOUT_S = 15.0            # ... and the headers within this of the connection opening (or going idle)
+MAX_REQUEST_ID_BYTES = 256
+# the zlib window bits that take a gzip (31) or zlib (15) header, as each encoding's name says
+DECOMPRESS_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+
+
+class ApiError(Exception):
+    """A request's ending as OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str, param: str | None = None,
+                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+        self.grpc_code = grpc_code  # how the request log and metrics count it, as for gRPC
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
+        status, kind = STATUS.get(code, SERVER_ERROR)
+        return cls(status, message, kind, code.name.lower(), param, code)
+
+    @classmethod
+    def internal(cls, message: str) -> ApiError:
+        return cls(SERVER_ERROR[0], message, SERVER_ERROR[1], "internal", None, grpc.StatusCode.INTERNAL)
+
+    @classmethod
+    def bad_body(cls, message: str, code: str, status: int = 400) -> ApiError:
+        return cls(status, message, "invalid_request_error", code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
+                    "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def request_id_header(request: web.Request) -> str | None:
+    """X-Request-Id as sent, or None when absent; refused unless printable ASCII (it goes into logs and
+    gRPC metadata), which a header that is not UTF-8 never is."""
+    value = request.headers.get("X-Request-Id")
+    if not value:
+        return None
+    if not (value.isascii() and value.isprintable()) or len(value) > MAX_REQUEST_ID_BYTES:
+        raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_BYTES} printable ASCII characters",
+                       "invalid_request_error", "invalid_request_id", "X-Request-Id")
+    return value
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body's bytes, decompressed: 413 past the size limit (told by Content-Length before
+    reading, else found while reading or inflating), 408 when it trickles in past BODY_TIMEOUT_S,
+    415 for an encoding other than gzip / deflate, 400 for a corrupt one."""
+    if (request.content_length or 0) > MAX_REQUEST_BYTES:
+        raise too_large()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise too_large() from e
+    except TimeoutError as e:
+        raise ApiError.bad_body(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", "request_timeout",
+                                408) from e
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    wbits = DECOMPRESS_WBITS.get(encoding)
+    if wbits is None:
+        raise ApiError.bad_body(f"Content-Encoding {encoding[:32]!r} is not supported; send the body as is, gzip "
+                                "or deflate", "unsupported_content_encoding", 415)
+    if len(raw) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(inflate, raw, wbits, encoding)
+    return inflate(raw, wbits, encoding)
+
+
+def inflate(raw: bytes, wbits: int, encoding: str) -> bytes:
+    stream = zlib.decompressobj(wbits)
+    try:
+        body = stream.decompress(raw, MAX_REQUEST_BYTES + 1)
+    except zlib.error as e:
+        raise ApiError.bad_body(f"the request body is not valid {encoding}: {e}", "invalid_encoding") from e
+    if len(body) > MAX_REQUEST_BYTES:
+        raise too_large()
+    if not stream.eof:
+        raise ApiError.bad_body(f"the request body's {encoding} stream is cut short", "invalid_encoding")
+    return body
+
+
+_gates = asyncio.Semaphore(GATES_AT_ONCE)
+
+
+async def parse_body(raw: bytes, max_values: int) -> Any:
+    """The body as JSON. Parsing holds the GIL throughout (the json module's C scanner), so a body of
+    millions of small values, parsed in a thread of this process, would freeze every stream for
+    seconds. A large body is therefore parsed first in a short-lived process that only counts its
+    values: past `max_values` (more than any request that fits the context holds) it is refused
+    unparsed here, and what is left parses in a thread in a bounded time."""
+    if len(raw) <= PARSE_IN_THREAD_BYTES:
+        return parse_json(raw)
+    if len(raw) > GATE_BYTES:
+        async with _gates:
+            gate = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-c", GATE, str(max_values), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            try:
+                out, _ = await gate.communicate(raw)
+            finally:
+                if gate.returncode is None:  # cancelled: the client went away
+                    gate.kill()
+                    await gate.wait()
+        verdict = json.loads(out or b'{"error": "the JSON check failed"}')
+        if "error" in verdict:
+            raise ApiError.bad_body(f"the request body is not valid JSON: {verdict['error']}", "invalid_json")
+        if verdict["values"] > max_values:
+            raise ApiError.bad_body(f"the request body holds more than {max_values} JSON values; no request that "
+                                    "fits this server's context limit needs that many", "request_too_complex")
+    return await asyncio.to_thread(parse_json, raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """400 when it is not JSON (bad UTF-8 included)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ApiError.bad_body(f"the request body is not valid JSON: {e}", "invalid_json") from e
+
+
+class ClientErrorLog:
+    """Clients' mistakes (refused requests, unknown fields taken), one line each, at most `per_window`
+    a window; then one line counting those left out, so that a client sending garbage can't flood
+    the log. Only the server's own faults get a traceback, elsewhere."""
+
+    def __init__(self, per_window: int = 20, window_s: float = 10.0) -> None:
+        self.per_window, self.window_s = per_window, window_s
+        self.window_start, self.logged, self.left_out = 0.0, 0, 0
+
+    def refused(self, request_id: str, error: ApiError) -> None:
+        self._line(logging.INFO, f"request {request_id} refused ({error.status} {error.code}): {str(error)[:300]}")
+
+    def warn(self, request_id: str, text: str) -> None:
+        self._line(logging.WARNING, f"request {request_id}: {text}")
+
+    def _line(self, level: int, text: str) -> None:
+        now = time.monotonic()
+        if now - self.window_start >= self.window_s:
+            if self.left_out:
+                log.info("%d more refused requests were not logged in the last %g s", self.left_out, self.window_s)
+            self.window_start, self.logged, self.left_out = now, 0, 0
+        if self.logged < self.per_window:
+            self.logged += 1
+            log.log(level, "%s", text)
+        else:
+            self.left_out += 1
+
+
+@web.middleware
+async def openai_errors(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method) in OpenAI's error body too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
+                        e.reason.lower().replace(" ", "_")).response()

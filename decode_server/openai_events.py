@@ -1,0 +1,33 @@
+"""A streamed OpenAI answer's SSE events, built from JSON fragments made once a request: per token only
+its text (and, when asked, its log probabilities) is encoded."""
+
+from __future__ import annotations
+
+import json
+
+
+class ChunkFormat:
+    """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
+
+    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
+        self.request_id, self.model = request_id, model
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
+                  f'"model":{json.dumps(model)},')
+        self.usage_head = common + '"choices":[],"usage":'
+        choice = common + '"choices":[{"index":0,'
+        self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
+        self.head = choice + ('"delta":{"content":' if chat else '"text":')
+        self.close = "}" if chat else ""
+        self.finish = {reason: f',"finish_reason":{json.dumps(reason)}}}]}}\n\n' for reason in (None, "stop", "length")}
+        self.tails = {reason: f'{self.close},"logprobs":null{finish}' for reason, finish in self.finish.items()}
+
+    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None) -> bytes:
+        """One token's event; `logprobs`: its log probabilities' JSON, when the request asked."""
+        head = (self.first if first else self.head) + json.dumps(text)
+        if logprobs is None:
+            return (head + self.tails[finish_reason]).encode()
+        return (head + self.close + ',"logprobs":' + logprobs + self.finish[finish_reason]).encode()
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
