@@ -12,6 +12,7 @@ from client.load_plan import LoadSpec
 from client.load_stats import Slo
 from planner.cluster import Cluster, Deployment, Serving
 from planner.costs import Costs
+from planner.network import Network
 from planner.traffic import Conversations, SimRequest, Traffic
 
 
@@ -34,8 +35,8 @@ class SimResult:
 
 
 def simulate(deployment: Deployment, costs: Costs, spec: LoadSpec, serving: Serving | None = None,
-             conversations: Conversations | None = None) -> SimResult:
-    cluster = Cluster(deployment, costs, Traffic(spec, conversations or Conversations()), serving)
+             conversations: Conversations | None = None, network: Network | None = None) -> SimResult:
+    cluster = Cluster(deployment, costs, Traffic(spec, conversations or Conversations()), serving, network)
     requests = cluster.run()
     duration = max([spec.duration, *(r.done for r in requests)])
     return SimResult(deployment, requests, duration, [np.asarray(d.step_ends) for d in cluster.decode])
