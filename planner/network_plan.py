@@ -20,10 +20,10 @@ from planner.cluster import Deployment, Serving
 from planner.costs import RESULTS, Costs
 from planner.network import Network
 from planner.plan import MIXES, Mix, goodput, prefill_counts
-from planner.report import PLAN_GPUS, calibrated_serving
+from planner.report import calibrated_serving
 
 NIC_SWEEP_GBPS = (10.0, 25.0, 100.0, 400.0, 1600.0)
-NETWORK_PLAN_GPUS = {8: PLAN_GPUS[8], 64: 10.0}  # GPUs -> simulated seconds of arrivals per point
+NETWORK_PLAN_GPUS = {8: 30.0, 64: 10.0}  # GPUs -> simulated seconds of arrivals per point (CPU time)
 PLOT = RESULTS / "simulate-plan-network.png"
 
 
