@@ -3,9 +3,9 @@ priced over a sweep of NIC rates (the KV of a split-nodes handoff crosses the NI
 
 Per-node: every node of `gpus_per_node` runs the same split, its decode servers fed by its own prefill servers;
 every split the plan compares is timed. Split-nodes: the prefill pool on nodes of its own, every decode server
-fed by the least busy prefill server of the whole pool; timed at each NIC rate on the per-node best split and the
-splits either side of it (CPU time: the full sweep at 64 GPUs takes hours on two cores). The answer flips at the
-slowest NIC on which the split-nodes pools serve at least as much as the best per-node deployment.
+fed by the least busy prefill server of the whole pool; timed at each NIC rate on the per-node best split (CPU
+time: every split at every rate at 64 GPUs takes hours on two shared cores). The answer flips at the slowest NIC
+from which on the split-nodes pools serve at least as much as the best per-node deployment.
 """
 
 from __future__ import annotations
@@ -55,15 +55,12 @@ def compare(gpus: int, mix: Mix, costs: Costs, serving: Serving, network: Networ
     splits = per_node_splits(gpus, network.gpus_per_node)
     per_node = {p: rate(Deployment(p, gpus - p, "disaggregated", pools="per-node"), network) for p in splits}
     best_p = max(per_node, key=lambda p: per_node[p])
-    at = splits.index(best_p)
-    near = splits[max(0, at - 1):at + 2]
     split_rows: list[dict[str, Any]] = []
     for gbps in speeds:
         net = dataclasses.replace(network, nic_gbps=gbps)
-        for p in near:
-            split_rows.append({"nic_gbps": gbps, "prefill": p, "decode": gpus - p,
-                               "goodput_rps": round(rate(Deployment(p, gpus - p, "disaggregated",
-                                                                    pools="split-nodes"), net), 3)})
+        split = Deployment(best_p, gpus - best_p, "disaggregated", pools="split-nodes")
+        split_rows.append({"nic_gbps": gbps, "prefill": best_p, "decode": gpus - best_p,
+                           "goodput_rps": round(rate(split, net), 3)})
     split_best = {g: max(r["goodput_rps"] for r in split_rows if r["nic_gbps"] == g) for g in speeds}
     return {"gpus": gpus, "mix": mix.name, "duration_s": duration,
             "per_node": [{"prefill": p, "decode": gpus - p, "goodput_rps": round(v, 3)} for p, v in per_node.items()],
@@ -75,7 +72,7 @@ def compare(gpus: int, mix: Mix, costs: Costs, serving: Serving, network: Networ
 def run_network_plan(costs: Costs, network: Network, progress: bool = True,
                      speeds: Sequence[float] = NIC_SWEEP_GBPS) -> dict[str, Any]:
     serving = calibrated_serving(costs)
-    total = sum(len(per_node_splits(g, network.gpus_per_node)) + 3 * len(speeds) for g in NETWORK_PLAN_GPUS)
+    total = sum(len(per_node_splits(g, network.gpus_per_node)) + len(speeds) for g in NETWORK_PLAN_GPUS)
     comparisons = []
     with tqdm(total=total * len(MIXES), desc="network plan", unit="deployment", disable=not progress) as bar:
         for gpus, duration in NETWORK_PLAN_GPUS.items():
