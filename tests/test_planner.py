@@ -506,3 +506,16 @@ def test_a_faster_nic_moves_the_answer_towards_split_nodes() -> None:
     split = [result["split_nodes_best"][k] for k in ("2", "25", "1600")]
     assert split == sorted(split) and split[0] < best <= split[-1], result
     assert result["flip_nic_gbps"] in (25.0, 1600.0)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--nic-gbps", "0"], "positive NIC rate"),
+    (["--pools", "per-node", "--prefill", "3", "--decode", "5", "--gpus-per-node", "4"], "whole nodes of 4 GPUs"),
+])
+def test_a_network_the_planner_cannot_price_is_refused(flags: list[str], says: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert says in capsys.readouterr().err
