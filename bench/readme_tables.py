@@ -1,4 +1,4 @@
-"""`python -m bench.readme_tables`: the README's and docs/results.md's headline tables, rendered from
+"""`python -m bench.readme_tables`: the README's, docs/results.md's and docs/scaling.md's tables, rendered from
 the JSON files in bench/results between `<!-- table:NAME -->` and `<!-- /table -->` markers.
 
 A figure in those tables is never typed: `--check` (and tests/test_readme_tables.py) fails when a
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path("bench/results")
-DOCUMENTS = (Path("README.md"), Path("docs/results.md"))
+DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 Doc = dict[str, Any]
@@ -194,9 +194,33 @@ def engine_h200() -> str:
     return provenance({**doc, **held}, file) + "\n\n" + table(header, rows)
 
 
+# --- the plan across nodes (python -m planner --plan-network) -----------------------------------------
+def plan_network() -> str:
+    file = "simulate-plan-network.json"
+    doc = load(file)
+    net = doc["network"]
+    speeds = doc["nic_sweep_gbps"]
+    header = ["GPUs", "mix", "best per-node split (req/s)", *[f"split nodes, {g:g} Gb/s" for g in speeds],
+              "split nodes win from"]
+    rows = []
+    for c in doc["comparisons"]:
+        best = c["per_node_best"]
+        nodes = max(1, c["gpus"] // net["gpus_per_node"])
+        split = f"{best['prefill'] // nodes}P+{(c['gpus'] - best['prefill']) // nodes}D"
+        per_node = f"{split} a node: {best['goodput_rps']:.1f}"
+        cells = [f"{v:.1f} ({v / best['goodput_rps'] - 1:+.0%})" for v in c["split_nodes_best"].values()]
+        flip = f"{c['flip_nic_gbps']:g} Gb/s" if c["flip_nic_gbps"] is not None else "never in the sweep"
+        rows.append([str(c["gpus"]), c["mix"], per_node, *cells, flip])
+    about = (f"*simulated on the CPU, costs fitted to H200 runs, {doc['date'][:10]}, commit {doc['commit']}, "
+             f"`{doc['command']}`, [`{file}`](../bench/results/{file}); {net['gpus_per_node']} GPUs a node, "
+             f"NIC latency {net['nic_latency_us']:g} µs; split-nodes cells: the same split's goodput (req/s) with "
+             "the pools on nodes of their own, and against the per-node best.*")
+    return about + "\n\n" + table(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
-    "load-2xh200": load_2xh200, "engine-h200": engine_h200,
+    "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
 }
 
 

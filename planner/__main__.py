@@ -7,6 +7,7 @@ own costs are calibrated on one recorded load run (see planner.validate). Four u
   python -m planner --validate            # replay bench/results/load-*.json, write the comparison
   python -m planner --plan                # best split and mode for 8 and 64 H200s, three mixes
   python -m planner --predict             # the next two-H200 load run, before it is measured
+  python -m planner --plan-network        # pools on nodes of their own against per-node, over NIC rates
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from client.provenance import git_commit
 from planner.costs import RESULTS
 from planner.deployment import MODES, Deployment
 from planner.fits import describe, fit_costs
+from planner.network import GPUS_PER_NODE, NIC_GBPS, NIC_LATENCY_US, POOLS, Network, node_layout
 from planner.simulation import simulate, summarize
 
 
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-sms", type=int, default=None,
                    help="--plan: partitioned deployments on this many prefill SMs, not the servers' table pick "
                         "(a comparison: needs --json, draws no plot)")
+    what.add_argument("--plan-network", action="store_true",
+                      help="split-nodes pools against per-node deployments for 8 and 64 GPUs, over NIC rates (minutes)")
     what.add_argument("--predict", action="store_true", help="predict the next two-GPU load run (rate sweeps)")
     p.add_argument("--load-args", default=None,
                    help="--predict: the client.load flags of the run to predict, as given to bench.e2e.deployments "
@@ -60,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="auto: as the decode server's flag")
     cluster.add_argument("--auto-local", default=dep.auto_local, help="auto: the local mode")
     cluster.add_argument("--kv-transport", default="nccl", choices=("nccl", "cuda-ipc"))
+    cluster.add_argument("--pools", choices=POOLS, default=dep.pools,
+                         help="how the servers sit on nodes: one NVLink domain, per node, or prefill and decode "
+                              "on nodes of their own")
+    net = p.add_argument_group("network between nodes")
+    net.add_argument("--nic-gbps", type=float, default=NIC_GBPS, help=f"NIC per GPU, Gb/s ({NIC_GBPS:g})")
+    net.add_argument("--nic-latency-us", type=float, default=NIC_LATENCY_US,
+                     help=f"one write across the NICs, us ({NIC_LATENCY_US:g})")
+    net.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE, help=f"({GPUS_PER_NODE})")
     load = p.add_argument_group("load (as client.load)")
     load.add_argument("--rate", type=float, default=d.rate)
     load.add_argument("--duration", type=float, default=d.duration)
@@ -94,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     print("fits to bench/results:\n  " + "\n  ".join(describe(costs)))
+    try:
+        network = Network(args.nic_gbps, args.nic_latency_us, args.gpus_per_node)
+    except ValueError as e:
+        parser.error(str(e))
     progress = not args.no_progress
     if args.validate:
         from planner.validate import validate
@@ -106,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = record["target_abs_rel_error"]
         print(f"{record['within_target']} of {record['scored_rows']} scored rows within +-{target:.0%}")
         write(args.json or str(RESULTS / "simulate-validation.json"), {**stamp(argv), **record})
+        return 0
+    if args.plan_network:
+        from planner.network_plan import run_network_plan
+
+        write(args.json or str(RESULTS / "simulate-plan-network.json"),
+              {**stamp(argv), **run_network_plan(costs, network, progress)})
         return 0
     if args.plan or args.predict:
         from planner.report import run_plan, run_prediction
@@ -124,13 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 partition_sms=args.partition_sms, auto_local_tokens=args.auto_local_tokens,
                                 auto_idle_local_tokens=args.auto_idle_local_tokens,
                                 auto_remote_backlog_tokens=args.auto_remote_backlog_tokens,
-                                auto_local=args.auto_local)
+                                auto_local=args.auto_local, pools=args.pools)
+        node_layout(deployment.pools, deployment.prefill, deployment.decode, network.gpus_per_node)
     except ValueError as e:
         parser.error(str(e))
     from planner.report import calibrated_serving
 
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
-    summary = summarize(simulate(deployment, costs, spec, calibrated_serving(costs)), slo)
+    summary = summarize(simulate(deployment, costs, spec, calibrated_serving(costs), network=network), slo)
     print(json.dumps(summary, indent=1))
     if args.json:
         write(args.json, {**stamp(argv), "params": vars(spec), "summary": summary})

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from decode_server.placement import REMOTE, PlacementInputs, PlacementThresholds, place
 from planner.costs import KV_BYTES_PER_TOKEN, Costs, layered_slices
 from planner.deployment import Deployment, Serving
+from planner.network import Network, node_layout
 from planner.traffic import SimRequest, Traffic
 
 
@@ -50,9 +51,12 @@ class PrefillServer:
     next prompt starts once the last layer's sends are done (the decode side's completion of the handoff
     overlaps it)."""
 
-    def __init__(self, clock: Clock, costs: Costs, serving: Serving, prefix_cache: bool = True) -> None:
+    def __init__(self, clock: Clock, costs: Costs, serving: Serving, prefix_cache: bool = True, node: int = 0,
+                 network: Network | None = None) -> None:
         self.clock, self.costs, self.serving, self.prefix_cache = clock, costs, serving, prefix_cache
-        self.queue: deque[tuple[SimRequest, Callable[[], None], int]] = deque()
+        self.node, self.network = node, network or Network()
+        # (request, its decode server's callback, uncached tokens, the decode server's node and cached tokens)
+        self.queue: deque[tuple[SimRequest, Callable[[], None], int, int, int]] = deque()
         self.busy_until = 0.0
         self.cache: dict[str, int] = {}
         self.backlog_tokens = 0  # uncached tokens waiting or running, as the server reports them (mode auto)
@@ -61,26 +65,33 @@ class PrefillServer:
     def backlog(self) -> int:
         return len(self.queue) + (self.busy_until > self.clock.now)
 
-    def submit(self, request: SimRequest, on_kv: Callable[[], None]) -> None:
+    def submit(self, request: SimRequest, on_kv: Callable[[], None], decode_node: int = 0,
+               decode_cached: int = 0) -> None:
         uncached = request.prompt - cached_of(self.cache, request)
         self.backlog_tokens += uncached
-        self.queue.append((request, on_kv, uncached))
+        self.queue.append((request, on_kv, uncached, decode_node, decode_cached))
         if self.busy_until <= self.clock.now and len(self.queue) == 1:
             self._start()
 
     def _start(self) -> None:
-        request, on_kv, uncached = self.queue.popleft()
+        request, on_kv, uncached, decode_node, decode_cached = self.queue.popleft()
         request.cached = cached_of(self.cache, request)
-        request.prefill_s = (self.costs.prefill_ms(request.prompt - request.cached, request.cached)
-                             + self.serving.remote_prefill_ms) / 1e3
+        compute_ms = self.costs.prefill_ms(request.prompt - request.cached, request.cached)
+        request.prefill_s = (compute_ms + self.serving.remote_prefill_ms) / 1e3
         end = self.clock.now + request.prefill_s
         if request.conversation is not None and self.prefix_cache:
             self.cache[request.conversation] = request.prompt
         # the worker waits for its last sends before taking the next prompt (prefill_server.worker: sender.finish());
         # the rest of the handoff (the decode side's receive completing, the result message) overlaps the next
         # prompt's compute
-        self.busy_until = end + self.costs.prefill_server_hold_ms(request.prompt) / 1e3
-        self.clock.at(end + self.costs.kv_handoff_ms(request.prompt) / 1e3, on_kv)
+        handoff_ms = self.costs.kv_handoff_ms(request.prompt)
+        hold_ms = self.costs.prefill_server_hold_ms(request.prompt)
+        if decode_node != self.node:  # across the NICs: what the decode server lacks, streamed as layers finish
+            sent = request.prompt - decode_cached
+            handoff_ms = self.network.handoff_ms(self.costs, request.prompt, sent, compute_ms)
+            hold_ms = self.network.hold_ms(self.costs, request.prompt, sent, compute_ms)
+        self.busy_until = end + hold_ms / 1e3
+        self.clock.at(end + handoff_ms / 1e3, on_kv)
         self.clock.at(self.busy_until, lambda: self._finished(uncached))
 
     def _finished(self, uncached: int) -> None:
@@ -128,6 +139,7 @@ class DecodeServer:
     # running sequences by context less the step they joined at (the longest is on top; finished ones are
     # dropped when they reach the top): the attention's cost follows the longest context
     by_context: list[tuple[int, int, SimRequest]] = field(default_factory=list)
+    node: int = 0
 
     def __post_init__(self) -> None:
         self.capacity = int(self.deployment.kv_cache_gb * 1e9 // KV_BYTES_PER_TOKEN)
@@ -142,7 +154,8 @@ class DecodeServer:
             uncached = request.prompt - cached_of(self.cache, request)
             self.remote_backlog_tokens += uncached  # decode_server.core.remote_prefill: its tokens in flight
             target = min(self.prefill_servers, key=lambda p: p.backlog)
-            target.submit(request, lambda: self._kv_arrived(request, uncached))
+            target.submit(request, lambda: self._kv_arrived(request, uncached), self.node,
+                          request.prompt - uncached)
             return
         request.where = "local"
         self.prefilling.append(_LocalPrefill(request, mode))
@@ -309,14 +322,20 @@ class DecodeServer:
 class Cluster:
     """Clients round-robin over the decode servers in the order they send, as `client.load` does."""
 
-    def __init__(self, deployment: Deployment, costs: Costs, traffic: Traffic, serving: Serving | None = None) -> None:
+    def __init__(self, deployment: Deployment, costs: Costs, traffic: Traffic, serving: Serving | None = None,
+                 network: Network | None = None) -> None:
         self.deployment, self.traffic = deployment, traffic
         self.clock = Clock()
-        serving = serving or Serving()
-        self.prefill = [PrefillServer(self.clock, costs, serving, deployment.prefix_cache)
-                        for _ in range(deployment.prefill)]
-        self.decode = [DecodeServer(i, self.clock, costs, deployment, serving, self.prefill, self._done)
-                       for i in range(deployment.decode)]
+        serving, network = serving or Serving(), network or Network()
+        prefill_nodes, decode_nodes = node_layout(deployment.pools, deployment.prefill, deployment.decode,
+                                                  network.gpus_per_node)
+        self.prefill = [PrefillServer(self.clock, costs, serving, deployment.prefix_cache, node, network)
+                        for node in prefill_nodes]
+        # per-node pools: a decode server's prompts go to its own node's prefill servers only
+        self.decode = [DecodeServer(i, self.clock, costs, deployment, serving,
+                                    [p for p in self.prefill if deployment.pools != "per-node" or p.node == node],
+                                    self._done, node=node)
+                       for i, node in enumerate(decode_nodes)]
         self.requests: list[SimRequest] = []
         self._next_target = itertools.cycle(range(deployment.decode))
         self._affinity: dict[str, int] = {}

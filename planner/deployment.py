@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decode_server.config import DecodeConfig
+from planner.network import POOLS
 
 LOCAL_MODES = ("colocated", "chunked", "layered", "partitioned")
 MODES = ("disaggregated", *LOCAL_MODES, "auto")
@@ -29,6 +30,7 @@ class Deployment:
     auto_local: str = DecodeConfig.auto_local_mode
     max_batch: int = 64
     kv_cache_gb: float = 30.0
+    pools: str = "nvlink"                # how the servers sit on nodes (planner.network.POOLS)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -39,6 +41,8 @@ class Deployment:
             raise ValueError("a deployment needs at least one decode server and no negative count of prefill servers")
         if self.mode in ("disaggregated", "auto") and self.prefill < 1:
             raise ValueError(f"mode {self.mode} needs at least one prefill server")
+        if self.pools not in POOLS:
+            raise ValueError(f"unknown pools {self.pools!r}: use one of {', '.join(POOLS)}")
 
     @property
     def gpus(self) -> int:
@@ -46,7 +50,7 @@ class Deployment:
 
     def label(self) -> str:
         if self.mode in ("disaggregated", "auto"):
-            return f"{self.mode} {self.prefill}P+{self.decode}D"
+            return f"{self.mode} {self.prefill}P+{self.decode}D" + ("" if self.pools == "nvlink" else f" {self.pools}")
         suffix = f":{self.chunk_size}" if self.mode == "chunked" else ""
         return f"{self.mode}{suffix} {self.decode}D"
 

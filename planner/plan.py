@@ -18,6 +18,7 @@ from client.load_plan import LoadSpec
 from client.load_stats import Slo
 from planner.costs import Costs
 from planner.deployment import Deployment, Serving
+from planner.network import Network
 from planner.simulation import met, simulate
 from planner.traffic import Conversations
 from planner.validate import table_sms
@@ -53,17 +54,17 @@ MIXES = {
 
 
 def attainment(deployment: Deployment, costs: Costs, mix: Mix, rate: float, serving: Serving,
-               duration: float | None = None) -> float:
+               duration: float | None = None, network: Network | None = None) -> float:
     spec = dataclasses.replace(mix.spec, rate=rate, duration=duration or mix.spec.duration)
-    result = simulate(deployment, costs, spec, serving, mix.conversations)
+    result = simulate(deployment, costs, spec, serving, mix.conversations, network)
     return sum(met(r, mix.slo) for r in result.requests) / max(1, len(result.requests))
 
 
 def goodput(deployment: Deployment, costs: Costs, mix: Mix, serving: Serving, target: float = 0.9,
-            start: float = 1.0, steps: int = 7, duration: float | None = None) -> float:
+            start: float = 1.0, steps: int = 7, duration: float | None = None, network: Network | None = None) -> float:
     """The highest rate (req/s) with attainment >= target: double until it fails, then bisect."""
     def ok(rate: float) -> bool:
-        return attainment(deployment, costs, mix, rate, serving, duration) >= target
+        return attainment(deployment, costs, mix, rate, serving, duration, network) >= target
 
     low, high = 0.0, start
     while ok(high):

@@ -13,6 +13,7 @@ from client.load_stats import Slo
 from planner.cluster import Cluster
 from planner.costs import Costs
 from planner.deployment import Deployment, Serving
+from planner.network import Network
 from planner.traffic import Conversations, SimRequest, Traffic
 
 
@@ -35,8 +36,8 @@ class SimResult:
 
 
 def simulate(deployment: Deployment, costs: Costs, spec: LoadSpec, serving: Serving | None = None,
-             conversations: Conversations | None = None) -> SimResult:
-    cluster = Cluster(deployment, costs, Traffic(spec, conversations or Conversations()), serving)
+             conversations: Conversations | None = None, network: Network | None = None) -> SimResult:
+    cluster = Cluster(deployment, costs, Traffic(spec, conversations or Conversations()), serving, network)
     requests = cluster.run()
     duration = max([spec.duration, *(r.done for r in requests)])
     return SimResult(deployment, requests, duration, [np.asarray(d.step_ends) for d in cluster.decode])

@@ -424,3 +424,101 @@ def test_the_recorded_plan_ran_partitioned_on_the_table_pick() -> None:
     for name, entry in plans.items():
         partitioned = [r for r in entry["rows"] if r["mode"] == "partitioned"]
         assert [r.get("prefill_sms") for r in partitioned] == [table_sms(entry["slo"]["itl_ms"])], name
+
+
+# --- the network between nodes --------------------------------------------------------------------
+def test_a_handoff_between_nodes_is_priced_at_the_nic_rate() -> None:
+    """A 32k prompt's 1.88 GB of KV crosses a 400 Gb/s NIC (50 GB/s) in 37.6 ms: all of it exposed when nothing
+    hides it, one layer's 1.34 ms when a long prefill does. On NVLink's measured rate it would be several times
+    less."""
+    from planner.network import Network
+
+    kv_bytes = 32768 * KV_BYTES_PER_TOKEN
+    assert kv_bytes == pytest.approx(1.879e9, rel=1e-3)
+    nic = Network(nic_gbps=400, nic_latency_us=5)
+    assert nic.nic_exposed_ms(32768, compute_ms=0) == pytest.approx(kv_bytes / 50e9 * 1e3 + 0.005)
+    assert nic.nic_exposed_ms(32768, compute_ms=1e4) == pytest.approx(kv_bytes / 28 / 50e9 * 1e3 + 0.005)
+    nvlink_ms = kv_bytes / (COSTS.kv.params[0] * 1e9) * 1e3
+    assert COSTS.kv.params[0] > 150 and nic.nic_exposed_ms(32768, 0) > 3 * nvlink_ms
+    assert Network(nic_gbps=800).nic_exposed_ms(32768, 0) == pytest.approx(kv_bytes / 100e9 * 1e3 + 0.005)
+
+
+def test_a_prefill_server_prices_the_handoff_by_where_its_decode_server_is() -> None:
+    """The same prompt lands the measured NVLink handoff after its prefill for a decode server on the prefill
+    server's node, and the servers' part plus what a 10 Gb/s NIC cannot hide behind the prefill for one on another
+    node; only what the decode server lacks crosses the NIC."""
+    from planner.network import Network, control_ms
+
+    network = Network(nic_gbps=10, nic_latency_us=0)
+    landed: dict[str, float] = {}
+    for key, node, decode_cached in (("same", 0, 0), ("other", 1, 0), ("other, half cached", 1, 16384)):
+        clock = Clock()
+        server = PrefillServer(clock, COSTS, SERVING, node=0, network=network)
+        request = SimRequest(key, "arrival", 0.0, 32768, 8)
+        server.submit(request, lambda k=key, c=clock: landed.__setitem__(k, c.now),  # type: ignore[misc]
+                      node, decode_cached)
+        clock.run()
+        landed[key] -= request.prefill_s
+    compute_ms = COSTS.prefill_ms(32768)
+    assert landed["same"] == pytest.approx(COSTS.kv_handoff_ms(32768) / 1e3)
+    layer_ms = 32768 * KV_BYTES_PER_TOKEN / 28 / 1.25e9 * 1e3  # 10 Gb/s = 1.25 GB/s
+    assert layer_ms > compute_ms / 28  # the NIC is slower than the prefill: the pipeline backs up
+    exposed = layer_ms + 27 * (layer_ms - compute_ms / 28)
+    assert landed["other"] == pytest.approx((control_ms(COSTS, 32768) + exposed) / 1e3)
+    assert landed["same"] < landed["other, half cached"] < landed["other"]
+
+
+def test_per_node_pools_keep_each_nodes_kv_on_it() -> None:
+    from planner.cluster import Cluster
+    from planner.network import Network, node_layout
+
+    assert node_layout("per-node", 2, 14, 8) == ([0, 1], [0] * 7 + [1] * 7)
+    assert node_layout("split-nodes", 10, 6, 8) == ([0] * 8 + [1] * 2, [2] * 6)
+    with pytest.raises(ValueError, match="whole nodes of 8 GPUs"):
+        node_layout("per-node", 3, 13, 8)
+    cluster = Cluster(Deployment(2, 6, "disaggregated", pools="per-node"), COSTS, Traffic(LOAD, Conversations()),
+                      SERVING, Network(gpus_per_node=4))
+    for server in cluster.decode:
+        assert [p.node for p in server.prefill_servers] == [server.node]
+    shared = Cluster(Deployment(2, 6, "disaggregated", pools="split-nodes"), COSTS, Traffic(LOAD, Conversations()),
+                     SERVING, Network(gpus_per_node=4))
+    assert [s.node for s in shared.decode] == [1, 1, 1, 1, 2, 2]
+    assert all(len(s.prefill_servers) == 2 for s in shared.decode)
+
+
+def test_the_flip_is_the_slowest_nic_from_which_split_nodes_keep_winning() -> None:
+    from planner.network_plan import flip_gbps
+
+    assert flip_gbps(10.0, {100.0: 8.0, 400.0: 10.0, 1600.0: 11.0}) == 400.0
+    assert flip_gbps(10.0, {100.0: 8.0, 400.0: 9.0}) is None
+    assert flip_gbps(10.0, {100.0: 12.0, 400.0: 9.0, 1600.0: 12.0}) == 1600.0
+
+
+def test_a_faster_nic_moves_the_answer_towards_split_nodes() -> None:
+    """Two nodes of two GPUs under long prompts: per-node (1P+1D on each) against the prefill pool on one node and
+    the decode pool on the other. The split pools' goodput only grows with the NIC; on a NIC slower than the
+    prefill per-node wins, and on a fast one the shared prefill pool at least matches it."""
+    from planner.network import Network
+    from planner.network_plan import compare
+    from planner.plan import Mix
+
+    mix = Mix("long", LoadSpec(duration=8, prompt_len="uniform:16384:32768", output_len="lognormal:100:0.5", seed=5),
+              Conversations(), Slo(ttft_ms=4000, itl_ms=50), "long prompts")
+    result = compare(4, mix, COSTS, SERVING, Network(gpus_per_node=2), (2.0, 25.0, 1600.0), duration=8)
+    best = result["per_node_best"]["goodput_rps"]
+    split = [result["split_nodes_best"][k] for k in ("2", "25", "1600")]
+    assert split == sorted(split) and split[0] < best <= split[-1], result
+    assert result["flip_nic_gbps"] in (25.0, 1600.0)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--nic-gbps", "0"], "positive NIC rate"),
+    (["--pools", "per-node", "--prefill", "3", "--decode", "5", "--gpus-per-node", "4"], "whole nodes of 4 GPUs"),
+])
+def test_a_network_the_planner_cannot_price_is_refused(flags: list[str], says: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert says in capsys.readouterr().err
