@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--api", choices=APIS, default="grpc",
                        help="grpc (pd.v1.Decode) or openai (/v1/completions over HTTP); default grpc")
     where.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS (gRPC)")
-    where.add_argument("--openai-extra-body", type=json_object, default="", metavar="JSON",
+    where.add_argument("--openai-extra-body", type=json_object, default=None, metavar="JSON",
                        help="openai: fields added to every request, e.g. '{\"logprobs\": 5}'")
     load = p.add_argument_group("load")
     load.add_argument("--rate", type=float, default=d.rate, help=f"Poisson arrivals per second (default {d.rate})")
@@ -161,7 +161,7 @@ def deployments(args: argparse.Namespace) -> list[Deployment]:
         if not targets:
             raise ValueError("give --target HOST:PORT (or --compare)")
         return [Deployment(args.mode or "load", targets, args.mode, args.chunk_size, api=api_for(targets, args.api),
-                           extra_body=args.openai_extra_body)]
+                           extra_body=args.openai_extra_body or "")]
     runs = [parse_compare(item, targets, args.mode, args.chunk_size, args.api) for item in args.compare]
     if args.openai_extra_body:
         runs = [dataclasses.replace(r, extra_body=args.openai_extra_body) if r.api == "openai" else r for r in runs]
