@@ -155,7 +155,11 @@ def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Dec
     pos = torch.arange(meta.max_context, device=q.device)
     tables = meta.block_tables.long()
     slots = tables[:, pos // bs] * bs + pos % bs                       # [B, L]
-    kv = as_bytes(pool.layers[layer])[:, slots].view(pool.layout.torch_dtype).to(q.dtype)  # [2, B, L, Hkv, D]
+    layer_kv = pool.layers[layer]
+    if layer_kv.element_size() == 1:  # e4m3: gathered as bytes (no gather kernel takes float8), then read as e4m3
+        kv = as_bytes(layer_kv)[:, slots].view(pool.layout.torch_dtype).to(q.dtype)  # [2, B, L, Hkv, D]
+    else:
+        kv = layer_kv[:, slots].to(q.dtype)
     groups = q.shape[1] // kv.shape[3]
     kh = expand_kv(kv[0].transpose(1, 2), groups)                      # [B, H, L, D]
     vh = expand_kv(kv[1].transpose(1, 2), groups)

@@ -94,10 +94,11 @@ def _rope_store_kernel(QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, KV, SLOTS, T,
     slot = tl.load(SLOTS + t, mask=t < T, other=0).to(tl.int64)[:, None]
     if h >= NUM_HEADS + NUM_KV_HEADS:  # V: stored as is
         vh = h - NUM_HEADS - NUM_KV_HEADS
-        dst = KV + s_kv_kind + slot * s_kv_slot + vh * s_kv_head
+        # its own name: a variable's type must be one in both branches, and the pool's may be e4m3
+        cache_v = KV + s_kv_kind + slot * s_kv_slot + vh * s_kv_head
         # an e4m3 pool: Triton converts to it from float32 only (exact for a 16-bit pool)
-        tl.store(dst + offs, x1.to(tl.float32).to(KV.dtype.element_ty), mask=live)
-        tl.store(dst + half + offs, x2.to(tl.float32).to(KV.dtype.element_ty), mask=live)
+        tl.store(cache_v + offs, x1.to(tl.float32).to(KV.dtype.element_ty), mask=live)
+        tl.store(cache_v + half + offs, x2.to(tl.float32).to(KV.dtype.element_ty), mask=live)
         if WRITE_V:
             out = V_OUT + (t[:, None] * NUM_KV_HEADS + vh) * HEAD_DIM
             tl.store(out + offs, x1, mask=live)
