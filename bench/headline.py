@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -94,7 +95,7 @@ def measure(m: Measurement, card: dict[str, float] | None, logs: Path) -> bool:
     if done.returncode != 0 or not out.exists():
         return False
     new = json.loads(out.read_text())
-    new["command"] = "python -m " + " ".join(m.args) + f" --json {m.file}"
+    new["command"] = shlex.join(["python", "-m", *m.args, "--json", str(m.file)])
     new["measured_by"] = "python -m bench.headline"
     if card:
         new["card"] = card
