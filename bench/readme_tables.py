@@ -187,8 +187,7 @@ def load_2xh200() -> str:
 
 
 # --- the engine ---------------------------------------------------------------------------------
-def engine_h200() -> str:
-    file = "engine-h200.json"
+def engine_h200(file: str = "engine-h200.json") -> str:
     doc = load(file)
     held = {"card": {"hbm_gbps": doc["hbm_gbps_measured"], "bf16_tflops_sustained": doc["bf16_tflops_sustained"]}}
     rows = [[f"decode step, batch {b}", ms(doc["decode_ms"][str(b)], 3),
@@ -198,6 +197,37 @@ def engine_h200() -> str:
              for n, t in doc["prefill_ms"].items()]
     header = [f"{doc['preset']}, {doc['context']}-token context", "time", "rate", "HBM floor"]
     return provenance({**doc, **held}, file) + "\n\n" + table(header, rows)
+
+
+def engine_fp8_h200() -> str:
+    """The FP8 preset (e4m3 weights, bf16 activations at 1-16 rows, torch._scaled_mm above)."""
+    return engine_h200("engine-fp8-h200.json")
+
+
+# --- KV over NIXL -------------------------------------------------------------------------------
+def kv_nixl_h200() -> str:
+    """bench.e2e.kv_transfer's nixl rows, each run's median: the endpoints (two processes' pools) and the
+    servers (what the handoff left exposed beyond the prefill), beside cuda-ipc measured with them."""
+    file = "kv_transfer-h200.json"
+    rows = [r for r in load(file)["rows"] if r["transport"] == "nixl" or r.get("beside_nixl")]
+    groups: dict[tuple[str, str, str, int], list[Doc]] = {}
+    for r in rows:
+        groups.setdefault((r["transport"], r["mode"], r.get("op", "WRITE"), r["tokens"]), []).append(r)
+    cells = []
+    for (transport, mode, op, tokens), runs_ in groups.items():
+        mid = sorted(runs_, key=lambda r: r["seconds"])[len(runs_) // 2]
+        rate = f"{mid['gbps']:,.1f} GB/s" if mid.get("gbps") else "-"
+        exposed = ms(mid["exposed_ms"], 2) if mid.get("exposed_ms") is not None else "-"
+        cells.append([transport, mode, op if mode == "endpoints" else "-", f"{tokens // 1024}k",
+                      f"{mid['bytes'] / 1e9:.2f} GB", ms(mid["seconds"] * 1e3, 2), rate, exposed,
+                      "yes" if all(r["bitwise_equal"] for r in runs_) else "**no**"])
+    first = rows[0]
+    commands = dict.fromkeys(r["command"].replace(f"--tokens {r['tokens']}", "--tokens N") for r in rows)
+    doc = {"hardware": first["hardware"], "date": first["date"], "commit": first["commit"],
+           "command": "`, then `".join(commands)}
+    header = ["transport", "measured", "op", "KV of", "bytes", "time (median of 3)", "rate", "exposed beyond the prefill",
+              "bytes identical"]
+    return provenance(doc, file, f", run with `{first['env']}`") + "\n\n" + table(header, cells)
 
 
 # --- the plan across nodes (python -m planner --plan-network) -----------------------------------------
@@ -227,6 +257,7 @@ def plan_network() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
+    "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200,
 }
 
 
