@@ -225,8 +225,8 @@ def kv_nixl_h200() -> str:
     commands = dict.fromkeys(r["command"].replace(f"--tokens {r['tokens']}", "--tokens N") for r in rows)
     doc = {"hardware": first["hardware"], "date": first["date"], "commit": first["commit"],
            "command": "`, then `".join(commands)}
-    header = ["transport", "measured", "op", "KV of", "bytes", "time (median of 3)", "rate", "exposed beyond the prefill",
-              "bytes identical"]
+    header = ["transport", "measured", "op", "KV of", "bytes", "time (median of 3)", "rate",
+              "exposed beyond the prefill", "bytes identical"]
     return provenance(doc, file, f", run with `{first['env']}`") + "\n\n" + table(header, cells)
 
 
