@@ -42,3 +42,16 @@ class ServerProcess(LaunchedServer):
         super().__init__(module, ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0", *http_off,
                                   "--device", device, *args],
                          f"127.0.0.1:{self.port}", log_dir / f"{module}-{self.port}.log")
+
+
+def assert_disaggregated_tokens(address: str, prompts: list[list[int]], want: list[list[int]], steps: int) -> None:
+    """Each prompt, prefilled remotely through the decode server at `address`, gives `want`'s greedy tokens."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        for prompt, tokens in zip(prompts, want, strict=True):
+            replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                token_ids=prompt, max_new_tokens=steps, ignore_eos=True,
+                prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60)
+            assert [r.token_id for r in replies] == tokens

@@ -13,7 +13,7 @@ from engine.decode_batch import DecodeSeq
 from engine.kv_cache import FP8_KV_MAX, to_kv_dtype
 from engine.offline import generate, make_runner
 from tests.conftest import rel_err
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, assert_disaggregated_tokens
 
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
@@ -80,12 +80,7 @@ def test_fp8_kv_served_disaggregated_over_grpc(server_logs: object) -> None:
         mismatched = ServerProcess("decode_server", ["--kv-transport", "grpc", "--prefill-addr", prefill.address],
                                    server_logs).start()
         try:
-            with grpc.insecure_channel(decode.address) as ch:
-                for prompt, tokens in zip(PROMPTS, want, strict=True):
-                    replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                        token_ids=prompt, max_new_tokens=STEPS, ignore_eos=True,
-                        prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60)
-                    assert [r.token_id for r in replies] == tokens
+            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
             with grpc.insecure_channel(mismatched.address) as ch, pytest.raises(grpc.RpcError) as e:
                 list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
                     token_ids=PROMPTS[0], max_new_tokens=2,

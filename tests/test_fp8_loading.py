@@ -17,7 +17,7 @@ from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, to_per_channel
 from engine.loader import ModelLoadError, build_preset, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, assert_disaggregated_tokens
 
 PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
 STEPS = 12
@@ -222,8 +222,6 @@ def test_block_scales_requantized_per_channel_stay_within_an_e4m3_step() -> None
 @pytest.mark.e2e
 def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
     """A real prefill and decode server on an HF block-FP8 checkpoint: the reference's tokens."""
-    import grpc
-    from pd.v1 import decode_pb2, decode_pb2_grpc
 
     folder, dequantized = write_fp8(bases["qwen3"], tmp_path / "served", "hf-fp8")
     want = reference_greedy(dequantized)
@@ -232,12 +230,7 @@ def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: P
         decode = ServerProcess("decode_server", ["--model", str(folder), "--max-model-len", "256", "--prefill-addr",
                                                  prefill.address], server_logs).start()
         try:
-            with grpc.insecure_channel(decode.address) as ch:
-                for prompt, tokens in zip(PROMPTS, want, strict=True):
-                    replies = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                        token_ids=prompt, max_new_tokens=STEPS, ignore_eos=True,
-                        prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60)
-                    assert [r.token_id for r in replies] == tokens
+            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
         finally:
             decode.stop()
     finally:

@@ -46,8 +46,9 @@ def grpc_text(server: HttpServer, **fields: Any) -> str:
     return "".join(r.text for r in replies)
 
 
-def post(server: HttpServer, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+def post(server: HttpServer, path: str, body: bytes, headers: dict[str, str] | None = None,
+         timeout: float = 30) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
     try:
         conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from decode_server.http_request import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+from tests.test_http_api import post as http_post
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt, wait_kv_idle
 
@@ -28,13 +29,7 @@ MODEL = "tiny"
 
 
 def post(server: HttpServer, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+    return http_post(server, path, body, headers, timeout=120)  # large bodies: a longer wait
 
 
 def completion(**fields: Any) -> bytes:
