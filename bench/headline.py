@@ -4,7 +4,7 @@ present, record each in bench/results, and render the tables anew (bench.readme_
 One H200: the engine (decode steps and prefills against their floors), the A/B scenario at
 B = 32k in every mode with both servers on the GPU, and the many-user load in every local mode;
 within one 10-minute call. Two GPUs add the split pair's scenario and load sweep. Each file keeps
-the run it replaces under `previous`, and gets the card's held HBM copy and sustained bf16 matmul
+the runs it replaces under `previous`, and gets the card's held HBM copy and sustained bf16 matmul
 rates from this call's engine run, so figures from different cards can be told apart.
 """
 
@@ -23,7 +23,6 @@ from typing import Any
 from bench import readme_tables
 
 RESULTS = readme_tables.RESULTS
-HISTORY = 4  # runs a file keeps under `previous`, its own included
 SCENARIO_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered,partitioned:72"
 LOAD = ("--rate 2 --duration 20 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "
         "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --slo-itl-p99-ms 50 "
@@ -70,12 +69,9 @@ def gpu_count() -> int:
 
 
 def with_history(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-    """`new` with `old` (and its own history, up to HISTORY runs in all) under `previous`."""
-    chain = [new, *(readme_tables.runs(old) if old else [])][:HISTORY]
-    doc: dict[str, Any] = {}
-    for run in reversed(chain):
-        doc = {**{k: v for k, v in run.items() if k != "previous"}, **({"previous": doc} if doc else {})}
-    return doc
+    """`new` with `old`, and all its own history, under `previous`: the planner and the renderer read
+    runs older than the newest (a decode profile, a mode the newest run left out)."""
+    return {**{k: v for k, v in new.items() if k != "previous"}, **({"previous": old} if old else {})}
 
 
 def measure(m: Measurement, card: dict[str, float] | None, logs: Path) -> bool:

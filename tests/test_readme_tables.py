@@ -57,13 +57,13 @@ def test_check_fails_on_a_typed_table(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_headline_keeps_the_runs_it_replaces() -> None:
-    from bench.headline import HISTORY, with_history
+    from bench.headline import with_history
 
     old: dict = {}
-    for k in range(HISTORY + 2):
-        old = with_history({"commit": f"c{k}", "rows": [k]}, old or None)
+    for k in range(6):
+        old = with_history({"commit": f"c{k}", "rows": [k], "previous": {"stale": True}}, old or None)
     chain = [run["commit"] for run in readme_tables.runs(old)]
-    assert chain == [f"c{k}" for k in range(HISTORY + 1, 1, -1)]  # newest first, HISTORY runs in all
+    assert chain == [f"c{k}" for k in range(5, -1, -1)]  # newest first, none dropped
 
 
 def test_headline_refuses_a_machine_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
