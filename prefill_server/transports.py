@@ -41,6 +41,12 @@ class TransportSenders(ABC):
     def check_paired(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
         """Raises LookupError when the peer's pairing is gone (it must handshake again)."""
 
+    def check_request(self, request: prefill_pb2.PrefillRequest) -> None:  # noqa: B027 (most need no fields)
+        """Raises ValueError when the request lacks what this transport needs from it."""
+
+    def forget(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
+        """The peer's pairing is dropped: let go of what was set up for it."""
+
     @abstractmethod
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         """On the engine thread: the sender of the job's KV at `slots` (tokens job.send_from on)."""
@@ -148,27 +154,35 @@ class NixlSenders(TransportSenders):
 
         if not request.nixl_metadata or not request.nixl_pool_addr:
             raise ValueError("the handshake offers nixl without the decode server's NIXL agent and pool")
-        if (old := self._peers.pop(peer_id, None)) is not None:
-            self.agent.remove_peer(old[0])  # a fresh pairing: the decode side's agent may have changed
-        agent = self.agent.add_peer(request.nixl_metadata)
+        agent = self.agent.add_peer(request.nixl_metadata)  # the same agent again: its copy replaced
+        old = self._peers.get(peer_id)
         self._peers[peer_id] = (agent, PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots,
                                                    request.nixl_pool_device))
+        if old is not None and old[0] != agent:  # the decode server restarted: its old agent is gone
+            self.agent.remove_peer(old[0])
         return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)
 
     def check_paired(self, peer_id: str) -> None:
         if peer_id not in self._peers:
             raise LookupError("no NIXL pairing with this decode server; handshake again")
 
+    def check_request(self, request: prefill_pb2.PrefillRequest) -> None:
+        n, table, size = len(request.token_ids), request.dst_block_table, request.dst_block_size
+        if not request.dst_tag:
+            raise ValueError("a Prefill over nixl needs dst_tag (the notification's tag) and dst_block_table")
+        if size < 1 or len(table) * size < n:
+            raise ValueError(f"dst_block_table ({len(table)} blocks of {size} tokens) cannot hold the {n}-token "
+                             "prompt; name the decode server's blocks for every token")
+
+    def forget(self, peer_id: str) -> None:
+        if (old := self._peers.pop(peer_id, None)) is not None:
+            self.agent.remove_peer(old[0])
+
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.nixl import NixlKVSender, slot_runs
 
         agent, remote = self._peers[job.peer_id]
         n, layout = len(job.token_ids), self.runner.layout
-        if not job.dst_tag:
-            raise ValueError("a Prefill over nixl without dst_tag")
-        if job.dst_block_size < 1 or len(job.dst_block_table) * job.dst_block_size < n:
-            raise ValueError(f"the request's dst_block_table ({len(job.dst_block_table)} blocks of "
-                             f"{job.dst_block_size}) cannot hold its {n} tokens")
         runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
                          job.send_from, n)
         return NixlKVSender(self.agent, agent, remote, runs, job.dst_tag, layout.num_layers, self.timeout_s)

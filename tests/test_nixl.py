@@ -5,6 +5,7 @@ mid-transfer, and its restart leave no block held on either side."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pd.v1 import decode_pb2, decode_pb2_grpc
+from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from engine.transport.nixl import nixl_available
 from launcher.process import start_all, stop_all
@@ -68,6 +69,27 @@ def test_tokens_are_colocated_ones_and_kv_is_freed(nixl_pair) -> None:  # type: 
     assert tokens(decode.address, request(1000, 12, 3, prefill_mode=DISAGG)) == local
     m = decode.metrics()
     assert m.get('kv_transfer_bytes_total{transport="nixl"}', 0) > 0, m
+    wait_kv_idle(decode, prefill, timeout=5)
+
+
+def test_prefill_without_destination_is_invalid_argument(nixl_pair) -> None:  # type: ignore[no-untyped-def]
+    """A Prefill over nixl must name the decode server's blocks and the notification's tag."""
+    decode, prefill = nixl_pair
+    tokens(decode.address, request(20, 2, 7, prefill_mode=DISAGG))  # the decode server has paired
+    peer = re.findall(r"paired with decode server (\w+) over nixl", prefill.log())[-1]
+    base = prefill_pb2.PrefillRequest(request_id="no-destination", token_ids=list(range(40)), transport="nixl",
+                                      peer_id=peer)
+    short = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1], dst_block_size=16)
+    with grpc.insecure_channel(prefill.address) as ch:
+        stub = prefill_pb2_grpc.PrefillStub(ch)
+        for fields, says in ((prefill_pb2.PrefillRequest(), "dst_tag"), (short, "cannot hold the 40-token")):
+            req = prefill_pb2.PrefillRequest()
+            req.CopyFrom(base)
+            req.MergeFrom(fields)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Prefill(req, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert says in (e.value.details() or ""), e.value.details()
     wait_kv_idle(decode, prefill, timeout=5)
 
 
