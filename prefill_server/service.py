@@ -201,7 +201,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          peer_id=request.peer_id, kv_checksums=request.kv_checksums, cached_tokens=cached,
                          send_from=request.decode_cached_tokens, dst_block_table=list(request.dst_block_table),
                          dst_block_size=request.dst_block_size, dst_tag=request.dst_tag,
-                         cache_salt=request.cache_salt)
+                         cache_salt=request.cache_salt, never_sent=senders.never_sent)
         try:
             senders.check_paired(request.peer_id)
         except LookupError as e:

@@ -6,6 +6,7 @@ whatever the transport.)"""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -18,6 +19,8 @@ from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
 from prefill_server.worker import PrefillJob
 from serving.grpc_common import StartupError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.transport.nccl_rendezvous import PairingHost
@@ -46,6 +49,9 @@ class TransportSenders(ABC):
 
     def forget(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
         """The peer's pairing is dropped: let go of what was set up for it."""
+
+    def never_sent(self, job: PrefillJob) -> None:  # noqa: B027 (most transports' peers see the call end)
+        """The job was cancelled before its sender was made: tell the peer nothing will come."""
 
     @abstractmethod
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
@@ -177,6 +183,16 @@ class NixlSenders(TransportSenders):
     def forget(self, peer_id: str) -> None:
         if (old := self._peers.pop(peer_id, None)) is not None:
             self.agent.remove_peer(old[0])
+
+    def never_sent(self, job: PrefillJob) -> None:
+        """The decode side frees its blocks on "end" at once, rather than after its wait for a silent peer."""
+        from engine.transport.nixl import END
+
+        if (peer := self._peers.get(job.peer_id)) is not None and job.dst_tag:
+            try:
+                self.agent.notify(peer[0], END + b":" + job.dst_tag.encode())
+            except Exception as e:  # the peer is gone: it frees its blocks on the broken call
+                log.warning("no 'end' notification to NIXL peer %s: %s", peer[0], e)
 
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.nixl import NixlKVSender, slot_runs

@@ -122,6 +122,21 @@ def test_cancel_mid_transfer_frees_both_pools(slow_pair) -> None:  # type: ignor
     wait_kv_idle(decode, prefill, timeout=5)
 
 
+def test_cancel_while_queued_frees_both_pools(slow_pair) -> None:  # type: ignore[no-untyped-def]
+    """A prefill cancelled before it started still ends its transfer's notifications ("end"), so the decode
+    side frees its blocks at once, not after the wait for a silent peer (the transfer timeout)."""
+    decode, prefill = slow_pair
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        running = stub.Generate(request(300, 8, prefill_mode=DISAGG), timeout=60)
+        wait_until(lambda: prefill.metrics()["num_requests_running"] == 1, 10)
+        queued = stub.Generate(request(200, 8, salt=5, prefill_mode=DISAGG), timeout=60)
+        wait_until(lambda: prefill.metrics()["num_requests_waiting"] == 1, 10)
+        queued.cancel()
+        assert [r.token_id for r in running]  # the one running is served
+    wait_kv_idle(decode, prefill, timeout=5)
+
+
 def test_prefill_killed_mid_transfer_then_restarted(slow_pair) -> None:  # type: ignore[no-untyped-def]
     """The request ends UNAVAILABLE in seconds, no block stays held; the restarted prefill server gets a
     fresh pairing and serves the next request with the same tokens as a colocated prefill."""
