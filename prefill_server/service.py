@@ -116,10 +116,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         except Exception as e:
             log.exception("setting up %s for %s failed", transport, request.peer_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill server could not set up {transport}: {e}")
+        before = self.paired.get(request.peer_id)
+        if before is not None and before != transport:
+            self.senders[KVTransport(before)].forget(request.peer_id)
         self.paired[request.peer_id] = transport
         self.paired.move_to_end(request.peer_id)
         while len(self.paired) > MAX_PAIRED_PEERS:
-            self.paired.popitem(last=False)
+            dropped, over = self.paired.popitem(last=False)
+            self.senders[KVTransport(over)].forget(dropped)
         gpu = self.runner.device.index if self.runner.device.type == "cuda" else -1
         log.info("paired with decode server %s over %s", request.peer_id, transport)
         reply = prefill_pb2.HandshakeResponse(layout=layout_to_proto(self.runner.layout), transport=transport,
@@ -172,6 +176,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 raise InvalidRequest(f"decode_cached_tokens is {request.decode_cached_tokens}; it must be in "
                                      f"[0, {len(tokens)}) for a {len(tokens)}-token prompt")
             check_cache_salt(request.cache_salt)
+            self.senders[KVTransport(agreed)].check_request(request)
             s = request.sampling
             params = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
         except (InvalidRequest, ValueError) as e:
@@ -196,7 +201,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                          peer_id=request.peer_id, kv_checksums=request.kv_checksums, cached_tokens=cached,
                          send_from=request.decode_cached_tokens, dst_block_table=list(request.dst_block_table),
                          dst_block_size=request.dst_block_size, dst_tag=request.dst_tag,
-                         cache_salt=request.cache_salt)
+                         cache_salt=request.cache_salt, never_sent=senders.never_sent)
         try:
             senders.check_paired(request.peer_id)
         except LookupError as e:

@@ -6,6 +6,7 @@ whatever the transport.)"""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -18,6 +19,8 @@ from engine.transport.grpc_stream import GrpcKVSender
 from engine.transport.grpc_wire import encode_kv
 from prefill_server.worker import PrefillJob
 from serving.grpc_common import StartupError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.transport.nccl_rendezvous import PairingHost
@@ -40,6 +43,15 @@ class TransportSenders(ABC):
 
     def check_paired(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
         """Raises LookupError when the peer's pairing is gone (it must handshake again)."""
+
+    def check_request(self, request: prefill_pb2.PrefillRequest) -> None:  # noqa: B027 (most need no fields)
+        """Raises ValueError when the request lacks what this transport needs from it."""
+
+    def forget(self, peer_id: str) -> None:  # noqa: B027 (most transports keep nothing per peer)
+        """The peer's pairing is dropped: let go of what was set up for it."""
+
+    def never_sent(self, job: PrefillJob) -> None:  # noqa: B027 (most transports' peers see the call end)
+        """The job was cancelled before its sender was made: tell the peer nothing will come."""
 
     @abstractmethod
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
@@ -148,27 +160,45 @@ class NixlSenders(TransportSenders):
 
         if not request.nixl_metadata or not request.nixl_pool_addr:
             raise ValueError("the handshake offers nixl without the decode server's NIXL agent and pool")
-        if (old := self._peers.pop(peer_id, None)) is not None:
-            self.agent.remove_peer(old[0])  # a fresh pairing: the decode side's agent may have changed
-        agent = self.agent.add_peer(request.nixl_metadata)
+        agent = self.agent.add_peer(request.nixl_metadata)  # the same agent again: its copy replaced
+        old = self._peers.get(peer_id)
         self._peers[peer_id] = (agent, PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots,
                                                    request.nixl_pool_device))
+        if old is not None and old[0] != agent:  # the decode server restarted: its old agent is gone
+            self.agent.remove_peer(old[0])
         return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)
 
     def check_paired(self, peer_id: str) -> None:
         if peer_id not in self._peers:
             raise LookupError("no NIXL pairing with this decode server; handshake again")
 
+    def check_request(self, request: prefill_pb2.PrefillRequest) -> None:
+        n, table, size = len(request.token_ids), request.dst_block_table, request.dst_block_size
+        if not request.dst_tag:
+            raise ValueError("a Prefill over nixl needs dst_tag (the notification's tag) and dst_block_table")
+        if size < 1 or len(table) * size < n:
+            raise ValueError(f"dst_block_table ({len(table)} blocks of {size} tokens) cannot hold the {n}-token "
+                             "prompt; name the decode server's blocks for every token")
+
+    def forget(self, peer_id: str) -> None:
+        if (old := self._peers.pop(peer_id, None)) is not None:
+            self.agent.remove_peer(old[0])
+
+    def never_sent(self, job: PrefillJob) -> None:
+        """The decode side frees its blocks on "end" at once, rather than after its wait for a silent peer."""
+        from engine.transport.nixl import END
+
+        if (peer := self._peers.get(job.peer_id)) is not None and job.dst_tag:
+            try:
+                self.agent.notify(peer[0], END + b":" + job.dst_tag.encode())
+            except Exception as e:  # the peer is gone: it frees its blocks on the broken call
+                log.warning("no 'end' notification to NIXL peer %s: %s", peer[0], e)
+
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
         from engine.transport.nixl import NixlKVSender, slot_runs
 
         agent, remote = self._peers[job.peer_id]
         n, layout = len(job.token_ids), self.runner.layout
-        if not job.dst_tag:
-            raise ValueError("a Prefill over nixl without dst_tag")
-        if job.dst_block_size < 1 or len(job.dst_block_table) * job.dst_block_size < n:
-            raise ValueError(f"the request's dst_block_table ({len(job.dst_block_table)} blocks of "
-                             f"{job.dst_block_size}) cannot hold its {n} tokens")
         runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
                          job.send_from, n)
         return NixlKVSender(self.agent, agent, remote, runs, job.dst_tag, layout.num_layers, self.timeout_s)

@@ -64,6 +64,9 @@ class PrefillJob:
     dst_block_table: list[int] = field(default_factory=list)  # nixl: the decode side's blocks, and their size
     dst_block_size: int = 0
     dst_tag: str = ""  # nixl: the transfer's name in its notifications
+    # called when the job is cancelled before its sender exists: a transport whose peer waits for a
+    # last word (nixl's "end" notification) gives it there
+    never_sent: Callable[[PrefillJob], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -150,6 +153,8 @@ class PrefillWorker:
     def _run(self, job: PrefillJob) -> None:
         dequeued = time.perf_counter()
         if job.cancelled.is_set():
+            if job.never_sent is not None:
+                job.never_sent(job)
             raise TransferCancelled
         runner = self.runner
         n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from

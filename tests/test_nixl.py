@@ -5,6 +5,7 @@ mid-transfer, and its restart leave no block held on either side."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pd.v1 import decode_pb2, decode_pb2_grpc
+from pd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from engine.transport.nixl import nixl_available
 from launcher.process import start_all, stop_all
@@ -71,6 +72,27 @@ def test_tokens_are_colocated_ones_and_kv_is_freed(nixl_pair) -> None:  # type: 
     wait_kv_idle(decode, prefill, timeout=5)
 
 
+def test_prefill_without_destination_is_invalid_argument(nixl_pair) -> None:  # type: ignore[no-untyped-def]
+    """A Prefill over nixl must name the decode server's blocks and the notification's tag."""
+    decode, prefill = nixl_pair
+    tokens(decode.address, request(20, 2, 7, prefill_mode=DISAGG))  # the decode server has paired
+    peer = re.findall(r"paired with decode server (\w+) over nixl", prefill.log())[-1]
+    base = prefill_pb2.PrefillRequest(request_id="no-destination", token_ids=list(range(40)), transport="nixl",
+                                      peer_id=peer)
+    short = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1], dst_block_size=16)
+    with grpc.insecure_channel(prefill.address) as ch:
+        stub = prefill_pb2_grpc.PrefillStub(ch)
+        for fields, says in ((prefill_pb2.PrefillRequest(), "dst_tag"), (short, "cannot hold the 40-token")):
+            req = prefill_pb2.PrefillRequest()
+            req.CopyFrom(base)
+            req.MergeFrom(fields)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Prefill(req, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert says in (e.value.details() or ""), e.value.details()
+    wait_kv_idle(decode, prefill, timeout=5)
+
+
 def test_concurrent_requests_land_in_their_own_blocks(nixl_pair) -> None:  # type: ignore[no-untyped-def]
     decode, prefill = nixl_pair
     expected = {salt: tokens(decode.address, request(200, 8, salt, prefill_mode=COLOC)) for salt in range(6)}
@@ -97,6 +119,21 @@ def test_cancel_mid_transfer_frees_both_pools(slow_pair) -> None:  # type: ignor
         stream.cancel()
     wait_kv_idle(decode, prefill, timeout=5)
     assert tokens(decode.address, request(40, 4, prefill_mode=DISAGG))  # the pairing still serves
+    wait_kv_idle(decode, prefill, timeout=5)
+
+
+def test_cancel_while_queued_frees_both_pools(slow_pair) -> None:  # type: ignore[no-untyped-def]
+    """A prefill cancelled before it started still ends its transfer's notifications ("end"), so the decode
+    side frees its blocks at once, not after the wait for a silent peer (the transfer timeout)."""
+    decode, prefill = slow_pair
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        running = stub.Generate(request(300, 8, prefill_mode=DISAGG), timeout=60)
+        wait_until(lambda: prefill.metrics()["num_requests_running"] == 1, 10)
+        queued = stub.Generate(request(200, 8, salt=5, prefill_mode=DISAGG), timeout=60)
+        wait_until(lambda: prefill.metrics()["num_requests_waiting"] == 1, 10)
+        queued.cancel()
+        assert [r.token_id for r in running]  # the one running is served
     wait_kv_idle(decode, prefill, timeout=5)
 
 

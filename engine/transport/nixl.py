@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DONE, END = b"done", b"end"  # a notification's kind, before ":" and the transfer's tag
 TRANSFER_TIMEOUT_S = 60.0  # the prefill side's sender lets go of writes not done by then
+PUMP_S = 0.0005  # how often a host-memory pool's agent progresses UCX
 WHEEL = "nixl-cu13"  # the variant pyproject.toml installs (CPU and CUDA 13 builds of torch)
 
 
@@ -74,12 +75,30 @@ class NixlAgent:
         api = nixl_api()
         self.pool = pool
         self.name = f"{role}-{uuid.uuid4().hex[:12]}"
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread polls UCX without pause (the Python API sets no delay): a core per
+        # agent. GPU pools keep it, so writes move while the prefill computes; host-memory pools (CPU
+        # servers, where every core counts) drive UCX from a thread of ours that polls every PUMP_S.
+        on_gpu = pool.device.type == "cuda"
+        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=on_gpu, backends=["UCX"]))
         self._reg = self._agent.register_memory(pool.storage)
         self.metadata: bytes = self._agent.get_agent_metadata()
         self.mem_type = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self._lock = threading.Lock()
         self._notes: dict[str, set[bytes]] = {}  # peer agent -> notifications not yet taken
+        self._closed = threading.Event()
+        if not on_gpu:
+            threading.Thread(target=self._pump, daemon=True, name="nixl-progress").start()
+
+    def _pump(self) -> None:
+        """Progress UCX (a notification poll does) while no call of ours does: a WRITE's bytes land on
+        the decode side only as its worker progresses."""
+        while not self._closed.wait(PUMP_S):
+            with self._lock:
+                self._collect()
+
+    def _collect(self) -> None:
+        for name, notes in self._agent.get_new_notifs().items():
+            self._notes.setdefault(name, set()).update(notes)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer agent's metadata (replacing an earlier copy of the same agent); its name."""
@@ -131,8 +150,7 @@ class NixlAgent:
     def take_note(self, peer: str, tag: bytes) -> bytes | None:
         """DONE or END if the peer sent it for transfer `tag` (taken: asked once), else None."""
         with self._lock:
-            for name, notes in self._agent.get_new_notifs().items():
-                self._notes.setdefault(name, set()).update(notes)
+            self._collect()
             notes = self._notes.get(peer, set())
             for kind in (DONE, END):
                 if kind + b":" + tag in notes:
@@ -141,6 +159,7 @@ class NixlAgent:
         return None
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             self._agent.deregister_memory(self._reg)
 
