@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
+from decode_server.openai_grammar import FIELDS as GRAMMAR_FIELDS
+from decode_server.openai_grammar import read_grammar
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.penalties import Penalties
@@ -38,7 +40,7 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens", "allowed_token_ids"})
+                      "min_p", "min_tokens", "allowed_token_ids", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
@@ -46,8 +48,7 @@ HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "best_of": (1,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
+    "best_of": (1,), "guided_decoding_backend": (),
     "bad_words": ([],), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
@@ -197,7 +198,9 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     echo = not chat and body.flag("echo")
     if echo and stream:
         raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
-    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None)
+    grammar = read_grammar(body.data)
+    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None, grammar=grammar and grammar[0],
+                     grammar_field=grammar[1] if grammar else "")
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n), unknown
 
 

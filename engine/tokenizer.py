@@ -48,6 +48,11 @@ class Tokenizer:
         return cls.from_folder(folder)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for libraries that read its vocabulary)."""
+        return self._hf
+
+    @property
     def backend(self) -> BackendTokenizer:
         return self._hf.backend_tokenizer  # type: ignore[no-any-return]
 
