@@ -62,7 +62,7 @@ class GrammarCompiler:
                 return c.compile_grammar(spec.ebnf())
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.text)
-        except RuntimeError as e:  # xgrammar reports a bad grammar as a RuntimeError with its parser's line
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's report of a bad grammar: its parser's line
             raise GrammarError(str(e).strip().splitlines()[-1][:300]) from None
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
