@@ -45,7 +45,7 @@ NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"truncate_prompt_tokens": 4}), ("/v1/completions", {"best_of": 2}),
     ("/v1/chat/completions", {"add_generation_prompt": False}),
     ("/v1/chat/completions", {"continue_final_message": True}), ("/v1/chat/completions", {"chat_template": "x"}),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]
 
 
