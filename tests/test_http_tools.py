@@ -42,7 +42,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 TOOLS: list[Any] = [WEATHER, TIME]
-ASK = [{"role": "user", "content": "weather in Paris?"}]
+ASK: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
 MODEL = "tiny-qwen2"
 
 
@@ -79,7 +79,7 @@ def test_required_tool_choice_streams_deltas(tools_server: HttpServer) -> None:
     client = tools_server.client()
     whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                            max_tokens=120, seed=4, parallel_tool_calls=False)
-    calls = whole.choices[0].message.tool_calls
+    calls: list[Any] | None = whole.choices[0].message.tool_calls  # type: ignore[assignment]
     assert whole.choices[0].finish_reason == "tool_calls" and calls is not None and len(calls) == 1, whole
     assert calls[0].function.name in ("get_weather", "get_time")
     streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
@@ -98,12 +98,12 @@ def test_auto_parses_hermes_tool_calls_and_passes_text(tools_server: HttpServer)
                                          extra_body={"guided_regex": forced})
     choice = got.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and choice.message.content is None
-    assert choice.message.tool_calls[0].function.name == "get_time"
-    assert json.loads(choice.message.tool_calls[0].function.arguments)["zone"] in ("utc", "cet")
+    call: Any = choice.message.tool_calls[0]
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, seed=1,
                                            extra_body={"guided_regex": "[a-z ]{3,8}"})
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+    history: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     later = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
