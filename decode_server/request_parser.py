@@ -152,6 +152,12 @@ class RequestParser:
         if f.grammar is not None and f.ignore_eos:
             raise InvalidRequest(f"{f.grammar_field} ends its answer with an end token, which ignore_eos bans; "
                                  "leave one out", "ignore_eos")
+        if f.grammar is not None and f.penalties is not None:  # filters that with a grammar could leave no token
+            p = f.penalties
+            clash = "min_tokens" if p.min_tokens else "min_p" if p.min_p else "allowed_token_ids" if p.allowed else ""
+            if clash:
+                raise InvalidRequest(f"{clash} can't be combined with {f.grammar_field}: together they may leave "
+                                     "no token to sample; leave one out", clash)
         problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
         if problem:
             raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
