@@ -29,6 +29,7 @@ from decode_server.prefill_client import PrefillFailed, PrefillRouter
 from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from decode_server.timing import Timing
+from engine.grammar import CompiledGrammar
 from engine.penalties import Penalties
 from engine.sampling import SamplingParams
 from serving.loop_lag import LoopLagProbe
@@ -56,6 +57,7 @@ class Request:
     logprobs: int | None = None  # log probabilities of its tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... and of its prompt's tokens
     penalties: Penalties | None = None
+    grammar: CompiledGrammar | None = None  # structured outputs: what its answer must follow
 
 
 class Generation:
@@ -149,7 +151,8 @@ class DecodeCore:
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
                        request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
                        cache_salt=request.cache_salt, logprobs=request.logprobs,
-                       prompt_logprobs=request.prompt_logprobs, penalties=request.penalties)
+                       prompt_logprobs=request.prompt_logprobs, penalties=request.penalties,
+                       grammar=request.grammar)
         return Generation(self, seq)
 
     def finish(self, generation: Generation, status: str) -> None:

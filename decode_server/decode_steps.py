@@ -3,7 +3,8 @@ default): a step is queued before the previous step's tokens are read back, its 
 tokens on the device, so the GPU never waits while the host reads tokens and prepares the next
 step's metadata (vLLM's async scheduling, SGLang's overlap scheduler). The cost: a sequence that ends
 on a stop or EOS token has one more row computed in the step queued meanwhile, which nobody reads;
-its blocks go back once that step is done (`leave`).
+its blocks go back once that step is done (`leave`). While a sequence with a grammar (structured
+outputs) runs, each step is read before the next is queued: its mask needs the token before.
 
 Each token read back goes to the scheduler through `TokenSink`.
 """
@@ -20,7 +21,7 @@ from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.sequence import RequestSequence
 from decode_server.step_trace import StepMarks, StepTrace
-from engine import penalties
+from engine import grammar, penalties
 from engine.host_read import TokenReader
 from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
 from engine.runner import DecodeSeq, ModelRunner
@@ -96,6 +97,13 @@ class DecodeSteps:
         previous, self.in_flight = self.in_flight, None
         if not self.overlap:
             return self._read(self._launch(running, None), running) if running else set()
+        if previous is not None and any(s.grammar is not None for s in running):
+            # a grammar's mask needs the previous token taken by its matcher: read, then queue
+            finished = self._read(previous, running)
+            seqs = [s for s in running if id(s) not in finished]
+            if seqs:
+                self.in_flight = self._launch(seqs, None)
+            return finished
         # a sequence whose length ends it with the previous step's token has no next step
         seqs = [s for s in running
                 if previous is None or id(s) not in previous.rows or len(s.tokens) + 1 < s.max_new_tokens]
@@ -119,7 +127,11 @@ class DecodeSteps:
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
         states = [s.penalties_on(logits.shape[-1], self.runner.device) for s in seqs]
         adjusted, changed = penalties.apply(logits, states, [s.params.temperature for s in seqs], indices)
-        if changed:  # the fused argmax is of the logits before the penalties
+        grammars = [s.grammar_on() for s in seqs]
+        if any(g is not None for g in grammars):  # masks a copy: the log probabilities are of the raw logits
+            adjusted = adjusted if changed else adjusted.clone()
+            changed = sorted(set(changed) | set(grammar.apply(adjusted, grammars)))
+        if changed:  # the fused argmax is of the logits before the penalties and masks
             penalised = device_tensor(changed, torch.long, greedy.device)
             greedy = greedy.clone()
             greedy[penalised] = adjusted.index_select(0, penalised).argmax(dim=-1).to(greedy.dtype)

@@ -40,6 +40,7 @@ from decode_server.http_request import (
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
+from decode_server.openai_tools import Tools, family_of, parse_calls, tool_call_event
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
@@ -228,7 +229,7 @@ class OpenAIApi:
                                "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
             fields = api.fields
             if chat:
-                fields = replace(fields, prompt=await self._render(api.messages), add_special_tokens=False)
+                fields = replace(fields, prompt=await self._render(api.messages, api.tools), add_special_tokens=False)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
             return api, parsed, self.core.accept(parsed)
         except Rejected as e:
@@ -255,18 +256,21 @@ class OpenAIApi:
                                            "(--ignore-unknown-fields)")
         return api
 
-    async def _render(self, messages: list[dict[str, str]]) -> str:
+    async def _render(self, messages: list[dict[str, Any]], tools: Tools | None) -> str:
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
                                  "/v1/completions with a prompt of token ids", "messages")
+        if tools is not None and family_of(self.tokenizer.chat_template) is None:
+            raise InvalidRequest("this model's chat template takes no tools (or no known tool-call format: hermes, "
+                                 "Llama 3 JSON); leave tools out", "tools")
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
             raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
                                  f"{self.max_model_len} tokens", "messages")
         try:
             if chars > TOKENIZE_IN_THREAD_CHARS or len(messages) > RENDER_IN_THREAD_MESSAGES:
-                return await asyncio.to_thread(self.tokenizer.render_chat, messages)
-            return self.tokenizer.render_chat(messages)
+                return await asyncio.to_thread(self.tokenizer.render_chat, messages, tools.tools if tools else None)
+            return self.tokenizer.render_chat(messages, tools.tools if tools else None)
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), "messages") from e
 
@@ -316,7 +320,7 @@ class Reply:
                 if self.logprobs is not None and out.logprobs is not None:
                     logprobs = self.logprobs.add(out.token_id, out.logprobs, answer.chars)
                 answer.chars += len(piece)
-                if self.api.stream:
+                if self.api.stream and self.api.tools is None:
                     await self._send(piece, finish, logprobs)
                 else:
                     answer.text += piece
@@ -346,6 +350,8 @@ class Reply:
 
     async def _close(self, answer: Answer) -> web.StreamResponse:
         usage = self._usage(answer.tokens)
+        if self.api.stream and self.api.tools is not None:  # tool calls are parsed once the answer is whole
+            await self._send_tools(answer)
         if self.stream is not None:
             if self.api.include_usage:
                 await self.stream.write(self.fmt.usage(usage))
@@ -361,10 +367,22 @@ class Reply:
         choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs.whole() if self.logprobs else None,
                                   "finish_reason": answer.finish_reason}
         if self.api.chat:
-            choice["message"] = {"role": "assistant", "content": answer.text}
+            content, calls = self._tool_calls(answer)
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            choice["finish_reason"] = "tool_calls" if calls else answer.finish_reason
         else:
             choice["text"] = answer.text
         return choice
+
+    def _tool_calls(self, answer: Answer) -> tuple[str | None, list[dict[str, Any]]]:
+        template = self.tokenizer.chat_template if self.tokenizer is not None else ""
+        return parse_calls(answer.text, self.api.tools, family_of(template)) if self.api.tools else (answer.text, [])
+
+    async def _send_tools(self, answer: Answer) -> None:
+        content, calls = self._tool_calls(answer)
+        first, stream = self.stream is None, self.stream or await self._open()
+        await stream.write(tool_call_event(self.fmt.request_id, self.fmt.model, calls, content, first) if calls
+                           else self.fmt.token(answer.text, answer.finish_reason, first))
 
     async def fail(self, error: ApiError) -> web.StreamResponse:
         """The request's error: its HTTP status before the stream began, an SSE event after."""

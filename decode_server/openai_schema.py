@@ -7,6 +7,7 @@ that would have changed it was dropped."""
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Mapping
@@ -14,6 +15,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
+from decode_server.openai_grammar import FIELDS as GRAMMAR_FIELDS
+from decode_server.openai_grammar import read_grammar
+from decode_server.openai_tools import Tools, read_tools
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.penalties import Penalties
@@ -38,16 +42,16 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens", "allowed_token_ids"})
+                      "min_p", "min_tokens", "allowed_token_ids", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
-               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                 "tool_choice", "parallel_tool_calls"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "best_of": (1,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
+    "best_of": (1,), "guided_decoding_backend": (),
     "bad_words": ([],), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
@@ -62,12 +66,13 @@ class ApiRequest:
     chat: bool
     model: str | None
     fields: RequestFields        # a chat's prompt is still empty: `messages` go through its template
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
     n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
+    tools: Tools | None = None   # chat: the functions it may call, and how (`tool_choice`)
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -174,7 +179,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     mode = body.get("prefill_mode", str, f"one of {', '.join(PrefillMode)}")
     if mode is not None and mode not in tuple(PrefillMode):
         raise InvalidRequest(f"prefill_mode must be one of {', '.join(PrefillMode)}, got {mode!r}", "prefill_mode")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     token_ids: list[int] = []
     prompt = ""
     if chat:
@@ -197,8 +202,17 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     echo = not chat and body.flag("echo")
     if echo and stream:
         raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
-    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None)
-    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n), unknown
+    grammar = read_grammar(body.data)
+    tools = read_tools(body.data) if chat else None
+    forced = tools.grammar() if tools is not None else None
+    if forced is not None:  # tool_choice required or named: the answer is held to the tools' schema
+        if grammar is not None:
+            raise InvalidRequest(f"tool_choice and {grammar[1]} both ask for a structured output; send one",
+                                 "tool_choice")
+        grammar = forced, "tool_choice"
+    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None, grammar=grammar and grammar[0],
+                     grammar_field=grammar[1] if grammar else "")
+    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools), unknown
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:
@@ -310,7 +324,7 @@ def _prompt(value: Any, max_items: int) -> tuple[str, list[int]]:
     raise InvalidRequest("prompt must be a non-empty string or array of token ids", "prompt")
 
 
-def _messages(value: Any, max_items: int) -> list[dict[str, str]]:
+def _messages(value: Any, max_items: int) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty array of {role, content} objects", "messages")
     if len(value) > max_items:  # every message is at least one token of the rendered chat
@@ -323,8 +337,32 @@ def _messages(value: Any, max_items: int) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        out.append({"role": role, "content": _content(message.get("content"), i)})
+        out.append({"role": role, "content": _content(message.get("content"), i), **_tool_parts(message, i)})
     return out
+
+
+def _tool_parts(message: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's earlier tool calls (their arguments as objects, as chat templates take them) and a
+    tool message's call id and name."""
+    parts: dict[str, Any] = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return parts
+    if not isinstance(calls, list) or any(not isinstance(c, Mapping) or not isinstance(c.get("function"), Mapping)
+                                          for c in calls):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be an array of {{\"function\": {{...}}}}", "messages")
+    parts["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
+                           for c in calls]
+    return parts
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
 
 
 def _content(value: Any, i: int) -> str:

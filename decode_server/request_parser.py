@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
+from engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from engine.penalties import Penalties
 from engine.sampling import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -48,6 +49,8 @@ class RequestFields:
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
     prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
     penalties: Penalties | None = None
+    grammar: GrammarSpec | None = None  # structured outputs
+    grammar_field: str = ""             # the field that asked for it, as its client named it
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class RequestParser:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.check_prefill_sms = check_prefill_sms
+        self._grammars: GrammarCompiler | None = None  # made at the first grammar: reading the vocabulary takes a while
+        self._grammars_made = asyncio.Lock()
 
     async def parse(self, f: RequestFields, arrival: float, names: FieldNames = GRPC_NAMES) -> Request:
         """Cheap checks first, so an oversized request is refused before any per-token work."""
@@ -123,10 +128,12 @@ class RequestParser:
                 raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
                                      "chunked", names.prefill_mode)
             mode = PrefillMode.COLOCATED
-        if (f.logprobs is not None or f.penalties is not None) and mode not in LOGPROB_MODES:
+        sampled_here = f.logprobs is not None or f.penalties is not None or f.grammar is not None
+        if sampled_here and mode not in LOGPROB_MODES:
             # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
             if f.prefill_mode:
-                what = names.logprobs if f.logprobs is not None else "penalties and logit filters"
+                what = (names.logprobs if f.logprobs is not None else "penalties and logit filters"
+                        if f.penalties is not None else f.grammar_field)
                 raise InvalidRequest(f"{what} need the prompt prefilled on this server: use "
                                      f"{names.prefill_mode} colocated, chunked or layered", names.prefill_mode)
             mode = PrefillMode.COLOCATED
@@ -142,6 +149,15 @@ class RequestParser:
             if f.penalties.min_tokens > max_new:
                 raise InvalidRequest(f"min_tokens ({f.penalties.min_tokens}) is more than max_tokens ({max_new})",
                                      "min_tokens")
+        if f.grammar is not None and f.ignore_eos:
+            raise InvalidRequest(f"{f.grammar_field} ends its answer with an end token, which ignore_eos bans; "
+                                 "leave one out", "ignore_eos")
+        if f.grammar is not None and f.penalties is not None:  # filters that with a grammar could leave no token
+            p = f.penalties
+            clash = "min_tokens" if p.min_tokens else "min_p" if p.min_p else "allowed_token_ids" if p.allowed else ""
+            if clash:
+                raise InvalidRequest(f"{clash} can't be combined with {f.grammar_field}: together they may leave "
+                                     "no token to sample; leave one out", clash)
         problem = chunk_size_problem(f.chunk_size) if f.chunk_size else None
         if problem:
             raise InvalidRequest(f"{names.chunk_size} {problem}; or 0 for the server's --chunk-size", names.chunk_size)
@@ -155,7 +171,27 @@ class RequestParser:
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
                        f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, cache_salt=f.cache_salt,
                        logprobs=f.logprobs, prompt_logprobs=f.logprobs if f.prompt_logprobs else None,
-                       penalties=f.penalties)
+                       penalties=f.penalties,
+                       grammar=await self._compile(f.grammar, f.grammar_field) if f.grammar is not None else None)
+
+    async def _compile(self, spec: GrammarSpec, name: str) -> CompiledGrammar:
+        """The grammar compiled off the event loop (a repeated one comes from xgrammar's cache)."""
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{name} needs the model's tokenizer to map the grammar onto its tokens, and this "
+                                 "server's model has none", name)
+        async with self._grammars_made:
+            if self._grammars is None:
+                tokenizer, vocab = self.tokenizer, self.vocab_size
+                try:
+                    self._grammars = await asyncio.to_thread(
+                        GrammarCompiler, tokenizer, vocab, list(tokenizer.eos_token_ids))
+                except Exception as e:  # xgrammar can't read this tokenizer's vocabulary
+                    raise InvalidRequest(f"{name} is not supported with this model's tokenizer ({e})", name) from e
+        grammars = self._grammars
+        try:
+            return await asyncio.to_thread(grammars.compile, spec)
+        except GrammarError as e:
+            raise InvalidRequest(f"{name} is not a valid {spec.kind.replace('_', ' ')}: {e}", name) from None
 
     async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
         if self.tokenizer is None:

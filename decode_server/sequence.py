@@ -13,6 +13,7 @@ import torch
 
 from decode_server.config import PrefillMode
 from decode_server.timing import Timing
+from engine.grammar import CompiledGrammar, GrammarState
 from engine.logprobs import TokenLogprobs
 from engine.penalties import Penalties, PenaltyState
 from engine.sampling import SamplingParams
@@ -92,6 +93,8 @@ class RequestSequence:
     prompt_logprob_values: list[TokenLogprobs] = field(default_factory=list)
     penalties: Penalties | None = None
     penalty_state: PenaltyState | None = None  # on the device, made by the engine's thread
+    grammar: CompiledGrammar | None = None    # structured outputs: what its answer must follow
+    grammar_state: GrammarState | None = None  # its matcher, made and advanced by the engine's thread
 
     def penalties_on(self, vocab: int, device: torch.device) -> PenaltyState | None:
         """Its penalties' state on the device, made at its first use (engine thread); None without any."""
@@ -99,6 +102,12 @@ class RequestSequence:
             self.penalty_state = PenaltyState.create(self.penalties, as_array(self.prompt),
                                                      sorted(self.eos_ids | self.stop_ids), vocab, device)
         return self.penalty_state
+
+    def grammar_on(self) -> GrammarState | None:
+        """Its grammar's matcher, made at its first use (engine thread); None without a grammar."""
+        if self.grammar is not None and self.grammar_state is None:
+            self.grammar_state = GrammarState(self.grammar, sorted(self.eos_ids))
+        return self.grammar_state
 
     def uncached_prompt(self) -> TokenIds | np.ndarray:
         """The prompt's tokens after its cached prefix (`prefilled`): what a local prefill computes."""
@@ -116,6 +125,9 @@ class RequestSequence:
     def append(self, token: int, step_s: float, now: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
         self.tokens.append(token)
+        state = self.grammar_on()
+        if state is not None:  # its stop tokens are the end tokens: a grammar ends with "eos"
+            state.accept(token)
         if len(self.tokens) == 1:
             self.timing.first_token = now
         if token in self.eos_ids:

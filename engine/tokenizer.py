@@ -48,12 +48,23 @@ class Tokenizer:
         return cls.from_folder(folder)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for libraries that read its vocabulary)."""
+        return self._hf
+
+    @property
     def backend(self) -> BackendTokenizer:
         return self._hf.backend_tokenizer  # type: ignore[no-any-return]
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._hf, "chat_template", None))
+
+    @property
+    def chat_template(self) -> str:
+        """Its chat template's text ("" for none)."""
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) else ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids, with the tokenizer's own BOS where it adds one (Llama, Mistral)."""
@@ -62,12 +73,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._hf.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The chat template's text for `messages`, ending with the assistant's turn opened."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for `messages` (and the functions it may call), ending with the
+        assistant's turn opened."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template; send a plain prompt instead")
         try:
-            text = self._hf.apply_chat_template([dict(m) for m in messages], tokenize=False,
+            text = self._hf.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
                                                 add_generation_prompt=True)
         except Exception as e:  # jinja's errors, including the template's own raise_exception
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from e

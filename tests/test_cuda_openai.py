@@ -1,4 +1,4 @@
-"""Log probabilities, echo and penalties on the GPU path: the same checks as on the CPU (against the
+"""Log probabilities, echo, penalties and grammars on the GPU path: the same checks as on the CPU (against the
 tiny model's logits computed here), against a decode server on CUDA whose decode steps replay CUDA
 graphs and overlap (the logits a step hands to sampling are a graph's buffers), in float32 so that
 the reference's numbers hold."""
@@ -12,6 +12,11 @@ import pytest
 import torch
 
 from tests.test_http_fixtures import HttpServer
+from tests.test_http_grammar import (  # noqa: F401
+    test_json_schema_output_validates,
+    test_regex_and_choice,
+    test_rows_without_a_grammar_keep_their_tokens,
+)
 from tests.test_http_logprobs import (  # noqa: F401 (collected here, against this module's server)
     test_completion_logprobs_are_the_models,
     test_echo_scores_the_prompt_as_the_model_does,
