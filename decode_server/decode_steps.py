@@ -19,13 +19,12 @@ import torch
 
 from decode_server import metrics
 from decode_server.admission import Admission
+from decode_server.row_sampling import sample_rows
 from decode_server.sequence import RequestSequence
 from decode_server.step_trace import StepMarks, StepTrace
-from engine import grammar, penalties
 from engine.host_read import TokenReader
-from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
+from engine.logprobs import StepLogprobs, TokenLogprobs
 from engine.runner import DecodeSeq, ModelRunner
-from engine.sampling import sample
 
 # While a remote prefill is under way, a decode step waits for its tokens in slices this long,
 # taking arrived first tokens in between: they leave at once, not after the step.
@@ -125,21 +124,9 @@ class DecodeSteps:
             batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
-        states = [s.penalties_on(logits.shape[-1], self.runner.device) for s in seqs]
-        adjusted, changed = penalties.apply(logits, states, [s.params.temperature for s in seqs], indices)
-        grammars = [s.grammar_on() for s in seqs]
-        if any(g is not None for g in grammars):  # masks a copy: the log probabilities are of the raw logits
-            adjusted = adjusted if changed else adjusted.clone()
-            changed = sorted(set(changed) | set(grammar.apply(adjusted, grammars)))
-        if changed:  # the fused argmax is of the logits before the penalties and masks
-            penalised = device_tensor(changed, torch.long, greedy.device)
-            greedy = greedy.clone()
-            greedy[penalised] = adjusted.index_select(0, penalised).argmax(dim=-1).to(greedy.dtype)
-        tokens = sample(adjusted, [s.params for s in seqs], indices, greedy)
-        penalties.count(states, tokens)
-        logprobs = StepLogprobs.queue(logits, tokens, [s.logprobs for s in seqs])
-        if marks is not None and self.trace is not None:
-            self.trace.step_queued(marks)
+        tokens, logprobs = sample_rows(logits, seqs, indices, self.runner.device, greedy)
+        if marks is not None:
+            marks.queued()
         self._launched += 1
         reader = self.readers[self._launched % 2]  # the other may hold the step in flight
         reader.start(tokens)

@@ -22,14 +22,13 @@ from decode_server import metrics
 from decode_server.admission import Admission
 from decode_server.config import CHUNK_SIZES, PrefillMode
 from decode_server.partitioned import PartitionedPrefill, PrefillDone
+from decode_server.row_sampling import sample_rows
 from decode_server.sequence import Rejected, RequestSequence
 from decode_server.step_trace import StepTrace
-from engine import grammar, penalties
 from engine.green_context import SmPartitions
 from engine.host_read import TokenReader
 from engine.logprobs import StepLogprobs, TokenLogprobs, device_tensor
 from engine.runner import ModelRunner
-from engine.sampling import sample
 from engine.warmup import WarmUp
 from serving.token_ids import as_array
 
@@ -202,15 +201,7 @@ class LocalPrefill:
         """The prompt's prefill (or its last piece, begun at perf_counter `started`) is queued and seq
         is the head of `prefilling`: sample its first token once the device has it (after its
         penalties and its grammar's mask; its log probabilities are the raw logits')."""
-        states = [seq.penalties_on(logits.shape[-1], self.runner.device)]
-        adjusted, changed = penalties.apply(logits[None], states, [seq.params.temperature], [0])
-        grammar_state = seq.grammar_on()
-        if grammar_state is not None:  # masks a copy: the log probabilities are of the raw logits
-            adjusted = adjusted if changed else adjusted.clone()
-            grammar.apply(adjusted, [grammar_state])
-        sampled = sample(adjusted, [seq.params], [0])
-        penalties.count(states, sampled)
-        logprobs = StepLogprobs.queue(logits[None], sampled, [seq.logprobs])
+        sampled, logprobs = sample_rows(logits[None], [seq], [0], self.runner.device)
         token = self.first_tokens.read(sampled)[0]
         now = time.perf_counter()
         elapsed = now - started

@@ -34,6 +34,12 @@ class StepMarks:
     end: torch.cuda.Event | None
     launched_s: float = 0.0
 
+    def queued(self) -> None:
+        """The step's kernels are queued: its end event follows them on the compute stream."""
+        if self.end is not None:
+            self.end.record()
+        self.launched_s = time.perf_counter()
+
 
 class StepTrace:
     def __init__(self, path: str | Path) -> None:
@@ -51,10 +57,6 @@ class StepTrace:
             marks.start.record()
         return marks
 
-    def step_queued(self, marks: StepMarks) -> None:
-        if marks.end is not None:
-            marks.end.record()
-        marks.launched_s = time.perf_counter()
 
     def step_read(self, marks: StepMarks, read_s: float, tokens_s: float) -> None:
         """The step's tokens are on the host, so its end event has completed."""

@@ -20,7 +20,7 @@ def step(k: int, tokens_s: float, gpu_ms: float, launch_ms: float = 0.1, request
 def test_trace_round_trip_on_the_cpu(tmp_path: Path) -> None:
     trace = StepTrace(tmp_path / "t.jsonl")
     marks = trace.begin_step(["x", "y", "z"], 3, torch.device("cpu"))
-    trace.step_queued(marks)
+    marks.queued()
     trace.step_read(marks, marks.launched_s, marks.launched_s + 0.001)
     trace.prefill("b", 4096, 72, 1.0, 1.1, 2.0)
     trace.close()
