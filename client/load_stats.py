@@ -47,10 +47,6 @@ class Slo:
             return False
         return self.itl_max_ms is None or gaps_ms.max() <= self.itl_max_ms
 
-    @property
-    def per_token(self) -> bool:
-        return self.itl_p99_ms is not None or self.itl_max_ms is not None
-
 
 def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     """mean, p50, p90, p99 and max in ms (null without data: 0 would read as a measurement)."""

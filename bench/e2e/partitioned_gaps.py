@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import metadata, write_json
+from client.load_stats import distribution_ms
 from decode_server.step_trace import read_trace
 from launcher.process import ServerFailed, ServerProcess, stop_all
 
@@ -61,16 +62,8 @@ def classify(steps: list[dict[str, Any]], prefills: list[dict[str, Any]]) -> dic
     return {"median_step_alone_ms": round(median_alone * 1e3, 3) if median_alone else None,
             "steps_beside_prefills": inside, "slow_steps": slow,
             "slow_by_kind": {k: sum(s["kind"] == k for s in slow) for k in ("gpu", "launch", "host")},
-            "gpu_ms_beside_prefills": _distribution([s["gpu_ms"] for s in steps if s["gpu_ms"] is not None
-                                                     and window_of(s["tokens_s"]) is not None])}
-
-
-def _distribution(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return {"p50": round(ordered[len(ordered) // 2], 3), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 3),
-            "max": round(ordered[-1], 3)}
+            "gpu_ms_beside_prefills": distribution_ms([s["gpu_ms"] / 1e3 for s in steps if s["gpu_ms"] is not None
+                                                       and window_of(s["tokens_s"]) is not None])}
 
 
 def run_variant(args: argparse.Namespace, name: str, extra: list[str], logs: Path) -> dict[str, Any]:
