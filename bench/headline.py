@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from typing import Any
 from bench import readme_tables
 
 RESULTS = readme_tables.RESULTS
+STOP_S = 60  # how long a run stopped at its budget may take to stop its servers
 SCENARIO_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered,partitioned:72"
 LOAD = ("--rate 2 --duration 20 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "
         "--long-prompt-frac 0.15 --long-prompt-len 16384 --slo-ttft-ms 3000 --slo-itl-ms 50 --slo-itl-p99-ms 50 "
@@ -81,14 +84,22 @@ def measure(m: Measurement, card: dict[str, float] | None, logs: Path) -> bool:
     cmd = [sys.executable, "-m", *m.args, "--json", str(out)]
     print(f"[headline] {m.name}: python -m {' '.join(m.args)}", flush=True)
     start = time.monotonic()
+    # a process group of its own: a run stopped at its budget takes the servers it started with it
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        done = subprocess.run(cmd, timeout=m.budget_s)
+        code = proc.wait(timeout=m.budget_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the servers drain and stop, as on any SIGTERM
+        try:
+            proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         print(f"[headline] {m.name}: stopped after {m.budget_s} s; its file is left as it was", flush=True)
         return False
-    print(f"[headline] {m.name}: {'done' if done.returncode == 0 else 'failed'} in {time.monotonic() - start:.0f} s",
+    print(f"[headline] {m.name}: {'done' if code == 0 else 'failed'} in {time.monotonic() - start:.0f} s",
           flush=True)
-    if done.returncode != 0 or not out.exists():
+    if code != 0 or not out.exists():
         return False
     new = json.loads(out.read_text())
     new["command"] = shlex.join(["python", "-m", *m.args, "--json", str(m.file)])

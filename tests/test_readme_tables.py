@@ -72,3 +72,17 @@ def test_headline_refuses_a_machine_without_gpus(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(headline, "gpu_count", lambda: 0)
     with pytest.raises(SystemExit, match="no measurement runs on 0 GPU"):
         headline.main([])
+
+
+def test_headline_stops_a_run_past_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measurement that overruns is stopped (its whole process group) and its file left as it was."""
+    import time
+
+    from bench import headline
+
+    monkeypatch.setattr(headline, "RESULTS", tmp_path)
+    # a run that never ends
+    forever = headline.Measurement("forever", 0, ["http.server", "0", "--bind", "127.0.0.1"], 1)
+    started = time.monotonic()
+    assert headline.measure(forever, None, tmp_path) is False
+    assert time.monotonic() - started < headline.STOP_S and not forever.file.exists()
