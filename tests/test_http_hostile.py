@@ -90,8 +90,9 @@ def test_unknown_fields_taken_with_a_warning_when_asked(server_logs: Path) -> No
     server.start()
     try:
         client = server.client()
-        got = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"future_field": 1})
-        assert got.choices[0].finish_reason == "length"
+        got = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                        extra_body={"future_field": 1, "ignore_eos": True})
+        assert got.choices[0].finish_reason == "length" and got.usage is not None and got.usage.completion_tokens == 2
         with pytest.raises(openai.BadRequestError, match="bad_words is not supported"):  # known: still refused
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"bad_words": ["a"]})
         server.stop()
