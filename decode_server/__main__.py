@@ -90,7 +90,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
                            scheduler.check_prefill_sms)
     service = DecodeService(core, parser)
     http = (OpenAIApi(core, parser, served_model_name(cfg, runner.config.name), cfg.http_timeout_s,
-                      cfg.ignore_unknown_fields) if cfg.http_port else None)
+                      cfg.ignore_unknown_fields, cfg.http_max_body_bytes) if cfg.http_port else None)
     metrics.bind_live_gauges(lambda: cache.num_available, cache.num_blocks, lambda: len(scheduler.running),
                              core.num_waiting)
     register_prefix_cache_metrics(cache)

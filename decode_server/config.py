@@ -112,6 +112,9 @@ class DecodeConfig(ServerConfig):
     ignore_unknown_fields: bool = field(default=False, metadata=opt(
         "HTTP: take request fields this server does not know with a logged warning, instead of a 400 (for "
         "clients of a newer OpenAI or vLLM API; fields it knows but does not implement are still refused)"))
+    http_max_body_bytes: int | None = field(default=None, metadata=opt(
+        "HTTP: the largest request body, in bytes after decompression; larger ones get 413 unread. "
+        "Default: 32 bytes a token of the context plus 1 MiB, room for a prompt that fills it"))
     default_chat_max_tokens: int = field(default=4096, metadata=opt(
         "max_tokens of a chat request that sends none, capped by the context (a request reserves KV for "
         "all its tokens up front)"))
@@ -138,6 +141,8 @@ class DecodeConfig(ServerConfig):
             raise ValueError("--prefill-sms and --itl-slo-ms must be positive")
         if not 0 <= self.http_port < 65536:
             raise ValueError("--http-port must be in 0..65535")
+        if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1024:
+            raise ValueError("--http-max-body-bytes must be at least 1024")
         if self.http_timeout_s < 0 or self.default_chat_max_tokens < 1:
             raise ValueError("--http-timeout-s must be >= 0 and --default-chat-max-tokens positive")
         if min(self.auto_local_tokens, self.auto_idle_local_tokens, self.auto_remote_backlog_tokens) < 0:

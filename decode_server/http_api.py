@@ -32,6 +32,7 @@ from decode_server.http_request import (
     PARSE_IN_THREAD_BYTES,
     ApiError,
     ClientErrorLog,
+    default_max_body_bytes,
     openai_errors,
     parse_body,
     read_body,
@@ -44,7 +45,7 @@ from decode_server.openai_tools import Tools, family_of, parse_calls, tool_call_
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
-from serving.grpc_common import FATAL_GRACE_S, MAX_REQUEST_BYTES, StartupError
+from serving.grpc_common import FATAL_GRACE_S, StartupError
 from serving.token_ids import TokenIds, as_array
 from serving.validation import InvalidRequest
 
@@ -71,9 +72,10 @@ class Answer:
 
 class OpenAIApi:
     def __init__(self, core: DecodeCore, parser: RequestParser, model_name: str, timeout_s: float,
-                 ignore_unknown_fields: bool = False) -> None:
+                 ignore_unknown_fields: bool = False, max_body_bytes: int | None = None) -> None:
         self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
         self.model_name, self.max_model_len, self.timeout_s = model_name, parser.max_model_len, timeout_s
+        self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_model_len)
         self.ignore_unknown_fields = ignore_unknown_fields
         self.refusals = ClientErrorLog()
         self.created = int(time.time())
@@ -81,7 +83,7 @@ class OpenAIApi:
 
     # --- the application ----------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[openai_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[openai_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -244,7 +246,7 @@ class OpenAIApi:
 
     async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
         """The body into an ApiRequest; a large one is parsed and checked off the event loop."""
-        raw = await read_body(request)
+        raw = await read_body(request, self.max_body_bytes)
         data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
 
         def read() -> tuple[ApiRequest, list[str]]:

@@ -1,6 +1,10 @@
 """An HTTP request's envelope, before its fields are read: the body (size, compression, JSON, read
 timeout), the X-Request-Id header, and every refusal as OpenAI's error body, aiohttp's own included.
 
+A body is bounded by the context (--http-max-body-bytes): a larger one is refused by its
+Content-Length before a byte of it is read, so a client can't make this process read, hold and
+parse tens of megabytes while it decodes for others.
+
 Bodies are decompressed here, not by aiohttp (started with auto_decompress=False), so that an
 unknown encoding or a corrupt stream is a 4xx in OpenAI's body, and a decompression bomb stops at the
 size limit. Large bodies are decompressed and parsed off the event loop."""
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import subprocess
 import sys
 import time
 import zlib
@@ -18,8 +23,6 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-
-from serving.grpc_common import MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,10 @@ STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 SERVER_ERROR = (500, "server_error")
 PARSE_IN_THREAD_BYTES = 64 << 10   # bodies past this are decompressed and parsed off the event loop
-GATE_BYTES = 256 << 10             # ... and past this first counted in a separate process (see parse_body)
-GATES_AT_ONCE = 2
+BODY_BYTES_PER_TOKEN = 32          # a token id and its comma, or an escaped character or two
+BODY_BYTES_ELSE = 1 << 20
+GATES_AT_ONCE = 2                  # value counts in flight; more bodies that need one wait their turn
+GATE_TIMEOUT_S = 30.0
 # Run as `python -I -S -c GATE max_values` with the body on stdin: prints {"values": n} (counting
 # stops past max_values) or {"error": why it is not JSON}. Only json is imported, so it starts fast.
 GATE = """
@@ -92,8 +97,9 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
-def too_large() -> ApiError:
-    return ApiError(413, f"the request body is larger than the limit of {MAX_REQUEST_BYTES} bytes",
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                    "(--http-max-body-bytes); a prompt that fills the context fits in less",
                     "invalid_request_error", "request_too_large", None, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -109,17 +115,24 @@ def request_id_header(request: web.Request) -> str | None:
     return value
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The body's bytes, decompressed: 413 past the size limit (told by Content-Length before
-    reading, else found while reading or inflating), 408 when it trickles in past BODY_TIMEOUT_S,
-    415 for an encoding other than gzip / deflate, 400 for a corrupt one."""
-    if (request.content_length or 0) > MAX_REQUEST_BYTES:
-        raise too_large()
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The default --http-max-body-bytes: room for a prompt that fills the context, written the
+    longest way a client writes it (token ids, or escaped text: at most BODY_BYTES_PER_TOKEN bytes
+    a token), beside the other fields (tools, schemas, logit_bias)."""
+    return BODY_BYTES_PER_TOKEN * max_model_len + BODY_BYTES_ELSE
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body's bytes, decompressed: 413 past `limit` (told by Content-Length before reading,
+    else found while reading or inflating), 408 when it trickles in past BODY_TIMEOUT_S, 415 for an
+    encoding other than gzip / deflate, 400 for a corrupt one."""
+    if (request.content_length or 0) > limit:
+        raise too_large(limit)
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
-        raise too_large() from e
+        raise too_large(limit) from e
     except TimeoutError as e:
         raise ApiError.bad_body(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", "request_timeout",
                                 408) from e
@@ -131,18 +144,18 @@ async def read_body(request: web.Request) -> bytes:
         raise ApiError.bad_body(f"Content-Encoding {encoding[:32]!r} is not supported; send the body as is, gzip "
                                 "or deflate", "unsupported_content_encoding", 415)
     if len(raw) > PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(inflate, raw, wbits, encoding)
-    return inflate(raw, wbits, encoding)
+        return await asyncio.to_thread(inflate, raw, wbits, encoding, limit)
+    return inflate(raw, wbits, encoding, limit)
 
 
-def inflate(raw: bytes, wbits: int, encoding: str) -> bytes:
+def inflate(raw: bytes, wbits: int, encoding: str, limit: int) -> bytes:
     stream = zlib.decompressobj(wbits)
     try:
-        body = stream.decompress(raw, MAX_REQUEST_BYTES + 1)
+        body = stream.decompress(raw, limit + 1)
     except zlib.error as e:
         raise ApiError.bad_body(f"the request body is not valid {encoding}: {e}", "invalid_encoding") from e
-    if len(body) > MAX_REQUEST_BYTES:
-        raise too_large()
+    if len(body) > limit:
+        raise too_large(limit)
     if not stream.eof:
         raise ApiError.bad_body(f"the request body's {encoding} stream is cut short", "invalid_encoding")
     return body
@@ -152,31 +165,39 @@ _gates = asyncio.Semaphore(GATES_AT_ONCE)
 
 
 async def parse_body(raw: bytes, max_values: int) -> Any:
-    """The body as JSON. Parsing holds the GIL throughout (the json module's C scanner), so a body of
-    millions of small values, parsed in a thread of this process, would freeze every stream for
-    seconds. A large body is therefore parsed first in a short-lived process that only counts its
-    values: past `max_values` (more than any request that fits the context holds) it is refused
-    unparsed here, and what is left parses in a thread in a bounded time."""
+    """The body as JSON. Parsing holds the GIL throughout (the json module's C scanner), and every
+    decode step waits for the GIL between its operations, so a body of a million small values,
+    parsed in this process, would hold every stream for the whole parse. Such a body is found
+    without parsing: it holds at most 1 + its commas + its opening brackets values. Where that bound
+    is past `max_values` (more than any request that fits the context holds), a separate process
+    counts them exactly, and the body is refused unparsed here when they are too many."""
     if len(raw) <= PARSE_IN_THREAD_BYTES:
         return parse_json(raw)
-    if len(raw) > GATE_BYTES:
+    if 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{") > max_values:
         async with _gates:
-            gate = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", GATE, str(max_values), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-            try:
-                out, _ = await gate.communicate(raw)
-            finally:
-                if gate.returncode is None:  # cancelled: the client went away
-                    gate.kill()
-                    await gate.wait()
-        verdict = json.loads(out or b'{"error": "the JSON check failed"}')
+            verdict = await asyncio.to_thread(count_values, raw, max_values)
         if "error" in verdict:
             raise ApiError.bad_body(f"the request body is not valid JSON: {verdict['error']}", "invalid_json")
         if verdict["values"] > max_values:
             raise ApiError.bad_body(f"the request body holds more than {max_values} JSON values; no request that "
                                     "fits this server's context limit needs that many", "request_too_complex")
     return await asyncio.to_thread(parse_json, raw)
+
+
+def count_values(raw: bytes, max_values: int) -> dict[str, Any]:
+    """GATE's verdict on `raw`. subprocess.Popen starts it with vfork, which holds this process
+    for well under a millisecond, where the event loop's fork would copy the page tables of a
+    process that holds a model (tens of ms with the GIL held); the wait releases the GIL."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", GATE, str(max_values)], input=raw,
+                              capture_output=True, timeout=GATE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"checking it took over {GATE_TIMEOUT_S:g} s"}
+    try:
+        verdict: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        return {"error": "the JSON check failed"}
+    return verdict
 
 
 def parse_json(raw: bytes) -> Any:

@@ -202,11 +202,15 @@ class RequestParser:
             raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters can't fit the context limit "
                                  f"of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} characters are "
                                  "accepted)", names.prompt)
-        encode = self.tokenizer.encode
+        encode = self.tokenizer.encode_within
         if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS:
-            tokens = await asyncio.to_thread(lambda: token_ids(encode(f.prompt, f.add_special_tokens)))
+            ids = await asyncio.to_thread(encode, f.prompt, limit, f.add_special_tokens)
         else:
-            tokens = token_ids(encode(f.prompt, f.add_special_tokens))
+            ids = encode(f.prompt, limit, f.add_special_tokens)
+        if ids is None:
+            raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters encodes to more than the "
+                                 f"context limit of {limit} tokens", names.prompt)
+        tokens = token_ids(ids)
         if not tokens:
             raise InvalidRequest(f"the {names.prompt} text encodes to no tokens", names.prompt)
         return tokens

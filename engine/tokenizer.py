@@ -20,6 +20,11 @@ from tokenizers.decoders import DecodeStream
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+# encode_within counts a long text in pieces of about this many characters a token of the limit,
+# each cut adding at most COUNT_SLACK_TOKENS tokens to the sum (a split word, a special token cut in two)
+COUNT_PIECE_CHARS_PER_TOKEN, COUNT_SLACK_TOKENS = 4, 32
+
+
 class ChatTemplateError(ValueError):
     """The messages can't be rendered: no chat template, or the template refused them."""
 
@@ -69,6 +74,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids, with the tokenizer's own BOS where it adds one (Llama, Mistral)."""
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | None:
+        """`encode(text)`, or None when it is surely longer than `max_tokens`: found by counting the
+        tokens of pieces of the text, cut at whitespace, and stopping once their sum is past the limit
+        by more than the cuts can add. A text of millions of characters then costs about what a prompt
+        that fills the context does, not its whole tokenization."""
+        piece = COUNT_PIECE_CHARS_PER_TOKEN * max_tokens
+        if len(text) <= 2 * piece:
+            return self.encode(text, add_special_tokens)
+        counted, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + piece)
+            if end < len(text):
+                space = text.rfind(" ", start + piece // 2, end)  # a cut before a space splits no word
+                end = space if space > start else end
+            counted += len(self._hf.encode(text[start:end], add_special_tokens=False))
+            start, cuts = end, cuts + 1
+            if counted > max_tokens + COUNT_SLACK_TOKENS * cuts:  # a cut adds at most a few tokens
+                return None
+        return self.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._hf.decode(list(ids), skip_special_tokens=True))

@@ -133,3 +133,20 @@ def test_tiny_preset_chats() -> None:
     assert tok.decode(ids) == "system\nBe brief.\nuser\n漢字 😀?\nassistant\n"
     assert tok.encode("hé") == list("hé".encode())
     assert tok.eos_token_ids == (259,)
+
+
+def test_encode_within_is_encode_or_refuses_only_what_cannot_fit() -> None:
+    tok = byte_tokenizer()
+    short = "hello world " * 10
+    assert tok.encode_within(short, 1000) == tok.encode(short)
+    # counted in pieces (longer than 8 characters a token of the limit) and refused after the first ones
+    assert tok.encode_within("ab " * 50_000, 1000) is None
+    spaced = "<|reserved_3|> " * 1000  # 2,000 tokens
+    assert tok.encode_within(spaced, 1000) is None
+    assert tok.encode_within(spaced, 2000) == tok.encode(spaced)
+    # 14 characters a token and no space to cut at: cuts split special tokens, and still it fits
+    dense = "<|reserved_3|>" * 1000
+    assert len(tok.encode(dense)) == 1000
+    assert tok.encode_within(dense, 1200) == tok.encode(dense)
+    assert tok.encode_within(dense, 1000) == tok.encode(dense)
+    assert tok.encode_within(dense, 700) is None
