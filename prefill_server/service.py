@@ -8,7 +8,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -153,7 +153,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"NCCL rendezvous: {e}")
         raise AssertionError("unreachable: abort() raises")
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
+    async def Prefill(  # type: ignore[override]
+            self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         if self.draining:
             metrics.REQUESTS_TOTAL.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill server is shutting down")
