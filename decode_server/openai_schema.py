@@ -35,6 +35,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
 TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary check comes later
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
@@ -42,7 +43,7 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens", "allowed_token_ids", *GRAMMAR_FIELDS})
+                      "min_p", "min_tokens", "allowed_token_ids", "bad_words", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                  "tool_choice", "parallel_tool_calls"}}
@@ -52,7 +53,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "best_of": (1,), "guided_decoding_backend": (),
-    "bad_words": ([],), "prompt_logprobs": (), "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
@@ -198,7 +199,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
-        penalties=_penalties(body), cache_salt=_cache_salt(body))
+        penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body))
     echo = not chat and body.flag("echo")
     if echo and stream:
         raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
@@ -261,6 +262,15 @@ def _penalties(body: Body) -> Penalties | None:
         min_tokens=body.integer("min_tokens", 0, 0, 2**31), min_p=number("min_p", 0.0, 0, 1),
         allowed=tuple(sorted(set(allowed))))
     return penalties if penalties.active else None
+
+
+def _bad_words(body: Body) -> tuple[str, ...]:
+    words = body.get("bad_words", list, "an array of strings") or []
+    if len(words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS
+                                         for w in words):
+        raise InvalidRequest(f"bad_words must be an array of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                             f"{MAX_BAD_WORD_CHARS} characters", "bad_words")
+    return tuple(words)
 
 
 def _cache_salt(body: Body) -> str:

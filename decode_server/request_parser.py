@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
@@ -49,6 +49,7 @@ class RequestFields:
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
     prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
     penalties: Penalties | None = None
+    bad_words: tuple[str, ...] = ()     # texts the answer may not produce (tokenized here, into penalties)
     grammar: GrammarSpec | None = None  # structured outputs
     grammar_field: str = ""             # the field that asked for it, as its client named it
 
@@ -128,6 +129,8 @@ class RequestParser:
                 raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
                                      "chunked", names.prefill_mode)
             mode = PrefillMode.COLOCATED
+        if f.bad_words:
+            f = replace(f, penalties=replace(f.penalties or Penalties(), bad_words=self._bad_words(f.bad_words)))
         sampled_here = f.logprobs is not None or f.penalties is not None or f.grammar is not None
         if sampled_here and mode not in LOGPROB_MODES:
             # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
@@ -154,7 +157,8 @@ class RequestParser:
                                  "leave one out", "ignore_eos")
         if f.grammar is not None and f.penalties is not None:  # filters that with a grammar could leave no token
             p = f.penalties
-            clash = "min_tokens" if p.min_tokens else "min_p" if p.min_p else "allowed_token_ids" if p.allowed else ""
+            clash = ("min_tokens" if p.min_tokens else "min_p" if p.min_p else "allowed_token_ids" if p.allowed
+                     else "bad_words" if p.bad_words else "")
             if clash:
                 raise InvalidRequest(f"{clash} can't be combined with {f.grammar_field}: together they may leave "
                                      "no token to sample; leave one out", clash)
@@ -173,6 +177,22 @@ class RequestParser:
                        logprobs=f.logprobs, prompt_logprobs=f.logprobs if f.prompt_logprobs else None,
                        penalties=f.penalties,
                        grammar=await self._compile(f.grammar, f.grammar_field) if f.grammar is not None else None)
+
+    def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as it would start the text and, where the tokenizer writes a word after a
+        space as other tokens of the same count, as it would follow a space (vLLM's reading)."""
+        if self.tokenizer is None:
+            raise InvalidRequest("bad_words needs the model's tokenizer to find the words' tokens, and this "
+                                 "server's model has none; use logit_bias with token ids", "bad_words")
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if alone:
+                found[alone] = None
+            if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+                found[spaced] = None
+        return tuple(found)
 
     async def _compile(self, spec: GrammarSpec, name: str) -> CompiledGrammar:
         """The grammar compiled off the event loop (a repeated one comes from xgrammar's cache)."""

@@ -39,7 +39,7 @@ def completion(**fields: Any) -> bytes:
 # --- every field honoured or refused --------------------------------------------------------------
 NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"echo": True}),
-    ("/v1/completions", {"guided_decoding_backend": "outlines"}), ("/v1/completions", {"bad_words": ["x"]}),
+    ("/v1/completions", {"guided_decoding_backend": "outlines"}), ("/v1/completions", {"prompt_logprobs": 2}),
     ("/v1/completions", {"spaces_between_special_tokens": False}), ("/v1/completions", {"prompt_logprobs": 1}),
     ("/v1/completions", {"include_stop_str_in_output": True}), ("/v1/completions", {"skip_special_tokens": False}),
     ("/v1/completions", {"truncate_prompt_tokens": 4}), ("/v1/completions", {"best_of": 2}),
@@ -93,8 +93,8 @@ def test_unknown_fields_taken_with_a_warning_when_asked(server_logs: Path) -> No
         got = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                         extra_body={"future_field": 1, "ignore_eos": True})
         assert got.choices[0].finish_reason == "length" and got.usage is not None and got.usage.completion_tokens == 2
-        with pytest.raises(openai.BadRequestError, match="bad_words is not supported"):  # known: still refused
-            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"bad_words": ["a"]})
+        with pytest.raises(openai.BadRequestError, match="best_of is not supported"):  # known: still refused
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"best_of": 2})
         server.stop()
         assert "WARNING" in server.own_log() and "unknown fields 'future_field'" in server.own_log()
     finally:

@@ -118,3 +118,33 @@ def test_bad_penalties_are_400(http_server: HttpServer, fields: dict[str, Any], 
         http_server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, extra_body=fields)
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param, caught.value.body
     assert "\n" not in caught.value.body["message"]
+
+
+def greedy_tokens(server: HttpServer, ids: list[int], extra: dict[str, Any]) -> list[str]:
+    got = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, logprobs=0,
+                                             extra_body={"ignore_eos": True, **extra})
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    return lp.tokens
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it(http_server: HttpServer) -> None:
+    def letter(token: str) -> bool:
+        return len(token) == 1 and token.isascii() and token.isalnum()  # one byte, one token
+
+    for salt in range(30, 60):  # a prompt whose greedy answer has two letters in a row, after its start
+        ids = prompt(16, salt=salt)
+        plain = greedy_tokens(http_server, ids, {})
+        k = next((i for i in range(1, len(plain) - 1) if letter(plain[i]) and letter(plain[i + 1])), None)
+        if k is not None:
+            break
+    assert k is not None
+    word = plain[k] + plain[k + 1]  # its first place in the answer is k: an earlier one would be found first
+    banned = greedy_tokens(http_server, ids, {"bad_words": [word]})
+    assert banned[:k + 1] == plain[:k + 1] and banned[k + 1] != plain[k + 1], (plain, banned)
+    assert all(a + b != word for a, b in zip(banned, banned[1:], strict=False))
+    single = greedy_tokens(http_server, ids, {"bad_words": [plain[k]]})
+    assert single[:k] == plain[:k] and plain[k] not in single, (plain, single)
+    with pytest.raises(openai.BadRequestError) as caught:
+        http_server.client().completions.create(model=MODEL, prompt=ids, max_tokens=4, extra_body={"bad_words": [""]})
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "bad_words"
