@@ -4,7 +4,9 @@ tokens on the device, so the GPU never waits while the host reads tokens and pre
 step's metadata (vLLM's async scheduling, SGLang's overlap scheduler). The cost: a sequence that ends
 on a stop or EOS token has one more row computed in the step queued meanwhile, which nobody reads;
 its blocks go back once that step is done (`leave`). While a sequence with a grammar (structured
-outputs) runs, each step is read before the next is queued: its mask needs the token before.
+outputs) runs, a step's forward is queued first, the step before is read while the device computes
+it (its tokens advance the grammars' matchers), and then the step's sampling is queued with the
+masks they give: only the sampling waits for the host, not the forward.
 
 Each token read back goes to the scheduler through `TokenSink`.
 """
@@ -12,6 +14,7 @@ Each token read back goes to the scheduler through `TokenSink`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,7 +53,7 @@ class StepInFlight:
     """A decode step queued on the device whose tokens are not yet read back (overlapped steps)."""
 
     seqs: list[RequestSequence]   # its rows, in order
-    tokens: torch.Tensor          # its sampled tokens on the device: the next step's inputs
+    tokens: torch.Tensor          # its sampled tokens on the device (its logits until they are): the next step's inputs
     reader: TokenReader
     started: float
     marks: StepMarks | None  # --step-trace
@@ -96,23 +99,29 @@ class DecodeSteps:
         previous, self.in_flight = self.in_flight, None
         if not self.overlap:
             return self._read(self._launch(running, None), running) if running else set()
-        if previous is not None and any(s.grammar is not None for s in running):
-            # a grammar's mask needs the previous token taken by its matcher: read, then queue
-            finished = self._read(previous, running)
-            seqs = [s for s in running if id(s) not in finished]
-            if seqs:
-                self.in_flight = self._launch(seqs, None)
-            return finished
         # a sequence whose length ends it with the previous step's token has no next step
         seqs = [s for s in running
                 if previous is None or id(s) not in previous.rows or len(s.tokens) + 1 < s.max_new_tokens]
+        if previous is not None and any(s.grammar is not None for s in seqs):
+            # a grammar's mask needs the previous token taken by its matcher: read it between the
+            # forward and the sampling
+            finished: set[int] = set()
+
+            def read_previous() -> None:
+                finished.update(self._read(previous, running))
+
+            self._launch(seqs, previous, read_previous)
+            return finished
         if seqs:
-            self.in_flight = self._launch(seqs, previous)
+            self._launch(seqs, previous)
         return self._read(previous, running) if previous is not None else set()
 
-    def _launch(self, seqs: list[RequestSequence], previous: StepInFlight | None) -> StepInFlight:
+    def _launch(self, seqs: list[RequestSequence], previous: StepInFlight | None,
+                before_sampling: Callable[[], None] | None = None) -> StepInFlight:
         """Queue a decode step of `seqs` and the read-back of its tokens; a sequence in `previous`
-        takes its input token from that step's tokens, still on the device."""
+        takes its input token from that step's tokens, still on the device. `before_sampling` runs
+        once the forward is queued, the step already in flight (a sequence that leaves meanwhile
+        keeps its blocks until it is done)."""
         t0 = time.perf_counter()
         marks = (self.trace.begin_step([s.request_id for s in seqs[:8]], len(seqs), self.runner.device)
                  if self.trace is not None else None)
@@ -124,13 +133,17 @@ class DecodeSteps:
             batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
-        tokens, logprobs = sample_rows(logits, seqs, indices, self.runner.device, greedy)
+        self._launched += 1
+        step = StepInFlight(seqs, logits, self.readers[self._launched % 2], t0, marks, None)  # the other reader
+        if self.overlap:                                                                  # may hold the step before
+            self.in_flight = step
+        if before_sampling is not None:
+            before_sampling()
+        step.tokens, step.logprobs = sample_rows(logits, seqs, indices, self.runner.device, greedy)
         if marks is not None:
             marks.queued()
-        self._launched += 1
-        reader = self.readers[self._launched % 2]  # the other may hold the step in flight
-        reader.start(tokens)
-        return StepInFlight(seqs, tokens, reader, t0, marks, logprobs)
+        step.reader.start(step.tokens)
+        return step
 
     def _read(self, step: StepInFlight, running: list[RequestSequence]) -> set[int]:
         """Wait for a queued step's tokens and hand them out; a row whose sequence has left since (it

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -104,3 +105,30 @@ def test_bad_grammars_are_400(http_server: HttpServer, fields: dict[str, Any], p
         http_server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, extra_body=fields)
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param, caught.value.body
     assert "\n" not in caught.value.body["message"]
+
+
+def test_grammar_rows_answer_alike_with_and_without_overlapped_steps(http_server: HttpServer,
+                                                                     server_logs: Path) -> None:
+    """Overlapped, a grammar row's forward is queued before the step before is read and its mask
+    made after: the answers (greedy within the grammar, beside rows without one) must be the ones
+    of a server that reads each step before queueing the next."""
+    def answers(server: HttpServer) -> list[str]:
+        client = server.client()
+
+        def run(salt: int, fields: dict[str, Any]) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt(12, salt=salt), max_tokens=40, temperature=0,
+                                             extra_body=fields).choices[0].text or ""
+
+        jobs = [(41, {"guided_regex": "[a-f]{3,12}-[0-9]{2,20}"}), (42, {"ignore_eos": True}),
+                (43, {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}),
+                (44, {"guided_choice": ["alpha", "beta", "gamma"]}), (45, {"ignore_eos": True})]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(lambda job: run(*job), jobs))
+
+    serial = HttpServer(server_logs, "--no-overlap-steps").start()
+    try:
+        expected = answers(serial)
+    finally:
+        serial.stop()
+    assert answers(http_server) == expected
+    assert re.fullmatch("[a-f]{3,12}-[0-9]{2,20}", expected[0]) and expected[3] in ("alpha", "beta", "gamma")
