@@ -98,6 +98,7 @@ def test_rows_without_a_grammar_keep_their_tokens(http_server: HttpServer) -> No
     ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
     ({"guided_choice": ["a"], "min_tokens": 3}, "min_tokens"), ({"guided_regex": "a", "min_p": 0.5}, "min_p"),
     ({"response_format": {"type": "json_object"}, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"guided_regex": "a+", "bad_words": ["a"]}, "bad_words"),
     ({"guided_regex": "a", "prefill_mode": "disaggregated"}, "prefill_mode"),
 ])
 def test_bad_grammars_are_400(http_server: HttpServer, fields: dict[str, Any], param: str) -> None:
