@@ -39,6 +39,11 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
     ids = b'{"max_tokens": 2, "prompt": [' + b",".join([b"1"] * values) + b"]}"
     message = b'{"role":"user","content":""}'
     chat = b'{"max_tokens": 2, "messages": [' + b",".join([message] * ((limit - 64) // (len(message) + 1))) + b"]}"
+    # as many messages as the value count lets through (3 values each), each as long as the body allows
+    count = max_model_len
+    filler = "a" * max(1, (limit - 4096) // count - 40)
+    rendered = json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": filler}] * count},
+                          separators=(",", ":")).encode()
     past_context = json.dumps({"max_tokens": 2, "prompt": [1] * (max_model_len + 8)}).encode()
     text = json.dumps({"max_tokens": 2, "prompt": "a " * (limit // 2 - 32)}).encode()
     plain: dict[str, str] = {}
@@ -47,6 +52,7 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
         "a million ids at the limit": ("/v1/completions", ids, plain),
         "empty messages at the limit": ("/v1/chat/completions", chat, plain),
         "ids past the context": ("/v1/completions", past_context, plain),
+        "messages to render past the context": ("/v1/chat/completions", rendered, plain),
         "text past the context": ("/v1/completions", text, plain),
         "gzip bomb": ("/v1/completions", gzip.compress(b" " * (64 << 20), compresslevel=9),
                       {"Content-Encoding": "gzip"}),
@@ -112,6 +118,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--cases", nargs="*", default=None, help="only the cases whose names hold one of these words")
     p.add_argument("--port", type=int, default=50083, help="gRPC port; HTTP on --http-port")
     p.add_argument("--http-port", type=int, default=8083)
     p.add_argument("--server-args", default="", help="extra decode server flags")
@@ -122,7 +129,8 @@ def main() -> None:
                    "--metrics-port", "0", "--preset", args.preset, "--device", args.device, "--mode", "colocated",
                    "--max-model-len", str(args.max_model_len), *args.server_args.split()]
     limit = default_max_body_bytes(args.max_model_len)
-    cases = bodies(limit, args.max_model_len)
+    cases = {name: case for name, case in bodies(limit, args.max_model_len).items()
+             if args.cases is None or any(word in name for word in args.cases)}
     server = ServerProcess("decode_server", server_args, f"127.0.0.1:{args.port}", logs / "decode_server.log")
     results: dict[str, list[dict[str, Any]]] = {}
     try:
