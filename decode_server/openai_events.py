@@ -9,13 +9,13 @@ import json
 class ChunkFormat:
     """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
 
-    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
-        self.request_id, self.model = request_id, model
+    def __init__(self, request_id: str, chat: bool, created: int, model: str, index: int = 0) -> None:
+        self.request_id, self.model, self.created, self.index = request_id, model, created, index
         obj = "chat.completion.chunk" if chat else "text_completion"
         common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
                   f'"model":{json.dumps(model)},')
         self.usage_head = common + '"choices":[],"usage":'
-        choice = common + '"choices":[{"index":0,'
+        choice = common + f'"choices":[{{"index":{index},'
         self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
         self.head = choice + ('"delta":{"content":' if chat else '"text":')
         self.close = "}" if chat else ""

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from decode_server.openai_events import ChunkFormat
 from engine.grammar import GrammarSpec
 from serving.validation import InvalidRequest
 
@@ -123,15 +123,14 @@ def parse_calls(text: str, tools: Tools, family: str | None) -> tuple[str | None
     return content, calls if tools.parallel else calls[:1]
 
 
-def tool_call_event(request_id: str, model: str, calls: list[dict[str, Any]], content: str | None,
-                    first: bool) -> bytes:
+def tool_call_event(fmt: ChunkFormat, calls: list[dict[str, Any]], content: str | None, first: bool) -> bytes:
     """A streamed answer's tool calls as one chunk of OpenAI's deltas (each call whole, with its index)."""
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if content:
         delta["content"] = content
     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}]}
+    chunk = {"id": fmt.request_id, "object": "chat.completion.chunk", "created": fmt.created, "model": fmt.model,
+             "choices": [{"index": fmt.index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}]}
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
