@@ -4,6 +4,7 @@ its text (and, when asked, its log probabilities) is encoded."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 
 class ChunkFormat:
@@ -31,3 +32,10 @@ class ChunkFormat:
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> bytes:
+        """A chat event of any delta (tool calls), encoded whole."""
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -17,7 +17,8 @@ from decode_server.http_request import ApiError
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import ApiRequest
-from decode_server.openai_tools import family_of, parse_calls, tool_call_event
+from decode_server.openai_tool_calls import ToolCallParser, parse_calls
+from decode_server.openai_tools import family_of
 from engine.tokenizer import StopMatcher, StreamDetokenizer, Tokenizer
 from serving.token_ids import TokenIds, as_array
 
@@ -80,6 +81,10 @@ class Reply:
         self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(api.stop) if api.stop else None
         self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
+        family = family_of(tokenizer.chat_template if tokenizer is not None else "") if api.tools else None
+        # streamed with tools: content and calls go out as the parser decides them
+        self.tool_calls = ToolCallParser(api.tools, family) if api.tools is not None and stream is not None else None
+        self.family = family
         self.first_token = asyncio.Event()  # set once the first token is in
         self.sent = False  # an event of this choice went out (the first carries the role)
 
@@ -112,15 +117,15 @@ class Reply:
                     if echoed:  # the first event carries the prompt's too, as vLLM streams an echo
                         logprobs = self.logprobs.streamed(logprobs_from)
                 answer.chars += len(piece)
-                if self.stream is not None and self.api.tools is None:
+                if self.tool_calls is not None:
+                    finish = await self._send_tool_calls(piece, finish, logprobs)
+                elif self.stream is not None:
                     await self._send(echoed + piece, finish, logprobs)
                 else:
                     answer.text += piece
                 if finish:
                     answer.finish_reason = finish
                     break
-        if self.stream is not None and self.api.tools is not None:  # tool calls are parsed once the answer is whole
-            await self._send_tools(answer)
         return answer
 
     def _prompt_text(self, prompt: TokenIds) -> str:
@@ -147,12 +152,26 @@ class Reply:
         return choice
 
     def _tool_calls(self, answer: Answer) -> tuple[str | None, list[dict[str, Any]]]:
-        template = self.tokenizer.chat_template if self.tokenizer is not None else ""
-        return parse_calls(answer.text, self.api.tools, family_of(template)) if self.api.tools else (answer.text, [])
+        return parse_calls(answer.text, self.api.tools, self.family) if self.api.tools else (answer.text, [])
 
-    async def _send_tools(self, answer: Answer) -> None:
-        assert self.stream is not None
-        content, calls = self._tool_calls(answer)
-        first, self.sent = not self.sent, True
-        await self.stream.write(tool_call_event(self.fmt, calls, content, first) if calls
-                                else self.fmt.token(answer.text, answer.finish_reason, first))
+    async def _send_tool_calls(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> str | None:
+        """A token of an answer with tools: the content and call deltas it decided, each an event (the
+        first with the token's log probabilities), the last with the finish reason, `tool_calls` when
+        a call was whole; returns that reason."""
+        assert self.tool_calls is not None and self.stream is not None
+        out = self.tool_calls.feed(piece)
+        if finish:
+            rest = self.tool_calls.end()
+            out.content += rest.content
+            out.deltas += rest.deltas
+            finish = "tool_calls" if self.tool_calls.whole else finish
+        deltas: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
+        deltas += [{"tool_calls": [d.openai()]} for d in out.deltas]
+        if not deltas and (finish or logprobs is not None):
+            deltas = [{"content": ""} if logprobs is not None else {}]
+        for n, delta in enumerate(deltas):
+            if not self.sent:
+                delta, self.sent = {"role": "assistant", **delta}, True
+            await self.stream.write(self.fmt.delta(delta, finish if n == len(deltas) - 1 else None,
+                                                   logprobs if n == 0 else None))
+        return finish
