@@ -172,8 +172,9 @@ class OpenAIApi:
             log.exception("request %s failed", parsed.request_id)
             return await self._fail(stream, ApiError.internal(f"internal error: {type(e).__name__}: {e}"))
         finally:
-            for task in tasks:  # every choice ends with the request (a hang-up cancels them all)
+            for task in tasks:  # every choice ends with the request (a hang-up cancels them all) ...
                 task.cancel()
+                task.add_done_callback(_settled)  # ... and a second choice's failure is not logged as unseen
             for generation in generations:
                 self.core.finish(generation, status)
         return web.json_response({
@@ -247,3 +248,7 @@ class OpenAIApi:
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), "messages") from e
 
+
+def _settled(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai.types import Completion
 
+from tests.test_http_api import hang_up_hard
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt, wait_kv_idle
 
@@ -124,6 +125,9 @@ def test_a_hang_up_cancels_every_choice(http_server: HttpServer) -> None:
             break
     assert http_server.metrics()["kv_cache_free_blocks"] < start - 4  # all four hold their blocks while they stream
     stream.close()
+    wait_kv_idle(http_server, timeout=10)
+    for _ in range(3):  # reset, not closed, while every choice writes its events
+        hang_up_hard(http_server, n=4)
     wait_kv_idle(http_server, timeout=10)
     assert http_server.metrics()["kv_cache_free_blocks"] == start
     assert "Traceback" not in http_server.own_log(), http_server.own_log()[-4000:]
