@@ -213,10 +213,14 @@ def test_streamed_llama3_json_calls(llama3_server: HttpServer) -> None:
     forced = (r'\{"name": "get_time", "parameters": \{"zone": "(utc|cet)"\}\}; '
               r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,6}", "days": [1-7]\}\}')
     for guided, calls in ((forced, 2), ("[a-z ]{10,12}", 0)):
-        args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, seed=3,
+        args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, seed=3, logprobs=True,
                                     extra_body={"guided_regex": guided})
         whole = client.chat.completions.create(**args)
         assert len(whole.choices[0].message.tool_calls or []) == calls
         streamed = Streamed.read(client.chat.completions.create(stream=True, **args))
         streamed.matches(whole)
+        logprobs = whole.choices[0].logprobs.content or []  # type: ignore[union-attr]
+        assert whole.usage is not None and len(logprobs) == whole.usage.completion_tokens  # every token's, streamed
+        assert [lp.logprob for e in streamed.events if e.logprobs for lp in e.logprobs.content or []] == \
+            [lp.logprob for lp in logprobs]
         assert all(c["deltas"] > 2 for c in streamed.calls.values()) and (calls or len(streamed.contents) > 1)
