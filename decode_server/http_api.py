@@ -6,10 +6,10 @@ request core, beside gRPC's `pd.v1.Decode`).
 A request is read into `RequestFields` (openai_schema.py), checked by the same `RequestParser` as
 a gRPC one, accepted by `DecodeCore`, and answered from its `Generation`s' tokens (one a choice,
 openai_reply.py): one SSE event a token when streamed (built from fragments made once a request),
-one JSON body otherwise. Its
-endings map onto HTTP as the gRPC statuses do (STATUS below), in OpenAI's error body; an error
-after the stream began is an SSE `error` event before `data: [DONE]`. A client that disconnects
-cancels its handler (aiohttp's handler_cancellation), and its KV goes back as on gRPC.
+one JSON body otherwise. Its endings map onto HTTP as the gRPC statuses do (STATUS below), in
+OpenAI's error body; an error after the stream began is an SSE `error` event before `data: [DONE]`.
+A client that disconnects cancels its handler (aiohttp's handler_cancellation), and with it every
+choice; their KV goes back as on gRPC.
 """
 
 from __future__ import annotations
