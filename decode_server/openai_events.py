@@ -4,18 +4,19 @@ its text (and, when asked, its log probabilities) is encoded."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 
 class ChunkFormat:
     """A request's SSE events, from JSON fragments made once: per token only its text is encoded."""
 
-    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
-        self.request_id, self.model = request_id, model
+    def __init__(self, request_id: str, chat: bool, created: int, model: str, index: int = 0) -> None:
+        self.request_id, self.model, self.created, self.index = request_id, model, created, index
         obj = "chat.completion.chunk" if chat else "text_completion"
         common = (f'data: {{"id":{json.dumps(request_id)},"object":"{obj}","created":{created},'
                   f'"model":{json.dumps(model)},')
         self.usage_head = common + '"choices":[],"usage":'
-        choice = common + '"choices":[{"index":0,'
+        choice = common + f'"choices":[{{"index":{index},'
         self.first = choice + ('"delta":{"role":"assistant","content":' if chat else '"text":')
         self.head = choice + ('"delta":{"content":' if chat else '"text":')
         self.close = "}" if chat else ""
@@ -31,3 +32,10 @@ class ChunkFormat:
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> bytes:
+        """A chat event of any delta (tool calls), encoded whole."""
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -51,6 +51,11 @@ class LogprobFormat:
                 self.add(token_id, logprobs[n - 1], offset)
             offset += len(token)
 
+    def streamed(self, start: int) -> dict[str, Any]:
+        """The entries recorded since `start` as one streamed event's `logprobs` (an echo's first
+        event: the prompt's and the first token's)."""
+        return {"content": self.entries[start:]} if self.chat else self._completions(self.entries[start:])
+
     def whole(self) -> dict[str, Any]:
         """The answer's log probabilities, as a non-streamed choice's `logprobs`."""
         return {"content": self.entries} if self.chat else self._completions(self.entries)

@@ -164,8 +164,6 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     body.get("user", str, "a string")
     n = body.integer("n", 1, 1, MAX_CHOICES + 1)
     stream = body.flag("stream")
-    if n > 1 and stream:
-        raise InvalidRequest("n > 1 is not supported with stream: true; leave one out", "n")
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
@@ -201,8 +199,6 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
         penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body))
     echo = not chat and body.flag("echo")
-    if echo and stream:
-        raise InvalidRequest("echo is not supported with stream: true; leave one out", "echo")
     grammar = read_grammar(body.data)
     tools = read_tools(body.data) if chat else None
     forced = tools.grammar() if tools is not None else None

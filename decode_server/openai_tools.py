@@ -1,6 +1,6 @@
 """Tool calls on /v1/chat/completions: `tools` are rendered by the checkpoint's chat template, and the
-answer's `tool_calls` parsed from its text by the parser of the template's family (hermes'
-`<tool_call>{"name", "arguments"}</tool_call>` for Qwen2.5/Qwen3, Llama 3.x's JSON
+answer's `tool_calls` read from its text (openai_tool_calls.py) by the parser of the template's
+family (hermes' `<tool_call>{"name", "arguments"}</tool_call>` for Qwen2.5/Qwen3, Llama 3.x's JSON
 `{"name", "parameters"}`). `tool_choice` `required` and a named function are enforced with a JSON
 schema built from the tools' parameters (structured outputs), as vLLM does: the answer is then that
 JSON (an array of {"name", "parameters"}, or the named function's arguments)."""
@@ -8,9 +8,6 @@ JSON (an array of {"name", "parameters"}, or the named function's arguments)."""
 from __future__ import annotations
 
 import json
-import re
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +15,6 @@ from typing import Any
 from engine.grammar import GrammarSpec
 from serving.validation import InvalidRequest
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 MAX_TOOLS = 128
 
@@ -94,54 +90,3 @@ def family_of(template: str) -> str | None:
     if LLAMA_PYTHON_TAG in template or '"parameters"' in template:
         return "llama3_json"
     return None
-
-
-def parse_calls(text: str, tools: Tools, family: str | None) -> tuple[str | None, list[dict[str, Any]]]:
-    """The answer's content (None when it is all tool calls) and its tool calls in OpenAI's shape."""
-    if tools.named:  # an answer cut short by max_tokens is no call: it stays text
-        arguments = _loads(text)
-        return (None, [_call(tools.choice, arguments)]) if isinstance(arguments, dict) else (text, [])
-    if tools.choice == "required":
-        calls = _loads(text)
-        if isinstance(calls, list):
-            return None, [_call(c["name"], c.get("parameters", {})) for c in calls if isinstance(c, dict)]
-        return text, []
-    found: list[Any] = []
-    content: str | None = text
-    if family == "hermes":
-        found = [_loads(m) for m in HERMES_CALL.findall(text)]
-        content = text[:text.find("<tool_call>")].strip() or None if found else text
-    elif family == "llama3_json":
-        body = text.strip().removeprefix(LLAMA_PYTHON_TAG).strip()
-        found = [_loads(part) for part in body.split(";")] if body.startswith("{") else []
-        content = None if found and all(isinstance(f, dict) for f in found) else text
-    known = {t["function"]["name"] for t in tools.tools}
-    calls = [_call(f["name"], f.get("arguments", f.get("parameters", {}))) for f in found
-             if isinstance(f, dict) and f.get("name") in known]
-    if not calls:
-        return text, []
-    return content, calls if tools.parallel else calls[:1]
-
-
-def tool_call_event(request_id: str, model: str, calls: list[dict[str, Any]], content: str | None,
-                    first: bool) -> bytes:
-    """A streamed answer's tool calls as one chunk of OpenAI's deltas (each call whole, with its index)."""
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if content:
-        delta["content"] = content
-    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}]}
-    return f"data: {json.dumps(chunk)}\n\n".encode()
-
-
-def _loads(text: str) -> Any:
-    try:  # not strict: xgrammar's JSON strings may hold raw control characters; the calls are re-encoded
-        return json.loads(text, strict=False)
-    except json.JSONDecodeError:
-        return None
-
-
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}

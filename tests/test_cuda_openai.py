@@ -1,7 +1,7 @@
-"""Log probabilities, echo, penalties and grammars on the GPU path: the same checks as on the CPU (against the
-tiny model's logits computed here), against a decode server on CUDA whose decode steps replay CUDA
-graphs and overlap (the logits a step hands to sampling are a graph's buffers), in float32 so that
-the reference's numbers hold."""
+"""Log probabilities, echo, penalties, grammars and streamed n > 1 on the GPU path: the same checks as
+on the CPU (against the tiny model's logits computed here), against a decode server on CUDA whose
+decode steps replay CUDA graphs and overlap (the logits a step hands to sampling are a graph's
+buffers), in float32 so that the reference's numbers hold."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_http_choices import (  # noqa: F401
+    test_a_hang_up_cancels_every_choice,
+    test_streamed_greedy_choices_are_each_the_single_answer,
+    test_streamed_n_choices_are_the_unstreamed_ones,
+)
 from tests.test_http_fixtures import HttpServer
 from tests.test_http_grammar import (  # noqa: F401
     test_json_schema_output_validates,
@@ -21,6 +26,7 @@ from tests.test_http_logprobs import (  # noqa: F401 (collected here, against th
     test_completion_logprobs_are_the_models,
     test_echo_scores_the_prompt_as_the_model_does,
     test_greedy_chosen_is_the_best_and_streams_match,
+    test_streamed_echo_sends_the_prompt_first,
 )
 from tests.test_http_penalties import (  # noqa: F401
     test_logit_bias_min_tokens_and_min_p,

@@ -247,13 +247,13 @@ def test_disconnects_give_the_kv_back(http_server: HttpServer) -> None:
     assert "Traceback" not in http_server.own_log(), http_server.own_log()[-4000:]
 
 
-def hang_up_hard(server: HttpServer) -> None:
-    body = json.dumps({"prompt": prompt(16), "max_tokens": 5000, "stream": True, "ignore_eos": True}).encode()
+def hang_up_hard(server: HttpServer, n: int = 1) -> None:
+    body = json.dumps({"prompt": prompt(16), "max_tokens": 5000, "stream": True, "ignore_eos": True, "n": n}).encode()
     with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         received = b""
-        while b"data: " not in received:
+        while not all(b'"index":%d' % i in received for i in range(n)):  # every choice is streaming
             chunk = sock.recv(4096)
             assert chunk, received
             received += chunk

@@ -17,6 +17,7 @@ from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 MODEL = "tiny"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},

@@ -13,10 +13,12 @@ import pytest
 import torch
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
+from engine.byte_tokenizer import byte_tokenizer
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 MODEL = "tiny"
 
@@ -111,6 +113,29 @@ def test_echo_scores_the_prompt_as_the_model_does(http_server: HttpServer, mode:
         assert got.usage is not None and got.usage.prompt_tokens == 40
     plain = http_server.client().completions.create(model=MODEL, prompt="Once upon", max_tokens=3, echo=True)
     assert plain.choices[0].text.startswith("Once upon") and plain.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError) as caught:
-        http_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True, stream=True)
-    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "echo"
+
+
+def test_streamed_echo_sends_the_prompt_first(http_server: HttpServer) -> None:
+    """As vLLM streams it: the first event's text is the prompt's and the first token's, its log
+    probabilities the prompt's (null for the first token) and the first token's; every choice echoes."""
+    client = http_server.client()
+    ids = prompt(24, salt=17)
+    for fields, echoed in (({"prompt": "Once upon a time", "logprobs": 2}, "Once upon a time"),
+                           ({"prompt": [ids]}, byte_tokenizer().decode(ids))):
+        args: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True}, **fields)
+        whole = client.completions.create(**args).choices[0]
+        events = [c.choices[0] for c in client.completions.create(stream=True, **args)]
+        assert len(events) == 6 and "".join(e.text for e in events) == whole.text
+        assert events[0].text.startswith(echoed) and not events[1].text.startswith(echoed)  # with the first token
+        if whole.logprobs is None:
+            assert all(e.logprobs is None for e in events)
+            continue
+        assert events[0].logprobs is not None and events[0].logprobs.token_logprobs is not None
+        assert events[0].logprobs.token_logprobs[0] is None and len(events[0].logprobs.token_logprobs) > 2
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for e in events for v in getattr(e.logprobs, name)] == getattr(whole.logprobs, name), name
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, n=2, echo=True,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    firsts = {c.choices[0].index: c.choices[0].text for c in reversed(chunks)}  # each choice's first event
+    assert firsts[0].startswith("Hi") and firsts[1].startswith("Hi")

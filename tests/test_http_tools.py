@@ -1,22 +1,26 @@
 """Tool calls over the OpenAI HTTP API, with the SDK, against a decode server on a tiny random Qwen2
 checkpoint whose locally built tokenizer has a hermes-style chat template (as Qwen2.5's): tools are
 rendered into the prompt, `tool_choice` required and named hold the answer to the tools' schema,
-`auto` parses `<tool_call>` blocks, and streamed answers carry the calls as deltas."""
+`auto` parses `<tool_call>` blocks (and, on a second server with a Llama 3 style template, JSON
+calls), and streamed answers send content and calls as they are generated, ending as the unstreamed
+answer."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from decode_server.openai_tools import Tools, parse_calls
 from tests.conftest import write_tiny_checkpoint, write_tokenizer
 from tests.test_http_fixtures import HttpServer
+
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
 
@@ -42,20 +46,67 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 TOOLS: list[Any] = [WEATHER, TIME]
+LLAMA3_TEMPLATE = (  # Llama 3.x's way: the tools in the prompt, a call answered as {"name", "parameters"}
+    "{%- if tools %}<|im_start|>system\nAnswer a call as {\"name\": ..., \"parameters\": ...}:"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ASK: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
 MODEL = "tiny-qwen2"
 
 
+def serve_with_template(folder: Path, template: str, server_logs: Path) -> HttpServer:
+    write_tokenizer(write_tiny_checkpoint(folder, seed=5, max_position_embeddings=2048))
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return HttpServer(server_logs, "--model", str(folder), "--max-model-len", "2048").start()
+
+
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[HttpServer]:
-    folder = write_tokenizer(write_tiny_checkpoint(tmp_path_factory.mktemp("tools") / MODEL, seed=5,
-                                                  max_position_embeddings=2048))
-    config = folder / "tokenizer_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": HERMES_TEMPLATE}))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    server = HttpServer(server_logs, "--model", str(folder), "--max-model-len", "2048").start()
+    server = serve_with_template(tmp_path_factory.mktemp("tools") / MODEL, HERMES_TEMPLATE, server_logs)
     yield server
     server.stop()
+
+
+@dataclass
+class Streamed:
+    """A streamed chat answer with tools, as a client puts it together."""
+
+    events: list[Any] = field(default_factory=list)  # each chunk's choice
+    contents: list[str] = field(default_factory=list)  # the content deltas, in order
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # index: id, name, arguments, argument deltas
+
+    @classmethod
+    def read(cls, chunks: Iterator[Any]) -> Streamed:
+        got = cls()
+        for chunk in chunks:
+            for choice in chunk.choices:
+                got.events.append(choice)
+                if choice.delta.content:
+                    assert not got.calls, "content after a call"
+                    got.contents.append(choice.delta.content)
+                for call in choice.delta.tool_calls or []:
+                    if call.id is not None:  # the first delta of a call names it
+                        assert call.index not in got.calls and call.type == "function" and call.function.name
+                        got.calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": "",
+                                                 "deltas": 0}
+                    else:
+                        assert call.function.name is None
+                    got.calls[call.index]["arguments"] += call.function.arguments or ""
+                    got.calls[call.index]["deltas"] += 1
+        return got
+
+    def matches(self, whole: Any) -> None:
+        """The same content, calls and ending as the unstreamed answer."""
+        message = whole.choices[0].message
+        assert ("".join(self.contents) or None) == message.content
+        assert [(c["name"], c["arguments"]) for _, c in sorted(self.calls.items())] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        assert self.events[0].delta.role == "assistant"
+        assert [e.finish_reason for e in self.events] == [None] * (len(self.events) - 1) + \
+            [whole.choices[0].finish_reason]
 
 
 def check_weather(arguments: str) -> None:
@@ -77,18 +128,38 @@ def test_named_tool_choice_calls_it(tools_server: HttpServer) -> None:
 
 def test_required_tool_choice_streams_deltas(tools_server: HttpServer) -> None:
     client = tools_server.client()
-    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           max_tokens=120, seed=4, parallel_tool_calls=False)
+    args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+                                seed=4, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**args)
     calls: list[Any] | None = whole.choices[0].message.tool_calls  # type: ignore[assignment]
     assert whole.choices[0].finish_reason == "tool_calls" and calls is not None and len(calls) == 1, whole
     assert calls[0].function.name in ("get_weather", "get_time")
-    streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                              max_tokens=120, seed=4, parallel_tool_calls=False, stream=True)
-    deltas = [c.choices[0] for c in streamed if c.choices]
-    assert deltas[-1].finish_reason == "tool_calls"
-    got = [call for d in deltas for call in d.delta.tool_calls or []]
-    assert [(c.function.name, c.function.arguments) for c in got if c.function] == \
-        [(c.function.name, c.function.arguments) for c in calls]
+    streamed = Streamed.read(client.chat.completions.create(stream=True, **args))
+    streamed.matches(whole)
+    assert streamed.calls[0]["deltas"] > 2  # the arguments came as they were generated, not at the end
+
+
+def test_streamed_hermes_content_then_calls_as_generated(tools_server: HttpServer) -> None:
+    client = tools_server.client()
+    forced = (r'[a-z]{8,12} <tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}</tool_call>'
+              r'\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,6}", "days": [1-7]\}\}'
+              r'</tool_call>')
+    for n in (1, 2):
+        args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=2, n=n,
+                                    extra_body={"guided_regex": forced})
+        whole = client.chat.completions.create(**args)
+        assert whole.choices[0].message.content and len(whole.choices[0].message.tool_calls or []) == 2
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        for i in range(n):  # each choice is the request with seed 2 + i
+            alone = client.chat.completions.create(**{**args, "n": 1, "seed": 2 + i})
+            streamed = Streamed.read(iter([c for c in chunks if c.choices and c.choices[0].index == i]))
+            streamed.matches(alone)
+            assert len(streamed.contents) > 1 and all(c["deltas"] > 2 for c in streamed.calls.values())
+    plain = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=12, seed=1,
+                 extra_body={"guided_regex": "[a-z ]{10,12}"})
+    text = Streamed.read(client.chat.completions.create(stream=True, **plain))  # type: ignore[call-overload]
+    text.matches(client.chat.completions.create(**plain))  # type: ignore[call-overload]
+    assert len(text.contents) > 1 and not text.calls  # text without calls streams as it comes
 
 
 def test_auto_parses_hermes_tool_calls_and_passes_text(tools_server: HttpServer) -> None:
@@ -130,10 +201,26 @@ def test_a_template_without_tools_refuses_them(http_server: HttpServer) -> None:
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tools"
 
 
-def test_llama3_json_parser() -> None:
-    tools = Tools(TOOLS, "auto")
-    content, calls = parse_calls('{"name": "get_time", "parameters": {"zone": "cet"}}', tools, "llama3_json")
-    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_time", {"zone": "cet"})]
-    assert parse_calls("It is sunny.", tools, "llama3_json") == ("It is sunny.", [])
-    assert parse_calls('{"name": "unknown", "parameters": {}}', tools, "llama3_json")[1] == []
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[HttpServer]:
+    server = serve_with_template(tmp_path_factory.mktemp("llama3") / MODEL, LLAMA3_TEMPLATE, server_logs)
+    yield server
+    server.stop()
+
+
+def test_streamed_llama3_json_calls(llama3_server: HttpServer) -> None:
+    client = llama3_server.client()
+    forced = (r'\{"name": "get_time", "parameters": \{"zone": "(utc|cet)"\}\}; '
+              r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,6}", "days": [1-7]\}\}')
+    for guided, calls in ((forced, 2), ("[a-z ]{10,12}", 0)):
+        args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, seed=3, logprobs=True,
+                                    extra_body={"guided_regex": guided})
+        whole = client.chat.completions.create(**args)
+        assert len(whole.choices[0].message.tool_calls or []) == calls
+        streamed = Streamed.read(client.chat.completions.create(stream=True, **args))
+        streamed.matches(whole)
+        logprobs = whole.choices[0].logprobs.content or []  # type: ignore[union-attr]
+        assert whole.usage is not None and len(logprobs) == whole.usage.completion_tokens  # every token's, streamed
+        assert [lp.logprob for e in streamed.events if e.logprobs for lp in e.logprobs.content or []] == \
+            [lp.logprob for lp in logprobs]
+        assert all(c["deltas"] > 2 for c in streamed.calls.values()) and (calls or len(streamed.contents) > 1)

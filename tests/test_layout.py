@@ -44,7 +44,8 @@ def test_no_module_is_named_like_a_top_level_package() -> None:
 
 def test_tests_that_start_servers_are_marked_e2e() -> None:
     """`make test-fast` leaves out the `e2e` tests: a test file that starts a server process says so."""
-    starts = re.compile(r"launcher\.process|ServerProcess|serve-prefill|tests\.servers import .*(start|pair|serve)")
+    starts = re.compile(r"launcher\.process|ServerProcess|serve-prefill|tests\.servers import .*(start|pair|serve)"
+                        r"|tests\.test_http_fixtures|tests\.test_reliability_fixtures import .*Server")
     unmarked = sorted(f for f in _sources() if f.startswith("tests/test_")
                       and starts.search(text := (ROOT / f).read_text())
                       and "def test_" in text and "mark.e2e" not in text and "mark.soak" not in text)

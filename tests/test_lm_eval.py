@@ -19,6 +19,7 @@ from tests.servers import ROOT
 from tests.test_http_fixtures import HttpServer
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 pytest.importorskip("lm_eval")
 
 DOCS = [{"question": "Two plus two is", "choices": [" four", " five", " six"], "answer": 0},
