@@ -49,9 +49,11 @@ from serving.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# A request that fits the context holds at most about this many JSON values: a token id each, or a
-# message (an object and two strings) each, beside its other fields.
-MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 3, 4096
+# A request that fits the context holds at most about this many JSON values: one a context token
+# (a token id is one; a message, three, costs its template more tokens than that), beside its other
+# fields (logit_bias, allowed_token_ids, tools, schemas). Every value parsed holds the GIL, so this
+# bounds what a request may make the server parse while it decodes for others.
+MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 1, 16384
 RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
 
 

@@ -40,7 +40,7 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
     message = b'{"role":"user","content":""}'
     chat = b'{"max_tokens": 2, "messages": [' + b",".join([message] * ((limit - 64) // (len(message) + 1))) + b"]}"
     # as many messages as the value count lets through (3 values each), each as long as the body allows
-    count = max_model_len
+    count = max_model_len // 3
     filler = "a" * max(1, (limit - 4096) // count - 40)
     rendered = json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": filler}] * count},
                           separators=(",", ":")).encode()
