@@ -254,10 +254,32 @@ def plan_network() -> str:
     return about + "\n\n" + table(header, rows)
 
 
+# --- hostile HTTP bodies (python -m bench.e2e.hostile_bodies) ---------------------------------------
+def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
+    """Per case: how it was answered, and the stall it caused at each GIL switch interval measured."""
+    doc = load(file)
+    settings = doc["gil_switch_ms"]
+    first = next(iter(settings.values()))["cases"]
+    header = ["body", "answer", "answered in (median)",
+              *[f"stall, worst / median of {doc['trials']} (switch {k} ms)" for k in settings]]
+    rows = []
+    for name, trials in first.items():
+        status = sorted({str(t["status"]) for t in trials})
+        answered = sorted(t["answered_s"] for t in trials)[len(trials) // 2]
+        stalls = [f"{ms(s['worst_stall_ms'][name])} / {ms(s['median_stall_ms'][name])}" for s in settings.values()]
+        rows.append([name, ", ".join(status), f"{answered:.2f} s", *stalls])
+    idle = [t["idle_longest_gap_ms"] for s in settings.values() for ts in s["cases"].values() for t in ts]
+    about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             f"[`{file}`](../bench/results/{file}); a stall is the stream's longest token gap while the body was "
+             f"answered less the longest of the idle second before (those idle gaps: {min(idle):.0f}-{max(idle):.0f} "
+             f"ms); target {doc['target_stall_ms']:g} ms.*")
+    return about + "\n\n" + table(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
-    "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200,
+    "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200, "hostile-bodies-cpu": hostile_bodies,
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from decode_server.chat_render_pool import ChatRenderPool
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.http_request import (
     HEADER_TIMEOUT_S,
@@ -41,7 +42,7 @@ from decode_server.openai_events import ChunkFormat
 from decode_server.openai_reply import Reply, SseStream
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
 from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, TOKENIZE_IN_THREAD_CHARS, RequestParser
+from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields, RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatTemplateError
 from serving.grpc_common import FATAL_GRACE_S, StartupError
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 # fields (logit_bias, allowed_token_ids, tools, schemas). Every value parsed holds the GIL, so this
 # bounds what a request may make the server parse while it decodes for others.
 MAX_VALUES_PER_TOKEN, MAX_VALUES_ELSE = 1, 16384
-RENDER_IN_THREAD_MESSAGES = 16  # chats of more messages are rendered off the event loop
 
 
 class OpenAIApi:
@@ -63,6 +63,7 @@ class OpenAIApi:
         self.core, self.parser, self.tokenizer = core, parser, parser.tokenizer
         self.model_name, self.max_model_len, self.timeout_s = model_name, parser.max_model_len, timeout_s
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_model_len)
+        self.render_pool = ChatRenderPool(self.tokenizer) if self.tokenizer is not None else None
         self.ignore_unknown_fields = ignore_unknown_fields
         self.refusals = ClientErrorLog()
         self.created = int(time.time())
@@ -96,6 +97,8 @@ class OpenAIApi:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.render_pool is not None:
+            self.render_pool.close()
 
     # --- routes -------------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -207,7 +210,7 @@ class OpenAIApi:
                                "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
             fields = api.fields
             if chat:
-                fields = replace(fields, prompt=await self._render(api.messages, api.tools), add_special_tokens=False)
+                fields = await self._chat_fields(fields, api.messages, api.tools)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
             return api, parsed, self.core.accept(parsed)
         except Rejected as e:
@@ -234,7 +237,10 @@ class OpenAIApi:
                                            "(--ignore-unknown-fields)")
         return api
 
-    async def _render(self, messages: list[dict[str, Any]], tools: Tools | None) -> str:
+    async def _chat_fields(self, fields: RequestFields, messages: list[dict[str, Any]],
+                           tools: Tools | None) -> RequestFields:
+        """The chat's prompt through its template: its text, or a large chat's token ids from the
+        render pool (`decode_server/chat_render_pool.py`)."""
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
                                  "/v1/completions with a prompt of token ids", "messages")
@@ -245,10 +251,15 @@ class OpenAIApi:
         if chars > self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
             raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
                                  f"{self.max_model_len} tokens", "messages")
+        functions = tools.tools if tools else None
         try:
-            if chars > TOKENIZE_IN_THREAD_CHARS or len(messages) > RENDER_IN_THREAD_MESSAGES:
-                return await asyncio.to_thread(self.tokenizer.render_chat, messages, tools.tools if tools else None)
-            return self.tokenizer.render_chat(messages, tools.tools if tools else None)
+            if self.render_pool is not None and self.render_pool.wants(messages, chars):
+                ids = await self.render_pool.render(messages, functions, self.max_model_len)
+                if ids is None:
+                    raise InvalidRequest(f"messages of {chars} characters encode to more than the context limit "
+                                         f"of {self.max_model_len} tokens", "messages")
+                return replace(fields, token_ids=ids, prompt="")
+            return replace(fields, prompt=self.tokenizer.render_chat(messages, functions), add_special_tokens=False)
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), "messages") from e
 

@@ -1,0 +1,54 @@
+"""Large chats are rendered and tokenized in the render pool's worker process
+(`decode_server/chat_render_pool.py`); their prompt must be the one the template gives here, and
+a chat the context can't hold is refused there, as it is in the server's own process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.byte_tokenizer import byte_tokenizer
+from tests.test_http_fixtures import HttpServer
+
+pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
+pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
+
+MODEL = "tiny"
+
+
+def children(pid: int) -> list[str]:
+    """The command lines of a process's children (Linux's /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found.append((Path("/proc") / child / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return found
+
+
+def test_a_large_chat_is_the_templates_prompt(http_server: HttpServer) -> None:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "ab" * (i % 5)}
+                for i in range(41)]  # more than the server renders in its own process
+    client = http_server.client()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                          extra_body={"ignore_eos": True})
+    ids = byte_tokenizer().apply_chat_template(messages)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert http_server.proc is not None
+    assert any("spawn_main" in cmdline for cmdline in children(http_server.proc.pid))  # the pool's worker
+    small = client.chat.completions.create(model=MODEL, messages=messages[-3:], max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                           extra_body={"ignore_eos": True})
+    assert small.usage is not None and small.usage.prompt_tokens == len(byte_tokenizer().apply_chat_template(
+        messages[-3:]))  # rendered in the server's own process
+
+
+def test_a_large_chat_past_the_context_is_400(http_server: HttpServer) -> None:
+    messages = [{"role": "user", "content": "x" * 20_000}] * 20  # 400k characters, a byte-level token each
+    with pytest.raises(openai.BadRequestError) as caught:
+        http_server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "messages"
+    assert "encode to more than the context limit of 40960" in caught.value.body["message"]
