@@ -1,74 +1,129 @@
-"""Large chats rendered by their template and tokenized in a separate process.
+"""Large chats read, rendered by their template and tokenized in a separate process.
 
-A chat template is jinja, pure Python: rendering thousands of messages holds the GIL for tenths of
-a second in 5 ms slices, and every decode step, which gives the GIL up and takes it back at each
-call into torch, waits up to a slice at each one meanwhile (a convoy). So a chat past a size is
-rendered and tokenized by a worker process that holds its own copy of the tokenizer: this process
-only pickles the messages over and takes the token ids back as one packed protobuf field. The worker starts with the
-first such chat (a second or so), not with the server."""
+Every value parsed, every message checked and every line of a chat template rendered (jinja is pure
+Python) holds the GIL, in slices of the switch interval; every decode step gives the GIL up and
+takes it back at each call into torch, so it waits up to a slice at each one meanwhile (a convoy):
+a chat of thousands of messages held other users' tokens for tenths of a second. So a chat body past
+POOL_BODY_BYTES is handed as bytes to a worker process with its own copy of the tokenizer, which
+parses, checks, renders and tokenizes it; one with more than POOL_MESSAGES messages in a smaller body
+is rendered and tokenized there. This process only copies the bytes or pickles the messages over,
+and takes the prompt's ids back as one packed protobuf field, which it reads in C in one pass (as
+both servers hold a prompt, `serving/token_ids.py`). The worker starts with the first such chat (a
+second or so), not with the server."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from typing import Any
 
 from pd.v1 import decode_pb2
 
+from decode_server.http_request import ApiError, count_values, too_complex
+from decode_server.openai_schema import ApiRequest, read_request
+from decode_server.openai_tools import Tools, family_of
+from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields
 from engine.tokenizer import ChatTemplateError, Tokenizer
-from serving.token_ids import TokenIds
+from serving.validation import InvalidRequest
 
-POOL_MESSAGES = 16         # chats of more messages than this ...
-POOL_CHARS = 16384         # ... or of more characters are rendered in the worker
+POOL_BODY_BYTES = 64 << 10  # chat bodies past this are read in the worker
+POOL_MESSAGES = 16          # chats of more messages than this are rendered there
 WORKERS = 1
 
 _tokenizer: Tokenizer | None = None  # the worker's own
 
 
+def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> str:
+    """The chat's prompt through its template, or the refusal of a chat this server can't take."""
+    if tools is not None and family_of(tokenizer.chat_template) is None:
+        raise InvalidRequest("this model's chat template takes no tools (or no known tool-call format: hermes, "
+                             "Llama 3 JSON); leave tools out", "tools")
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
+        raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of {max_model_len} tokens",
+                             "messages")
+    try:
+        return tokenizer.render_chat(messages, tools.tools if tools else None)
+    except ChatTemplateError as e:
+        raise InvalidRequest(str(e), "messages") from e
+
+
+def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> bytes:
+    text = chat_text(tokenizer, messages, tools, max_model_len)
+    ids = tokenizer.encode_within(text, max_model_len, add_special_tokens=False)  # the template writes its BOS
+    if ids is None:
+        raise InvalidRequest(f"messages of {len(text)} characters through the chat template encode to more than "
+                             f"the context limit of {max_model_len} tokens", "messages")
+    return decode_pb2.GenerateRequest(token_ids=ids).SerializeToString()
+
+
+# --- in the worker: each answers ("ok", value), ("invalid", (message, param)) or ("api", ApiError args)
 def _start_worker(tokenizer: Tokenizer) -> None:
     global _tokenizer
     _tokenizer = tokenizer
 
 
-def _render_and_encode(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       max_tokens: int) -> tuple[bytes | None, str | None]:
-    """(the ids as a serialized GenerateRequest, or None when they are surely more than `max_tokens`;
-    the template's refusal, or None). The ids come back as protobuf's packed field, which this
-    process reads in C in one pass, as both servers hold a prompt (`serving/token_ids.py`)."""
+def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
+               ignore_unknown: bool) -> tuple[str, Any]:
     assert _tokenizer is not None
     try:
-        text = _tokenizer.render_chat(messages, tools)
-    except ChatTemplateError as e:
-        return None, str(e)
-    ids = _tokenizer.encode_within(text, max_tokens, add_special_tokens=False)
-    return (None if ids is None else decode_pb2.GenerateRequest(token_ids=ids).SerializeToString()), None
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        return "api", (400, f"the request body is not valid JSON: {e}", "invalid_json")
+    if count_values(data, max_values) > max_values:
+        error = too_complex(max_values)
+        return "api", (error.status, str(error), error.code)
+    try:
+        api, unknown = read_request(data, True, request_id, max_model_len, ignore_unknown)
+        packed = _packed_ids(_tokenizer, api.messages, api.tools, max_model_len)
+    except InvalidRequest as e:
+        return "invalid", (str(e), e.param)
+    return "ok", (replace(api, messages=[]), unknown, packed)
 
 
+def _render(messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> tuple[str, Any]:
+    assert _tokenizer is not None
+    try:
+        return "ok", _packed_ids(_tokenizer, messages, tools, max_model_len)
+    except InvalidRequest as e:
+        return "invalid", (str(e), e.param)
+
+
+# --- in the server ----------------------------------------------------------------------------------
 class ChatRenderPool:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._pool: ProcessPoolExecutor | None = None
 
-    @staticmethod
-    def wants(messages: list[dict[str, Any]], chars: int) -> bool:
-        return len(messages) > POOL_MESSAGES or chars > POOL_CHARS
+    async def read_chat(self, raw: bytes, request_id: str, max_model_len: int, max_values: int,
+                        ignore_unknown: bool) -> tuple[ApiRequest, list[str]]:
+        """A chat body read as `read_request` reads it, with its prompt's ids in its fields."""
+        api, unknown, packed = await self._call(_read_chat, raw, request_id, max_model_len, max_values,
+                                                ignore_unknown)
+        return replace(api, fields=_with_ids(api.fields, packed)), unknown
 
-    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     max_tokens: int) -> TokenIds | None:
-        """The chat's prompt ids (the template writes its own BOS), or None when they are surely more
-        than `max_tokens`; a template that refuses the messages raises ChatTemplateError."""
+    async def render(self, fields: RequestFields, messages: list[dict[str, Any]], tools: Tools | None,
+                     max_model_len: int) -> RequestFields:
+        """`fields` with the chat's prompt ids."""
+        return _with_ids(fields, await self._call(_render, messages, tools, max_model_len))
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         try:
-            packed, refusal = await loop.run_in_executor(self._executor(), _render_and_encode, messages, tools,
-                                                         max_tokens)
+            kind, value = await loop.run_in_executor(self._executor(), fn, *args)
         except BrokenProcessPool:  # the worker died (killed, out of memory): the next chat starts another
             self._pool = None
             raise
-        if refusal is not None:
-            raise ChatTemplateError(refusal)
-        return None if packed is None else decode_pb2.GenerateRequest.FromString(packed).token_ids
+        if kind == "invalid":
+            raise InvalidRequest(*value)
+        if kind == "api":
+            status, message, code = value
+            raise ApiError.bad_body(message, code, status)
+        return value
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -81,3 +136,7 @@ class ChatRenderPool:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _with_ids(fields: RequestFields, packed: bytes) -> RequestFields:
+    return replace(fields, token_ids=decode_pb2.GenerateRequest.FromString(packed).token_ids, prompt="")

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from decode_server.chat_render_pool import ChatRenderPool
+from decode_server.chat_render_pool import POOL_BODY_BYTES, POOL_MESSAGES, ChatRenderPool, chat_text
 from decode_server.core import DecodeCore, Generation, Request
 from decode_server.http_request import (
     HEADER_TIMEOUT_S,
@@ -41,10 +41,9 @@ from decode_server.http_request import (
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_reply import Reply, SseStream
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
-from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields, RequestParser
+from decode_server.openai_tools import Tools
+from decode_server.request_parser import RequestFields, RequestParser
 from decode_server.sequence import Rejected
-from engine.tokenizer import ChatTemplateError
 from serving.grpc_common import FATAL_GRACE_S, StartupError
 from serving.validation import InvalidRequest
 
@@ -209,7 +208,7 @@ class OpenAIApi:
                                     f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
                                "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
             fields = api.fields
-            if chat:
+            if chat and not fields.token_ids:  # not already through the template in the render pool
                 fields = await self._chat_fields(fields, api.messages, api.tools)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
             return api, parsed, self.core.accept(parsed)
@@ -224,14 +223,20 @@ class OpenAIApi:
             raise ApiError.internal(f"reading the request failed: {type(e).__name__}: {e}") from e
 
     async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
-        """The body into an ApiRequest; a large one is parsed and checked off the event loop."""
+        """The body into an ApiRequest; a large one is parsed and checked off the event loop, a large
+        chat in the render pool's process."""
         raw = await read_body(request, self.max_body_bytes)
-        data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+        max_values = MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE
+        if chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
+            api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, max_values,
+                                                            self.ignore_unknown_fields)
+        else:
+            data = await parse_body(raw, max_values)
 
-        def read() -> tuple[ApiRequest, list[str]]:
-            return read_request(data, chat, request_id, self.max_model_len, self.ignore_unknown_fields)
+            def read() -> tuple[ApiRequest, list[str]]:
+                return read_request(data, chat, request_id, self.max_model_len, self.ignore_unknown_fields)
 
-        api, unknown = await asyncio.to_thread(read) if len(raw) > PARSE_IN_THREAD_BYTES else read()
+            api, unknown = await asyncio.to_thread(read) if len(raw) > PARSE_IN_THREAD_BYTES else read()
         if unknown:
             self.refusals.warn(request_id, f"took it without the unknown fields {', '.join(map(repr, unknown))} "
                                            "(--ignore-unknown-fields)")
@@ -239,29 +244,15 @@ class OpenAIApi:
 
     async def _chat_fields(self, fields: RequestFields, messages: list[dict[str, Any]],
                            tools: Tools | None) -> RequestFields:
-        """The chat's prompt through its template: its text, or a large chat's token ids from the
-        render pool (`decode_server/chat_render_pool.py`)."""
+        """The chat's prompt through its template: its text, rendered here, or the ids of one of many
+        messages, from the render pool."""
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
                                  "/v1/completions with a prompt of token ids", "messages")
-        if tools is not None and family_of(self.tokenizer.chat_template) is None:
-            raise InvalidRequest("this model's chat template takes no tools (or no known tool-call format: hermes, "
-                                 "Llama 3 JSON); leave tools out", "tools")
-        chars = sum(len(m["content"]) for m in messages)
-        if chars > self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
-            raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of "
-                                 f"{self.max_model_len} tokens", "messages")
-        functions = tools.tools if tools else None
-        try:
-            if self.render_pool is not None and self.render_pool.wants(messages, chars):
-                ids = await self.render_pool.render(messages, functions, self.max_model_len)
-                if ids is None:
-                    raise InvalidRequest(f"messages of {chars} characters encode to more than the context limit "
-                                         f"of {self.max_model_len} tokens", "messages")
-                return replace(fields, token_ids=ids, prompt="")
-            return replace(fields, prompt=self.tokenizer.render_chat(messages, functions), add_special_tokens=False)
-        except ChatTemplateError as e:
-            raise InvalidRequest(str(e), "messages") from e
+        if self.render_pool is not None and len(messages) > POOL_MESSAGES:
+            return await self.render_pool.render(fields, messages, tools, self.max_model_len)
+        return replace(fields, prompt=chat_text(self.tokenizer, messages, tools, self.max_model_len),
+                       add_special_tokens=False)
 
 
 def _settled(task: asyncio.Task[Any]) -> None:
