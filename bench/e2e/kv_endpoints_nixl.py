@@ -22,7 +22,8 @@ import torch
 from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
 from engine.kv_checksum import layer_checksums
-from engine.transport.nixl import DONE, NixlAgent, PoolAddress, layer_descriptors, slot_runs
+from engine.transport.nixl import DONE, NixlAgent
+from engine.transport.nixl_descriptors import PoolAddress, layer_descriptors, slot_runs
 
 
 def _runs(pool: KVPool, table: list[int], tokens: int) -> np.ndarray:
