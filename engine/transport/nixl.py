@@ -76,8 +76,9 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._notes: dict[str, set[bytes]] = {}  # peer agent -> notifications not yet taken
         self._closed = threading.Event()
-        if not on_gpu:
-            threading.Thread(target=self._pump, daemon=True, name="nixl-progress").start()
+        self._pumping = None if on_gpu else threading.Thread(target=self._pump, daemon=True, name="nixl-progress")
+        if self._pumping is not None:
+            self._pumping.start()
 
     def _pump(self) -> None:
         """Progress UCX (a notification poll does) while no call of ours does: a WRITE's bytes land on
@@ -193,6 +194,8 @@ class NixlAgent:
 
     def close(self) -> None:
         self._closed.set()
+        if self._pumping is not None:  # gone before NIXL is: no poll of ours outlives the agent
+            self._pumping.join()
         with self._lock:
             self._agent.deregister_memory(self._reg)
 
