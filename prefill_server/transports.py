@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 from pd.v1 import prefill_pb2
 
@@ -214,8 +215,9 @@ class NixlSenders(TransportSenders):
         if request.decode_cached_tokens % size:
             raise ValueError(f"decode_cached_tokens is {request.decode_cached_tokens}; over nixl it must be whole "
                              f"blocks of {size} tokens")
-        if max(table[:-(-n // size)]) * size >= peer.pool.num_slots:
-            raise ValueError(f"dst_block_table names a block past the decode server's pool of "
+        named = np.asarray(table, dtype=np.int64)[:-(-n // size)]  # one copy, no Python int per block
+        if named.min() < 0 or named.max() * size >= peer.pool.num_slots:
+            raise ValueError(f"dst_block_table names a block outside the decode server's pool of "
                              f"{peer.pool.num_slots // size} blocks")
 
     def forget(self, peer_id: str) -> None:

@@ -86,9 +86,10 @@ def test_prefill_without_destination_is_invalid_argument(nixl_pair) -> None:  # 
     part_block = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, 2, 3], dst_block_size=16,
                                             decode_cached_tokens=5)
     past_pool = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, 2, 10**7], dst_block_size=16)
+    negative = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, -2, 3], dst_block_size=16)
     refusals = ((prefill_pb2.PrefillRequest(), "dst_tag"), (short, "cannot hold the 40-token"),
                 (other_size, "dst_block_size is 8"), (part_block, "decode_cached_tokens is 5"),
-                (past_pool, "past the decode server's pool"))
+                (past_pool, "outside the decode server's pool"), (negative, "outside the decode server's pool"))
     with grpc.insecure_channel(prefill.address) as ch:
         stub = prefill_pb2_grpc.PrefillStub(ch)
         for fields, says in refusals:
