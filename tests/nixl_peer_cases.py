@@ -94,12 +94,19 @@ def test_replaced_pairing_releases_its_lists_and_unloads_the_old_agent(prefill, 
 
 
 def test_handshake_again_from_the_same_agent_keeps_its_lists(prefill, decodes) -> None:  # type: ignore[no-untyped-def]
+    """...and they still serve: the agent's metadata loaded again leaves the prepared remote list valid."""
     senders, counter = prefill
-    senders.pair("decode-1", offer(decodes[0]))
+    decode = decodes[0]
+    senders.pair("decode-1", offer(decode))
     lists = senders._peers["decode-1"].prepared
-    senders.pair("decode-1", offer(decodes[0]))  # after a freeze: the same process, transfers maybe in flight
+    senders.pair("decode-1", offer(decode))  # after a freeze: the same process, transfers maybe in flight
     assert counter.calls == 2 and senders._peers["decode-1"].prepared is lists and not lists.released
-    assert loaded(senders, decodes[0])
+    assert loaded(senders, decode)
+    decode.add_peer(senders.agent.metadata)
+    src, dst = [4, 9, 1], [7, 3]
+    send(senders, job("again", 40, src, dst, send_from=0))
+    assert decode.take_note(senders.agent.name, b"again") == DONE
+    assert torch.equal(token_kv(decode.pool, dst, 0, 40), token_kv(senders.runner.pool, src, 0, 40))
 
 
 def test_dropped_pairing_releases_its_lists_and_unloads_its_agent(prefill, decodes) -> None:  # type: ignore[no-untyped-def]

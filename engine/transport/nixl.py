@@ -1,10 +1,11 @@
 """KV over NIXL (UCX backend): each server registers its whole KV pool with one NIXL agent at
 start; the agents' metadata travels in the pairing handshake (no port of NIXL's own). The prefill
 side WRITEs each layer's KV into the slots the decode server reserved, as each layer finishes,
-naming them as engine.transport.nixl_descriptors describes (by index into lists prepared at
-pairing, or as merged runs); once every write is done it sends a notification ("done" or, after a
-transfer that stopped early, "end"). UCX picks the wire (RDMA between hosts, cuda_ipc inside one,
-TCP otherwise) from the environment (UCX_TLS, ...).
+naming them by index into both pools' descriptor lists prepared at pairing
+(engine.transport.nixl_descriptors; benchmarks also build them per transfer, as merged runs); once
+every write is done it sends a notification ("done" or, after a transfer that stopped early, "end").
+UCX picks the wire (RDMA between hosts, cuda_ipc inside one, TCP otherwise) from the environment
+(UCX_TLS, ...).
 """
 
 from __future__ import annotations
