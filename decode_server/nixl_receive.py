@@ -18,7 +18,8 @@ from pd.v1 import prefill_pb2
 from decode_server.kv_receive import Handoff, Pairing, PeerLink
 from engine.kv_cache import KVLayout, KVPool
 from engine.transport.base import KVTransport
-from engine.transport.nixl import TRANSFER_TIMEOUT_S, NixlAgent, NixlKVReceiver, PoolAddress
+from engine.transport.nixl import TRANSFER_TIMEOUT_S, NixlAgent, NixlKVReceiver
+from engine.transport.nixl_descriptors import PoolAddress
 
 log = logging.getLogger(__name__)
 

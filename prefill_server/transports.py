@@ -7,9 +7,12 @@ whatever the transport.)"""
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 from pd.v1 import prefill_pb2
 
@@ -24,7 +27,8 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.transport.nccl_rendezvous import PairingHost
-    from engine.transport.nixl import NixlAgent, PoolAddress
+    from engine.transport.nixl import NixlAgent
+    from engine.transport.nixl_descriptors import PoolAddress, PreparedPools
 
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's sends (and NCCL's rendezvous) give up after this (nixl's own: the same)
 
@@ -139,9 +143,21 @@ class IpcSenders(TransportSenders):
         return IpcKVSender(lambda layer: job.out.send(prefill_pb2.PrefillResponse(layer_sent=layer)))
 
 
+@dataclass
+class NixlPeer:
+    """A decode peer over nixl: its agent's name in ours, its pool, its block size, and both pools' lists
+    prepared for this pairing (released when the pairing is replaced or dropped)."""
+
+    agent: str
+    pool: PoolAddress
+    block_size: int
+    prepared: PreparedPools
+
+
 class NixlSenders(TransportSenders):
     """The pool registered with this server's NIXL agent at start; each decode peer's agent loaded at its
-    handshake (again after a restart of either side). A job WRITEs into the blocks its request names."""
+    handshake (again after a restart of either side), and both pools' descriptor lists prepared then,
+    once. A job WRITEs into the blocks its request names, by index into those lists."""
 
     transport = KVTransport.NIXL
 
@@ -153,20 +169,32 @@ class NixlSenders(TransportSenders):
             self.agent: NixlAgent = NixlAgent(runner.pool, "prefill")
         except Exception as e:
             raise StartupError(f"can't start a NIXL agent with the UCX backend: {e} (UCX_TLS: docs/nixl.md)") from e
-        self._peers: dict[str, tuple[str, PoolAddress]] = {}  # decode peer id -> its agent, its pool
+        self._peers: dict[str, NixlPeer] = {}  # decode peer id -> its pairing
 
     def pair(self, peer_id: str, request: prefill_pb2.HandshakeRequest) -> prefill_pb2.HandshakeResponse:
-        from engine.transport.nixl import PoolAddress
+        from engine.transport.nixl_descriptors import PoolAddress, chunk_tokens
 
         if not request.nixl_metadata or not request.nixl_pool_addr:
             raise ValueError("the handshake offers nixl without the decode server's NIXL agent and pool")
         agent = self.agent.add_peer(request.nixl_metadata)  # the same agent again: its copy replaced
+        pool = PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots, request.nixl_pool_device)
+        block = request.layout.block_size
         old = self._peers.get(peer_id)
-        self._peers[peer_id] = (agent, PoolAddress(request.nixl_pool_addr, request.nixl_pool_num_slots,
-                                                   request.nixl_pool_device))
-        if old is not None and old[0] != agent:  # the decode server restarted: its old agent is gone
-            self.agent.remove_peer(old[0])
+        if old is not None and (old.agent, old.pool, old.block_size) == (agent, pool, block):
+            return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)  # its lists still serve
+        started = time.perf_counter()
+        prepared = self.agent.prepare(agent, pool, chunk_tokens(self.runner.layout.block_size, block))
+        log.info("prepared NIXL descriptor lists for %s: %d a side, %d-token chunks, in %.1f ms", peer_id,
+                 prepared.descriptors, prepared.chunk, (time.perf_counter() - started) * 1e3)
+        self._peers[peer_id] = NixlPeer(agent, pool, block, prepared)
+        if old is not None:
+            self._let_go(old, unload=old.agent != agent)  # a new agent: the decode server restarted
         return prefill_pb2.HandshakeResponse(nixl_metadata=self.agent.metadata)
+
+    def _let_go(self, peer: NixlPeer, unload: bool) -> None:
+        self.agent.release_prepared(peer.prepared)
+        if unload:
+            self.agent.remove_peer(peer.agent)
 
     def check_paired(self, peer_id: str) -> None:
         if peer_id not in self._peers:
@@ -179,10 +207,22 @@ class NixlSenders(TransportSenders):
         if size < 1 or len(table) * size < n:
             raise ValueError(f"dst_block_table ({len(table)} blocks of {size} tokens) cannot hold the {n}-token "
                              "prompt; name the decode server's blocks for every token")
+        peer = self._peers.get(request.peer_id)
+        if peer is None:
+            return  # check_paired refuses it
+        if size != peer.block_size:
+            raise ValueError(f"dst_block_size is {size}, but the handshake gave {peer.block_size}; handshake again")
+        if request.decode_cached_tokens % size:
+            raise ValueError(f"decode_cached_tokens is {request.decode_cached_tokens}; over nixl it must be whole "
+                             f"blocks of {size} tokens")
+        named = np.asarray(table, dtype=np.int64)[:-(-n // size)]  # one copy, no Python int per block
+        if named.min() < 0 or named.max() * size >= peer.pool.num_slots:
+            raise ValueError(f"dst_block_table names a block outside the decode server's pool of "
+                             f"{peer.pool.num_slots // size} blocks")
 
     def forget(self, peer_id: str) -> None:
         if (old := self._peers.pop(peer_id, None)) is not None:
-            self.agent.remove_peer(old[0])
+            self._let_go(old, unload=True)
 
     def never_sent(self, job: PrefillJob) -> None:
         """The decode side frees its blocks on "end" at once, rather than after its wait for a silent peer."""
@@ -190,18 +230,20 @@ class NixlSenders(TransportSenders):
 
         if (peer := self._peers.get(job.peer_id)) is not None and job.dst_tag:
             try:
-                self.agent.notify(peer[0], END + b":" + job.dst_tag.encode())
+                self.agent.notify(peer.agent, END + b":" + job.dst_tag.encode())
             except Exception as e:  # the peer is gone: it frees its blocks on the broken call
-                log.warning("no 'end' notification to NIXL peer %s: %s", peer[0], e)
+                log.warning("no 'end' notification to NIXL peer %s: %s", peer.agent, e)
 
     def sender(self, job: PrefillJob, slots: torch.Tensor) -> KVSender:
-        from engine.transport.nixl import NixlKVSender, slot_runs
+        from engine.transport.nixl import NixlKVSender, prepared_writes
+        from engine.transport.nixl_descriptors import chunk_pairs
 
-        agent, remote = self._peers[job.peer_id]
-        n, layout = len(job.token_ids), self.runner.layout
-        runs = slot_runs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
-                         job.send_from, n)
-        return NixlKVSender(self.agent, agent, remote, runs, job.dst_tag, layout.num_layers, self.timeout_s)
+        peer = self._peers[job.peer_id]
+        layout, chunk = self.runner.layout, peer.prepared.chunk
+        pairs = chunk_pairs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
+                            job.send_from, len(job.token_ids), chunk)
+        writes = prepared_writes(self.agent, peer.agent, peer.prepared, pairs)
+        return NixlKVSender(self.agent, peer.agent, writes, job.dst_tag, layout.num_layers, self.timeout_s)
 
 
 SENDERS: dict[KVTransport, type[TransportSenders]] = {

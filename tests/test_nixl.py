@@ -73,16 +73,26 @@ def test_tokens_are_colocated_ones_and_kv_is_freed(nixl_pair) -> None:  # type: 
 
 
 def test_prefill_without_destination_is_invalid_argument(nixl_pair) -> None:  # type: ignore[no-untyped-def]
-    """A Prefill over nixl must name the decode server's blocks and the notification's tag."""
+    """A Prefill over nixl must name the decode server's blocks, in the handshake's block size and within its
+    pool, from a whole block on, and the notification's tag."""
     decode, prefill = nixl_pair
     tokens(decode.address, request(20, 2, 7, prefill_mode=DISAGG))  # the decode server has paired
     peer = re.findall(r"paired with decode server (\w+) over nixl", prefill.log())[-1]
     base = prefill_pb2.PrefillRequest(request_id="no-destination", token_ids=list(range(40)), transport="nixl",
                                       peer_id=peer)
     short = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1], dst_block_size=16)
+    # the prepared lists name the decode pool in chunks of both block sizes (16 here): the request must agree
+    other_size = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, 2, 3, 4, 5], dst_block_size=8)
+    part_block = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, 2, 3], dst_block_size=16,
+                                            decode_cached_tokens=5)
+    past_pool = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, 2, 10**7], dst_block_size=16)
+    negative = prefill_pb2.PrefillRequest(dst_tag="t", dst_block_table=[1, -2, 3], dst_block_size=16)
+    refusals = ((prefill_pb2.PrefillRequest(), "dst_tag"), (short, "cannot hold the 40-token"),
+                (other_size, "dst_block_size is 8"), (part_block, "decode_cached_tokens is 5"),
+                (past_pool, "outside the decode server's pool"), (negative, "outside the decode server's pool"))
     with grpc.insecure_channel(prefill.address) as ch:
         stub = prefill_pb2_grpc.PrefillStub(ch)
-        for fields, says in ((prefill_pb2.PrefillRequest(), "dst_tag"), (short, "cannot hold the 40-token")):
+        for fields, says in refusals:
             req = prefill_pb2.PrefillRequest()
             req.CopyFrom(base)
             req.MergeFrom(fields)

@@ -1,10 +1,11 @@
 """`bench.e2e.kv_transfer --mode endpoints --transport nixl`: a prompt's whole KV between two processes'
 pools over NIXL (UCX), without a model: the sending process WRITEs every layer into the receiving
-pool (as the prefill server does, one descriptor per contiguous run of slots, K and V), and the
-receiving process READs it the other way, each timed from its first post until every transfer is
-done (WRITE: on the sender, which then notifies; READ: on the receiver). Bytes are compared by the
-layers' checksums. On the CPU the pools are host memory; with --device cuda:N, device memory (one
-GPU: both processes on it, UCX's cuda_ipc; UCX_TLS from the environment as in the servers).
+pool (as the prefill server does, by index into both pools' descriptor lists prepared once), and the
+receiving process READs it the other way (one descriptor per contiguous run of slots, K and V),
+each timed from its first post until every transfer is done (WRITE: on the sender, which then
+notifies; READ: on the receiver). Bytes are compared by the layers' checksums. On the CPU the pools
+are host memory; with --device cuda:N, device memory (one GPU: both processes on it, UCX's cuda_ipc;
+UCX_TLS from the environment as in the servers).
 
 The agents' metadata goes over the child's stdin and stdout here (the servers pass it in their
 handshake)."""
@@ -22,7 +23,8 @@ import torch
 from bench.random_pool import make_pool
 from engine.kv_cache import KVPool
 from engine.kv_checksum import layer_checksums
-from engine.transport.nixl import DONE, NixlAgent, PoolAddress, layer_descriptors, slot_runs
+from engine.transport.nixl import DONE, NixlAgent, prepared_writes
+from engine.transport.nixl_descriptors import PoolAddress, chunk_pairs, chunk_tokens, layer_descriptors, slot_runs
 
 
 def _runs(pool: KVPool, table: list[int], tokens: int) -> np.ndarray:
@@ -63,16 +65,16 @@ def sender(preset: str, tokens: int, device: str) -> None:
     where = PoolAddress.of(pool)
     _send(f"agent {agent.metadata.hex()} {where.addr},{where.num_slots},{where.device} "
           f"{','.join(map(str, layer_checksums(pool, table, tokens)))}")
-    runs = _runs(pool, table, tokens)
-    token_bytes = pool.layout.bytes_per_token_per_layer // 2
-    local = [layer_descriptors(runs, where, 0, layer, token_bytes) for layer in range(pool.layout.num_layers)]
-    dest = [layer_descriptors(runs, remote, 1, layer, token_bytes) for layer in range(pool.layout.num_layers)]
+    bs = pool.layout.block_size
+    prepared = agent.prepare(peer, remote, chunk_tokens(bs, bs))
+    make = prepared_writes(agent, peer, prepared, chunk_pairs(table, bs, table, bs, 0, tokens, prepared.chunk))
     while sys.stdin.readline().strip() == "write":
         started = time.perf_counter()
-        handles = [agent.write(src, dst, peer) for src, dst in zip(local, dest, strict=True)]
+        handles = [agent.start(make(layer), "WRITE", peer) for layer in range(pool.layout.num_layers)]
         _wait(agent, handles)
         agent.notify(peer, DONE + b":bench")
         _send(f"sent {time.perf_counter() - started}")
+    agent.release_prepared(prepared)
     agent.close()
 
 

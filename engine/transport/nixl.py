@@ -1,9 +1,11 @@
 """KV over NIXL (UCX backend): each server registers its whole KV pool with one NIXL agent at
 start; the agents' metadata travels in the pairing handshake (no port of NIXL's own). The prefill
 side WRITEs each layer's KV into the slots the decode server reserved, as each layer finishes,
-one descriptor per run of slots that is contiguous on both sides; once every write is done it
-sends a notification ("done" or, after a transfer that stopped early, "end"). UCX picks the wire
-(RDMA between hosts, cuda_ipc inside one, TCP otherwise) from the environment (UCX_TLS, ...).
+naming them by index into both pools' descriptor lists prepared at pairing
+(engine.transport.nixl_descriptors; benchmarks also build them per transfer, as merged runs); once
+every write is done it sends a notification ("done" or, after a transfer that stopped early, "end").
+UCX picks the wire (RDMA between hosts, cuda_ipc inside one, TCP otherwise) from the environment
+(UCX_TLS, ...).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.kv_cache import KVPool, long_tensor
+from engine.kv_cache import KVPool
 from engine.transport.base import KVReceiver, KVSender
+from engine.transport.nixl_descriptors import PoolAddress, PreparedPools, layer_descriptors, layer_indices, plane_rows
 
 log = logging.getLogger(__name__)
 
@@ -53,25 +56,12 @@ def nixl_available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu13", "nixl_cu12", "nixl"))
 
 
-@dataclass(frozen=True)
-class PoolAddress:
-    """Where a pool lies for NIXL: its base address, slots, and device (-1: host memory)."""
-
-    addr: int
-    num_slots: int
-    device: int
-
-    @classmethod
-    def of(cls, pool: KVPool) -> PoolAddress:
-        dev = pool.device.index if pool.device.type == "cuda" and pool.device.index is not None else -1
-        return cls(pool.storage.data_ptr(), pool.num_slots, dev)
-
-
 class NixlAgent:
     """This process's agent, its pool registered once. Every call into NIXL holds one lock (the
     engine thread sends, the writer thread and the event loop poll notifications)."""
 
-    def __init__(self, pool: KVPool, role: str) -> None:
+    def __init__(self, pool: KVPool, role: str, telemetry: bool = False) -> None:
+        """`telemetry`: NIXL records each transfer's descriptors (`descriptors_posted`; benchmarks)."""
         api = nixl_api()
         self.pool = pool
         self.name = f"{role}-{uuid.uuid4().hex[:12]}"
@@ -79,15 +69,17 @@ class NixlAgent:
         # agent. GPU pools keep it, so writes move while the prefill computes; host-memory pools (CPU
         # servers, where every core counts) drive UCX from a thread of ours that polls every PUMP_S.
         on_gpu = pool.device.type == "cuda"
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=on_gpu, backends=["UCX"]))
+        config = api.nixl_agent_config(enable_prog_thread=on_gpu, capture_telemetry=telemetry, backends=["UCX"])
+        self._agent = api.nixl_agent(self.name, config)
         self._reg = self._agent.register_memory(pool.storage)
         self.metadata: bytes = self._agent.get_agent_metadata()
         self.mem_type = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self._lock = threading.Lock()
         self._notes: dict[str, set[bytes]] = {}  # peer agent -> notifications not yet taken
         self._closed = threading.Event()
-        if not on_gpu:
-            threading.Thread(target=self._pump, daemon=True, name="nixl-progress").start()
+        self._pumping = None if on_gpu else threading.Thread(target=self._pump, daemon=True, name="nixl-progress")
+        if self._pumping is not None:
+            self._pumping.start()
 
     def _pump(self) -> None:
         """Progress UCX (a notification poll does) while no call of ours does: a WRITE's bytes land on
@@ -118,26 +110,69 @@ class NixlAgent:
 
     def write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
         """Post a WRITE of `local` descriptors into the peer's `remote` ones; its handle."""
-        return self._post("WRITE", local, remote, peer)
+        return self.start(self.make_xfer("WRITE", local, remote, peer), "WRITE", peer)
 
     def read(self, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
         """Post a READ of the peer's `remote` descriptors into `local` ones; its handle."""
-        return self._post("READ", local, remote, peer)
+        return self.start(self.make_xfer("READ", local, remote, peer), "READ", peer)
 
-    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+    def make_xfer(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        """A transfer of (address, bytes, device) rows, checked by NIXL now, not yet posted."""
         with self._lock:
             src = self._agent.get_xfer_descs(local, self.mem_type)
             dst = self._agent.get_xfer_descs(remote, self.mem_type)
-            handle = self._agent.initialize_xfer(op, src, dst, peer)
-            state = self._agent.transfer(handle)
-        if state == "ERR":
-            self.release(handle)
-            raise TransferError(f"NIXL refused a {op} with {peer}")
-        return handle
+            return self._agent.initialize_xfer(op, src, dst, peer)
+
+    def make_prepared_write(self, prepared: PreparedPools, local: np.ndarray, remote: np.ndarray, peer: str) -> Any:
+        """A WRITE of the prepared lists' `local` descriptors into their `remote` ones, not yet posted."""
+        with self._lock:
+            if prepared.released:
+                raise TransferError(f"the pairing with {peer} was replaced or dropped")
+            return self._agent.make_prepped_xfer("WRITE", prepared.local, local, prepared.remote, remote)
+
+    def start(self, handle: Any, op: str, peer: str) -> Any:
+        """Post a transfer made by make_xfer or make_prepared_write; its handle (released if NIXL refuses)."""
+        with self._lock:
+            if self._agent.transfer(handle) != "ERR":
+                return handle
+            self._agent.release_xfer_handle(handle)
+        raise TransferError(f"NIXL refused a {op} with {peer}")
+
+    def prepare(self, peer: str, remote: PoolAddress, chunk: int) -> PreparedPools:
+        """Both pools, ours and the peer's, as descriptor lists of `chunk`-token pieces of every plane,
+        prepared once (NIXL checks every descriptor against the registrations here, not per transfer)."""
+        token_bytes = self.pool.layout.bytes_per_token_per_layer // 2
+        planes = self.pool.layout.num_layers * 2
+        here = PoolAddress.of(self.pool)
+        with self._lock:
+            local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plane_rows(here, planes, chunk, token_bytes),
+                                                self.mem_type)
+            try:
+                theirs = self._agent.prep_xfer_dlist(peer, plane_rows(remote, planes, chunk, token_bytes),
+                                                     remote.mem_type)
+            except BaseException:
+                self._agent.release_dlist_handle(local)
+                raise
+        return PreparedPools(local, theirs, chunk, here.num_slots // chunk, remote.num_slots // chunk,
+                             planes * (remote.num_slots // chunk))
+
+    def release_prepared(self, prepared: PreparedPools) -> None:
+        """Let go of a pairing's lists; a sender still holding them then fails its next post, never
+        naming freed lists."""
+        with self._lock:
+            if not prepared.released:
+                prepared.released = True
+                self._agent.release_dlist_handle(prepared.local)
+                self._agent.release_dlist_handle(prepared.remote)
 
     def state(self, handle: Any) -> str:
         with self._lock:
             return str(self._agent.check_xfer_state(handle))
+
+    def descriptors_posted(self, handle: Any) -> int:
+        """How many descriptors NIXL gave its backend for a finished transfer, after merging neighbours."""
+        with self._lock:
+            return int(self._agent.get_xfer_telemetry(handle).descCount)
 
     def release(self, handle: Any) -> None:
         with self._lock:
@@ -160,6 +195,8 @@ class NixlAgent:
 
     def close(self) -> None:
         self._closed.set()
+        if self._pumping is not None:  # gone before NIXL is: no poll of ours outlives the agent
+            self._pumping.join()
         with self._lock:
             self._agent.deregister_memory(self._reg)
 
@@ -168,43 +205,37 @@ class TransferError(RuntimeError):
     pass
 
 
-def slot_runs(src_table: list[int], src_block: int, dst_table: list[int], dst_block: int,
-              start: int, end: int) -> np.ndarray:
-    """Tokens [start, end) as runs contiguous on both sides: rows of (source slot, destination slot, length)."""
-    src = long_tensor(src_table).numpy()
-    dst = long_tensor(dst_table).numpy()
-    t = np.arange(start, end, dtype=np.int64)
-    s = src[t // src_block] * src_block + t % src_block
-    d = dst[t // dst_block] * dst_block + t % dst_block
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    firsts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((firsts, [len(t)])))
-    return np.stack((s[firsts], d[firsts], lengths), axis=1)
+LayerWrite = Callable[[int], Any]  # one layer's WRITE, made (NixlAgent.start posts it)
 
 
-def layer_descriptors(runs: np.ndarray, base: PoolAddress, which: int, layer: int, token_bytes: int) -> np.ndarray:
-    """One layer's (address, bytes, device) rows, K's runs then V's, for `runs`' column `which` (0 source, 1 dest)."""
-    rows = []
-    for kv in (0, 1):
-        plane = (layer * 2 + kv) * base.num_slots
-        addr = base.addr + (plane + runs[:, which]) * token_bytes
-        rows.append(np.stack((addr, runs[:, 2] * token_bytes, np.full(len(runs), max(base.device, 0))), axis=1))
-    return np.concatenate(rows).astype(np.uint64)
+def prepared_writes(agent: NixlAgent, peer: str, prepared: PreparedPools, pairs: np.ndarray) -> LayerWrite:
+    """Each layer's WRITE by index into the pairing's prepared lists (`pairs`: nixl_descriptors.chunk_pairs)."""
+    return lambda layer: agent.make_prepared_write(prepared, *layer_indices(pairs, prepared, layer), peer)
+
+
+def merged_writes(agent: NixlAgent, peer: str, remote: PoolAddress, runs: np.ndarray) -> LayerWrite:
+    """Each layer's WRITE as one descriptor per run and plane (`runs`: nixl_descriptors.slot_runs)."""
+    here = PoolAddress.of(agent.pool)
+    token_bytes = agent.pool.layout.bytes_per_token_per_layer // 2
+
+    def make(layer: int) -> Any:
+        local = layer_descriptors(runs, here, 0, layer, token_bytes)
+        return agent.make_xfer("WRITE", local, layer_descriptors(runs, remote, 1, layer, token_bytes), peer)
+
+    return make
 
 
 class NixlKVSender(KVSender):
-    """Prefill side: each layer's WRITE posted from a thread of its own once the layer's KV is written
-    (a CUDA event on the GPU), so the prefill never waits; `finish` waits for every write, then
-    notifies DONE, or END when the transfer stopped early (a cancel or a failure: the decode side
+    """Prefill side: each layer's WRITE (made by `make`) posted from a thread of its own once the layer's KV
+    is written (a CUDA event on the GPU), so the prefill never waits; `finish` waits for every write,
+    then notifies DONE, or END when the transfer stopped early (a cancel or a failure: the decode side
     then knows nothing more will land)."""
 
-    def __init__(self, agent: NixlAgent, peer: str, remote: PoolAddress, runs: np.ndarray, tag: str,
-                 num_layers: int, timeout_s: float) -> None:
-        self.agent, self.peer, self.remote, self.runs = agent, peer, remote, runs
+    def __init__(self, agent: NixlAgent, peer: str, make: LayerWrite, tag: str, num_layers: int,
+                 timeout_s: float) -> None:
+        self.agent, self.peer, self.make = agent, peer, make
         self.timeout_s = timeout_s
         self.tag, self.num_layers = tag.encode(), num_layers
-        self.local = PoolAddress.of(agent.pool)
-        self.token_bytes = agent.pool.layout.bytes_per_token_per_layer // 2
         self._handles: list[Any] = []
         self._error: BaseException | None = None
         self._layers: queue.Queue[tuple[int, torch.cuda.Event | None] | None] = queue.Queue()
@@ -228,9 +259,7 @@ class NixlKVSender(KVSender):
             try:
                 if event is not None:
                     event.synchronize()
-                local = layer_descriptors(self.runs, self.local, 0, layer, self.token_bytes)
-                remote = layer_descriptors(self.runs, self.remote, 1, layer, self.token_bytes)
-                self._handles.append(self.agent.write(local, remote, self.peer))
+                self._handles.append(self.agent.start(self.make(layer), "WRITE", self.peer))
             except BaseException as e:
                 self._error = e
 
@@ -245,7 +274,10 @@ class NixlKVSender(KVSender):
                 self._error = TransferError(f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
             self.agent.release(handle)
         whole = self._error is None and len(self._handles) == self.num_layers
-        self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
+        try:
+            self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
+        except Exception as e:  # its agent unloaded (the pairing replaced or dropped): the first error stays
+            self._error = self._error or TransferError(f"no notification reached {self.peer}: {e}")
         if self._error is not None:
             raise TransferError(f"KV over nixl: {self._error}") from self._error
 
