@@ -13,6 +13,7 @@ from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
 from serving.cli_args import add_dataclass_args
 from serving.cli_args import parse_config as parse_into
+from serving.gc_freeze import freeze_startup_objects
 from serving.grpc_common import (
     Health,
     bind,
@@ -107,6 +108,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         loop_lag.start()
     if http is not None:
         await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
+    freeze_startup_objects()  # last: what start-up made stays out of the collector's full passes
     await server.start()
     await health.set(True)
     log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s; started in %.1fs", cfg.host, port, runner.device,
