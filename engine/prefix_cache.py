@@ -183,7 +183,7 @@ class PrefixCache:
         blocks = token_blocks(tokens, self.block_size, num_tokens // self.block_size)
         with self._lock:
             parent: _Entry | None = None
-            for block, block_tokens in zip(block_table, blocks):
+            for block, block_tokens in zip(block_table[:len(blocks)], blocks, strict=True):
                 entry = self._by_block.get(block)
                 if entry is None or entry.parent is not parent:
                     key = block_key(parent.key if parent else seed, block_tokens)
