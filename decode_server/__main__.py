@@ -58,6 +58,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.sm_split import open_partitions
     from decode_server.step_trace import StepTrace
     from engine.prefix_cache import PrefixCache
+    from serving.gc_freeze import GcPauses
     from serving.loop_lag import LoopLagProbe
 
     started = time.perf_counter()
@@ -83,10 +84,11 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-    loop_lag = None
+    loop_lag = gc_pauses = None
     if cfg.loop_lag_probe_ms:
         loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
-    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
+        gc_pauses = GcPauses()
+    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag, gc_pauses)
     parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
                            scheduler.check_prefill_sms)
     service = DecodeService(core, parser)
@@ -106,6 +108,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         await router.warm_up()
     if loop_lag is not None:
         loop_lag.start()
+    if gc_pauses is not None:
+        gc_pauses.start()
     if http is not None:
         await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
     freeze_startup_objects()  # last: what start-up made stays out of the collector's full passes
@@ -122,6 +126,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         await http.stop()
     if loop_lag is not None:
         loop_lag.stop()
+    if gc_pauses is not None:
+        gc_pauses.stop()
     if router is not None:
         await router.close()
     if trace is not None:

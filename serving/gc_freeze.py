@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
+from collections import deque
 
 log = logging.getLogger(__name__)
 
@@ -28,3 +30,35 @@ def unfreeze_startup_objects() -> None:
     """At exit: the frozen objects back under the collector, so the interpreter's last passes
     finalize them (native extensions report objects never finalized as leaks)."""
     gc.unfreeze()
+
+
+class GcPauses:
+    """The collector's passes while a server runs, whichever thread triggered them: every thread,
+    the event loop included, waits for each. Kept for `keep_s`, so a request can ask for the longest
+    pass while it was on the server (`max_between`), beside its loop lag (serving/loop_lag.py)."""
+
+    def __init__(self, keep_s: float = 120.0) -> None:
+        self.keep_s = keep_s
+        self.passes: deque[tuple[float, float]] = deque()  # (began, seconds), oldest first
+        self._began = 0.0
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_pass)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_pass)
+
+    def _on_pass(self, phase: str, info: dict[str, int]) -> None:
+        """Called by the collector itself, on the thread it runs on, holding the GIL."""
+        now = time.perf_counter()
+        if phase == "start":
+            self._began = now
+            return
+        self.passes.append((self._began, now - self._began))
+        while self.passes and self.passes[0][0] < now - self.keep_s:
+            self.passes.popleft()
+
+    def max_between(self, start: float, end: float) -> float:
+        """The longest pass that overlapped [start, end] (perf_counter seconds); 0 without one."""
+        passes = list(self.passes)  # a copy first: a pass may start, and append, during the scan
+        return max((took for began, took in passes if began <= end and began + took >= start), default=0.0)
