@@ -16,14 +16,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from pd.v1 import decode_pb2, prefill_pb2
 
 from bench.common import metadata, write_json
@@ -155,8 +153,6 @@ def main() -> None:
     args = p.parse_args()
     results = asyncio.run(measure(args.tokens, args.repeats))
     meta = metadata()
-    if not torch.cuda.is_available():
-        meta["hardware"] = f"{os.cpu_count()}-core CPU"
     print(f"{args.tokens}-token prompt, {meta['hardware']}, commit {meta['commit']}: median ms of {args.repeats}")
     for what, ms in results.items():
         print(f"  {what:<62} {ms:7.3f}")
