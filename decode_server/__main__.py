@@ -106,13 +106,14 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     scheduler.start()
     if router is not None and cfg.warms_up(runner.device.type):
         await router.warm_up()
+    # what start-up made stays out of the collector's full passes; before the probes, which would count its pass
+    freeze_startup_objects()
     if loop_lag is not None:
         loop_lag.start()
     if gc_pauses is not None:
         gc_pauses.start()
     if http is not None:
         await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
-    freeze_startup_objects()  # last: what start-up made stays out of the collector's full passes
     await server.start()
     await health.set(True)
     log.info("decode server SERVING on %s:%d (%s, %s, mode %s%s)%s; started in %.1fs", cfg.host, port, runner.device,
