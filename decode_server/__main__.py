@@ -13,6 +13,7 @@ from decode_server.config import DecodeConfig, DecodeFaults
 from serving.build_runner import build_runner
 from serving.cli_args import add_dataclass_args
 from serving.cli_args import parse_config as parse_into
+from serving.gc_freeze import freeze_startup_objects
 from serving.grpc_common import (
     Health,
     bind,
@@ -57,6 +58,7 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     from decode_server.sm_split import open_partitions
     from decode_server.step_trace import StepTrace
     from engine.prefix_cache import PrefixCache
+    from serving.gc_freeze import GcPauses
     from serving.loop_lag import LoopLagProbe
 
     started = time.perf_counter()
@@ -82,10 +84,11 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         router = PrefillRouter(prefill_addresses(cfg.prefill_addr), runner, cfg.kv_transport,
                                cfg.prefill_timeout_s, creds, verify_kv=cfg.kv_checksum == "on")
     eos_ids = frozenset(runner.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-    loop_lag = None
+    loop_lag = gc_pauses = None
     if cfg.loop_lag_probe_ms:
         loop_lag = LoopLagProbe(loop, cfg.loop_lag_probe_ms / 1e3, observe=metrics.LOOP_LAG.observe)
-    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag)
+        gc_pauses = GcPauses()
+    core = DecodeCore(cfg, scheduler, router, eos_ids, loop_lag, gc_pauses)
     parser = RequestParser(cfg, tokenizer, runner.max_model_len, runner.config.vocab_size,
                            scheduler.check_prefill_sms)
     service = DecodeService(core, parser)
@@ -103,8 +106,12 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     scheduler.start()
     if router is not None and cfg.warms_up(runner.device.type):
         await router.warm_up()
+    # what start-up made stays out of the collector's full passes; before the probes, which would count its pass
+    freeze_startup_objects()
     if loop_lag is not None:
         loop_lag.start()
+    if gc_pauses is not None:
+        gc_pauses.start()
     if http is not None:
         await http.start(cfg.host, cfg.http_port, server_ssl_context(cfg))
     await server.start()
@@ -120,6 +127,8 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
         await http.stop()
     if loop_lag is not None:
         loop_lag.stop()
+    if gc_pauses is not None:
+        gc_pauses.stop()
     if router is not None:
         await router.close()
     if trace is not None:

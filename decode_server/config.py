@@ -85,7 +85,8 @@ class DecodeConfig(ServerConfig):
     loop_lag_probe_ms: float = field(default=0.0, metadata=opt(
         "every this many ms, hand the event loop a stamped callback from a thread and record how long it "
         "waits to run (what a token from the engine thread waits): metric event_loop_lag_seconds, and each "
-        "request log line's loop_lag_max_s from its arrival to its first token; 0 = off"))
+        "request log line's loop_lag_max_s from its arrival to its first token, and gc_pause_max_s, the longest "
+        "garbage-collector pass in that time; 0 = off"))
     step_trace: str | None = field(default=None, metadata=opt(
         "write one JSON line per decode step (host times and GPU time) and per partitioned prefill to this file, "
         "to find where a slow gap came from (bench.e2e.partitioned_gaps reads it); costs two CUDA events a step"))

@@ -32,6 +32,7 @@ from decode_server.timing import Timing
 from engine.grammar import CompiledGrammar
 from engine.penalties import Penalties
 from engine.sampling import SamplingParams
+from serving.gc_freeze import GcPauses
 from serving.loop_lag import LoopLagProbe
 from serving.token_ids import TokenIds
 
@@ -113,9 +114,10 @@ class Generation:
 
 class DecodeCore:
     def __init__(self, cfg: DecodeConfig, scheduler: BatchScheduler, router: PrefillRouter | None,
-                 eos_ids: frozenset[int], loop_lag: LoopLagProbe | None = None) -> None:
+                 eos_ids: frozenset[int], loop_lag: LoopLagProbe | None = None,
+                 gc_pauses: GcPauses | None = None) -> None:
         self.cfg, self.scheduler, self.router, self.eos_ids = cfg, scheduler, router, eos_ids
-        self.loop_lag = loop_lag  # for each request's loop_lag_max_s
+        self.loop_lag, self.gc_pauses = loop_lag, gc_pauses  # for each request's loop_lag_max_s, gc_pause_max_s
         self.admission = scheduler.admission
         self.in_flight: set[str] = set()
         self.remote_prefills = 0  # requests in a remote prefill now
@@ -167,9 +169,11 @@ class DecodeCore:
             metrics.REQUEST_FAILURE.labels(status).inc()
         now = time.perf_counter()
         lag: dict[str, float] = {}
+        t = seq.timing
         if self.loop_lag is not None:  # while the request arrived: from its arrival to its first token
-            t = seq.timing
             lag["loop_lag_max_s"] = round(self.loop_lag.max_between(t.arrival, t.first_token or now), 6)
+        if self.gc_pauses is not None:  # the collector's share of that lag, if any
+            lag["gc_pause_max_s"] = round(self.gc_pauses.max_between(t.arrival, t.first_token or now), 6)
         request_log.info(json.dumps({
             "event": "request_finished", "request_id": seq.request_id, "status": status,
             "finish_reason": seq.finish_reason, "mode": seq.mode, "prompt_tokens": len(seq.prompt),

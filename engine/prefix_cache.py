@@ -36,9 +36,12 @@ from engine.kv_cache import BlockAllocator, OutOfBlocks
 Tokens = Sequence[int] | np.ndarray
 
 
-def token_bytes(tokens: Tokens) -> memoryview:
-    """Token ids as little-endian int32 bytes, the form blocks are hashed and compared in."""
-    return np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
+def token_blocks(tokens: Tokens, block_size: int, count: int) -> list[bytes]:
+    """The first `count` full blocks of `tokens`, each as its ids' little-endian int32 bytes (the form
+    blocks are keyed and compared in): one numpy conversion and one split for the whole prompt, not
+    a slice and a copy per block (bench/NOTES.md: a 32k prompt's blocks held the event loop for ms)."""
+    ids = np.asarray(tokens, dtype="<i4")[:max(count, 0) * block_size]
+    return np.ascontiguousarray(ids).view(f"V{4 * block_size}").tolist()  # type: ignore[no-any-return]
 
 
 def salt_seed(salt: str) -> bytes:
@@ -46,17 +49,21 @@ def salt_seed(salt: str) -> bytes:
     return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest() if salt else b""
 
 
-def block_key(parent: bytes, block: memoryview) -> bytes:
-    """A full block's key: the hash of its parent's key (the salt's seed for a first block) and its tokens' bytes."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(block)
-    return h.digest()
+Key = int | bytes  # a block's key, or the salt's seed in a first block's place
 
 
-@dataclass(eq=False)
+def block_key(parent: Key, block: bytes) -> int:
+    """A full block's key: the hash of its parent's key (the salt's seed for a first block) and its
+    tokens' bytes. Python's own hash (SipHash, keyed afresh in each process): a key never leaves the
+    process, and hits are confirmed by the tokens, so a collision can only miss. One C call a block,
+    where BLAKE2b took three and a fresh object."""
+    return hash((parent, block))
+
+
+@dataclass(eq=False, slots=True)
 class _Entry:
     block: int
-    key: bytes
+    key: Key
     tokens: bytes
     parent: _Entry | None  # the entry this block followed when it was published; None for a first block
     seed: bytes            # salt_seed of the request that published it
@@ -79,7 +86,7 @@ class PrefixCache:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
         self.allocator, self.block_size, self.enabled = allocator, block_size, enabled
-        self._by_key: dict[bytes, _Entry] = {}
+        self._by_key: dict[Key, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # unreferenced entries, oldest first
         self._queried = self._hits = 0
@@ -134,13 +141,12 @@ class PrefixCache:
     def _match(self, tokens: Tokens, seed: bytes) -> list[_Entry]:
         if not self.enabled or not self._by_key:
             return []
-        data = token_bytes(tokens)
-        step = 4 * self.block_size
         found: list[_Entry] = []
         parent: _Entry | None = None
-        for i in range((len(tokens) - 1) // self.block_size):  # one hash a block, up to the first miss
-            block = data[i * step:(i + 1) * step]
-            entry = self._by_key.get(block_key(parent.key if parent else seed, block))
+        by_key = self._by_key
+        # one key a block, up to the first miss; the block holding the last token is never a hit
+        for block in token_blocks(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+            entry = by_key.get(block_key(parent.key if parent else seed, block))
             if entry is None or entry.parent is not parent or entry.seed != seed or entry.tokens != block:
                 break
             found.append(entry)
@@ -174,15 +180,12 @@ class PrefixCache:
         if not self.enabled:
             return
         seed = salt_seed(salt)
-        data = token_bytes(tokens)
-        step = 4 * self.block_size
+        blocks = token_blocks(tokens, self.block_size, num_tokens // self.block_size)
         with self._lock:
             parent: _Entry | None = None
-            for i in range(num_tokens // self.block_size):
-                block = block_table[i]
+            for block, block_tokens in zip(block_table[:len(blocks)], blocks, strict=True):
                 entry = self._by_block.get(block)
                 if entry is None or entry.parent is not parent:
-                    block_tokens = data[i * step:(i + 1) * step]
                     key = block_key(parent.key if parent else seed, block_tokens)
                     existing = self._by_key.get(key)
                     if existing is not None:
@@ -190,7 +193,7 @@ class PrefixCache:
                             return  # a hash collision: this chain stays uncached from here on
                         entry = existing  # the same block is cached already; ours stays private
                     else:
-                        entry = _Entry(block, key, bytes(block_tokens), parent, seed, refs=1)
+                        entry = _Entry(block, key, block_tokens, parent, seed, refs=1)
                         self._by_key[key] = self._by_block[block] = entry
                 parent = entry
 

@@ -12,6 +12,7 @@ from prefill_server.config import PrefillConfig, PrefillFaults
 from serving.build_runner import build_runner
 from serving.cli_args import add_dataclass_args
 from serving.cli_args import parse_config as parse_into
+from serving.gc_freeze import freeze_startup_objects
 from serving.grpc_common import (
     Health,
     StartupError,
@@ -66,6 +67,7 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     await health.listen_plaintext(cfg)
     start_metrics(cfg)
     worker.start()
+    freeze_startup_objects()  # last: what start-up made stays out of the collector's full passes
     await server.start()
     await health.set(True)
     log.info("prefill server SERVING on %s:%d (%s, %s); started in %.1fs", cfg.host, port, runner.device,

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving.event_loop import run_event_loop
+from serving.gc_freeze import unfreeze_startup_objects
 from serving.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -287,4 +288,6 @@ def run_main(main: Callable[[], Coroutine[Any, Any, int]]) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         code = 0
+    finally:
+        unfreeze_startup_objects()
     sys.exit(code)
