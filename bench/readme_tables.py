@@ -256,19 +256,24 @@ def plan_network() -> str:
 
 # --- hostile HTTP bodies (python -m bench.e2e.hostile_bodies) ---------------------------------------
 def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
-    """Per case: how it was answered, and the stall it caused at each GIL switch interval measured."""
+    """Per case: how it was answered, and the stall it caused at each GIL switch interval measured,
+    beside the run it replaced (`previous`) where there is one."""
     doc = load(file)
-    settings = doc["gil_switch_ms"]
-    first = next(iter(settings.values()))["cases"]
+    runs_ = [(f"switch {k} ms", doc, k) for k in doc["gil_switch_ms"]]
+    before = doc.get("previous")
+    if before:
+        runs_.append((f"at {before['commit']}, switch 5 ms", before, "5"))
+    first = doc["gil_switch_ms"][runs_[0][2]]["cases"]
     header = ["body", "answer", "answered in (median)",
-              *[f"stall, worst / median of {doc['trials']} (switch {k} ms)" for k in settings]]
+              *[f"stall, worst / median of {d['trials']} ({label})" for label, d, _ in runs_]]
     rows = []
     for name, trials in first.items():
         status = sorted({str(t["status"]) for t in trials})
         answered = sorted(t["answered_s"] for t in trials)[len(trials) // 2]
-        stalls = [f"{ms(s['worst_stall_ms'][name])} / {ms(s['median_stall_ms'][name])}" for s in settings.values()]
+        stalls = [f"{ms(d['gil_switch_ms'][k]['worst_stall_ms'].get(name))} / "
+                  f"{ms(d['gil_switch_ms'][k]['median_stall_ms'].get(name))}" for _, d, k in runs_]
         rows.append([name, ", ".join(status), f"{answered:.2f} s", *stalls])
-    idle = [t["idle_longest_gap_ms"] for s in settings.values() for ts in s["cases"].values() for t in ts]
+    idle = [t["idle_longest_gap_ms"] for s in doc["gil_switch_ms"].values() for ts in s["cases"].values() for t in ts]
     about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
              f"[`{file}`](../bench/results/{file}); a stall is the stream's longest token gap while the body was "
              f"answered less the longest of the idle second before (those idle gaps: {min(idle):.0f}-{max(idle):.0f} "
