@@ -12,6 +12,7 @@ size limit. Large bodies are decompressed and parsed off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import subprocess
@@ -42,24 +43,16 @@ BODY_BYTES_ELSE = 1 << 20
 GATES_AT_ONCE = 2                  # value counts in flight; more bodies that need one wait their turn
 GATE_TIMEOUT_S = 30.0
 # Run as `python -I -S -c GATE max_values` with the body on stdin: prints {"values": n} (counting
-# stops past max_values) or {"error": why it is not JSON}. Only json is imported, so it starts fast.
-GATE = """
+# stops past max_values, as count_values counts: GATE ends with its source) or {"error": why it is not
+# JSON}. Only json is imported, so it starts fast.
+GATE_MAIN = """
 import json, sys
-limit = int(sys.argv[1])
 try:
     data = json.loads(sys.stdin.buffer.read())
 except (ValueError, RecursionError) as e:
     print(json.dumps({"error": str(e)}))
     raise SystemExit
-n, todo = 0, [data]
-while todo and n <= limit:
-    x = todo.pop()
-    n += 1
-    if isinstance(x, list):
-        todo.extend(x)
-    elif isinstance(x, dict):
-        todo.extend(x.values())
-print(json.dumps({"values": n}))
+print(json.dumps({"values": count_values(data, int(sys.argv[1]))}))
 """
 BODY_TIMEOUT_S = 20.0              # the whole body must arrive within this after the headers
 HEADER_TIMEOUT_S = 15.0            # ... and the headers within this of the connection opening (or going idle)
@@ -190,7 +183,7 @@ def too_complex(max_values: int) -> ApiError:
 
 def count_values(data: Any, limit: int) -> int:
     """The JSON values in `data` (itself, its items, its objects' values), counted up to past `limit`
-    (GATE counts the same way in its own process)."""
+    (in this process, or in GATE's)."""
     n, todo = 0, [data]
     while todo and n <= limit:
         x = todo.pop()
@@ -265,3 +258,6 @@ async def openai_errors(request: web.Request,
             raise
         return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
                         e.reason.lower().replace(" ", "_")).response()
+
+
+GATE = "from __future__ import annotations\n" + inspect.getsource(count_values) + GATE_MAIN
