@@ -146,10 +146,15 @@ class Reply:
         if self.api.chat:
             content, calls = self._tool_calls(answer)
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-            choice["finish_reason"] = "tool_calls" if calls else answer.finish_reason
+            choice["finish_reason"] = "tool_calls" if calls and not self._forced_function else answer.finish_reason
         else:
             choice["text"] = answer.text
         return choice
+
+    @property
+    def _forced_function(self) -> bool:
+        """`tool_choice` named a function: its call ends with `stop`, as OpenAI's and vLLM's do."""
+        return self.api.tools is not None and self.api.tools.named
 
     def _tool_calls(self, answer: Answer) -> tuple[str | None, list[dict[str, Any]]]:
         return parse_calls(answer.text, self.api.tools, self.family) if self.api.tools else (answer.text, [])
@@ -157,14 +162,14 @@ class Reply:
     async def _send_tool_calls(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> str | None:
         """A token of an answer with tools: the content and call deltas it decided, each an event (the
         first with the token's log probabilities), the last with the finish reason, `tool_calls` when
-        a call was whole; returns that reason."""
+        a call was whole (but of a named function); returns that reason."""
         assert self.tool_calls is not None and self.stream is not None
         out = self.tool_calls.feed(piece)
         if finish:
             rest = self.tool_calls.end()
             out.content += rest.content
             out.deltas += rest.deltas
-            finish = "tool_calls" if self.tool_calls.whole else finish
+            finish = "tool_calls" if self.tool_calls.whole and not self._forced_function else finish
         deltas: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
         deltas += [{"tool_calls": [d.openai()]} for d in out.deltas]
         if not deltas and (finish or logprobs is not None):
