@@ -29,7 +29,7 @@ def children(pid: int) -> list[str]:
 
 def test_a_large_chat_is_the_templates_prompt(http_server: HttpServer) -> None:
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "ab" * (i % 5)}
-                for i in range(41)]  # more than the server renders in its own process
+                for i in range(300)]  # more than the server renders in its own process
     client = http_server.client()
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
                                           extra_body={"ignore_eos": True})
