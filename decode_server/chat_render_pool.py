@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from typing import Any
 
+import grpc
 from pd.v1 import decode_pb2
 
 from decode_server.http_request import ApiError, count_values, too_complex
@@ -29,6 +31,8 @@ from decode_server.openai_tools import Tools, family_of
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from serving.validation import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 # Rendering takes about 10 us a message and parsing a chat about 1 ms a 100 KiB: below these a chat
 # costs the decode steps a few ms at most, and skips the trip to the worker.
@@ -114,12 +118,21 @@ class ChatRenderPool:
         return _with_ids(fields, await self._call(_render, messages, tools, max_model_len))
 
     async def _call(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the worker. A worker found dead (killed, out of memory) is replaced and the
+        call made once more; one that dies during the call ends the request 503."""
         loop = asyncio.get_running_loop()
-        try:
-            kind, value = await loop.run_in_executor(self._executor(), fn, *args)
-        except BrokenProcessPool:  # the worker died (killed, out of memory): the next chat starts another
-            self._pool = None
-            raise
+        for attempt in range(2):
+            pool = self._executor()
+            try:
+                kind, value = await loop.run_in_executor(pool, fn, *args)
+                break
+            except BrokenProcessPool as e:
+                if self._pool is pool:
+                    self._pool = None
+                if attempt == 1:
+                    raise ApiError.from_status(grpc.StatusCode.UNAVAILABLE, "the process that renders large chats "
+                                               "stopped while reading this one; retry it") from e
+                log.warning("the chat render worker had stopped; starting another")
         if kind == "invalid":
             raise InvalidRequest(*value)
         if kind == "api":

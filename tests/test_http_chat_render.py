@@ -4,6 +4,9 @@ a chat the context can't hold is refused there, as it is in the server's own pro
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import openai
@@ -18,13 +21,17 @@ pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves i
 MODEL = "tiny"
 
 
-def children(pid: int) -> list[str]:
-    """The command lines of a process's children (Linux's /proc)."""
+def children_pids(pid: int) -> list[tuple[str, str]]:
+    """A process's children (Linux's /proc): (pid, command line) each."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            found.append((Path("/proc") / child / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            found.append((child, (Path("/proc") / child / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
     return found
+
+
+def children(pid: int) -> list[str]:
+    return [cmdline for _, cmdline in children_pids(pid)]
 
 
 def test_a_large_chat_is_the_templates_prompt(http_server: HttpServer) -> None:
@@ -52,3 +59,23 @@ def test_a_large_chat_past_the_context_is_400(http_server: HttpServer) -> None:
         http_server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "messages"
     assert "encode to more than the context limit of 40960" in caught.value.body["message"]
+
+
+def test_a_killed_render_worker_is_replaced(http_server: HttpServer) -> None:
+    """The worker killed between two large chats: the second is still answered, by a new worker."""
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(300)]
+    client = http_server.client()
+
+    def ask() -> str:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                                              extra_body={"ignore_eos": True}).choices[0].message.content or ""
+
+    first = ask()
+    assert http_server.proc is not None
+    workers = [int(pid) for pid, cmdline in children_pids(http_server.proc.pid) if "spawn_main" in cmdline]
+    assert workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert ask() == first
+    assert "the chat render worker had stopped; starting another" in http_server.log()
