@@ -134,8 +134,9 @@ class DecodeSteps:
             indices.append(produced)
         logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
         self._launched += 1
-        step = StepInFlight(seqs, logits, self.readers[self._launched % 2], t0, marks, None)  # the other reader
-        if self.overlap:                                                                  # may hold the step before
+        reader = self.readers[self._launched % 2]  # the other may hold the step before
+        step = StepInFlight(seqs, logits, reader, t0, marks, None)  # its tokens once sampled, below
+        if self.overlap:
             self.in_flight = step
         if before_sampling is not None:
             before_sampling()
