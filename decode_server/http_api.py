@@ -186,7 +186,9 @@ class OpenAIApi:
         return web.json_response({
             "id": parsed.request_id, "object": "chat.completion" if api.chat else "text_completion",
             "created": created, "model": self.model_name,
-            "choices": [reply.choice(answer) for reply, answer in zip(replies, answers, strict=True)], "usage": usage})
+            "choices": [reply.choice(answer) for reply, answer in zip(replies, answers, strict=True)], "usage": usage,
+            **({"prompt_logprobs": replies[0].prompt_logprobs} if api.chat and api.prompt_logprobs is not None
+               else {})})
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -64,3 +64,16 @@ class LogprobFormat:
     def _completions(entries: list[dict[str, Any]]) -> dict[str, Any]:
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [e["top"] for e in entries], "text_offset": [e["offset"] for e in entries]}
+
+    def vllm_prompt(self, token_ids: list[int], logprobs: list[TokenLogprobs], top: int) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: None for the first token (nothing precedes it), then for each one a
+        map from token id to {logprob, rank, decoded_token}: the prompt's token and the `top` likeliest."""
+        out: list[dict[str, Any] | None] = [None]
+        for token_id, lp in zip(token_ids[1:], logprobs, strict=True):
+            entry = {str(i): {"logprob": v, "rank": n + 1, "decoded_token": self.text(i)}
+                     for n, (i, v) in enumerate(lp.top[:top])}
+            entry.setdefault(str(token_id), {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": self.text(token_id)})
+            out.append(entry)
+        return out
+

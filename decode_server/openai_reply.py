@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -81,6 +81,7 @@ class Reply:
         self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(api.stop) if api.stop else None
         self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, filled with the first token
         family = family_of(tokenizer.chat_template if tokenizer is not None else "") if api.tools else None
         # streamed with tools: content and calls go out as the parser decides them
         self.tool_calls = ToolCallParser(api.tools, family) if api.tools is not None and stream is not None else None
@@ -101,7 +102,12 @@ class Reply:
                     answer.chars = len(answer.text)
                     if self.logprobs is not None:
                         logprobs_from = len(self.logprobs.entries)
-                        self.logprobs.add_prompt(as_array(seq.prompt).tolist(), seq.prompt_logprob_values)
+                        asked = self.api.fields.logprobs or 0  # prompt_logprobs may have asked for more
+                        self.logprobs.add_prompt(as_array(seq.prompt).tolist(),
+                                                 [replace(lp, top=lp.top[:asked]) for lp in seq.prompt_logprob_values])
+                if self.api.prompt_logprobs is not None and out.index == 0:
+                    self.prompt_logprobs = LogprobFormat(self.tokenizer, self.api.chat).vllm_prompt(
+                        as_array(seq.prompt).tolist(), seq.prompt_logprob_values, self.api.prompt_logprobs)
                 piece = self.detok.step(out.token_id) if self.detok is not None else ""
                 answer.tokens += 1
                 finish = FINISH_REASON.get(out.finish_reason)
@@ -149,6 +155,8 @@ class Reply:
             choice["finish_reason"] = "tool_calls" if calls and not self._forced_function else answer.finish_reason
         else:
             choice["text"] = answer.text
+            if self.prompt_logprobs is not None:  # vLLM's; a chat's go in the response, beside its choices
+                choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
 
     @property

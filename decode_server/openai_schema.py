@@ -43,7 +43,7 @@ TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary c
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens", "allowed_token_ids", "bad_words", *GRAMMAR_FIELDS})
+                      "min_p", "min_tokens", "allowed_token_ids", "bad_words", "prompt_logprobs", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                  "tool_choice", "parallel_tool_calls"}}
@@ -53,7 +53,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "best_of": (1,), "guided_decoding_backend": (),
-    "prompt_logprobs": (), "include_stop_str_in_output": (False,),
+    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
@@ -74,6 +74,7 @@ class ApiRequest:
     echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
     n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
     tools: Tools | None = None   # chat: the functions it may call, and how (`tool_choice`)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's log probabilities, this many alternatives each
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -207,9 +208,19 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
             raise InvalidRequest(f"tool_choice and {grammar[1]} both ask for a structured output; send one",
                                  "tool_choice")
         grammar = forced, "tool_choice"
-    fields = replace(fields, prompt_logprobs=echo and fields.logprobs is not None, grammar=grammar and grammar[0],
+    prompt_logprobs = body.get("prompt_logprobs", int, "an integer")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}",
+                             "prompt_logprobs")
+    if prompt_logprobs is not None and stream:
+        raise InvalidRequest("prompt_logprobs is not supported with stream: true; leave one out", "prompt_logprobs")
+    # the prompt's log probabilities, with as many alternatives as the echo or prompt_logprobs wants
+    echoed = fields.logprobs if echo and fields.logprobs is not None else None
+    wanted = [k for k in (echoed, prompt_logprobs) if k is not None]
+    fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, grammar=grammar and grammar[0],
                      grammar_field=grammar[1] if grammar else "")
-    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools), unknown
+    return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
+                      prompt_logprobs), unknown
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:

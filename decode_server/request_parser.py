@@ -47,7 +47,7 @@ class RequestFields:
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
     cache_salt: str = ""             # its prefix-cache namespace; "" = none
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
-    prompt_logprobs: bool = False    # ... of the prompt's tokens too (the OpenAI API's echo)
+    prompt_logprobs: int | None = None  # ... of the prompt's tokens, this many alternatives (echo, vLLM's field)
     penalties: Penalties | None = None
     bad_words: tuple[str, ...] = ()     # texts the answer may not produce (tokenized here, into penalties)
     grammar: GrammarSpec | None = None  # structured outputs
@@ -124,19 +124,20 @@ class RequestParser:
         if mode is None:
             raise InvalidRequest(f"unknown {names.prefill_mode} {f.prefill_mode}; use one of "
                                  f"0-{max(m.number for m in PrefillMode)}", names.prefill_mode)
-        if f.prompt_logprobs and mode == PrefillMode.LAYERED:
+        if f.prompt_logprobs is not None and mode == PrefillMode.LAYERED:
             if f.prefill_mode:  # its slices yield the last token's logits alone
                 raise InvalidRequest(f"the prompt's log probabilities need {names.prefill_mode} colocated or "
                                      "chunked", names.prefill_mode)
             mode = PrefillMode.COLOCATED
         if f.bad_words:
             f = replace(f, penalties=replace(f.penalties or Penalties(), bad_words=self._bad_words(f.bad_words)))
-        sampled_here = f.logprobs is not None or f.penalties is not None or f.grammar is not None
+        sampled_here = (f.logprobs is not None or f.prompt_logprobs is not None or f.penalties is not None
+                        or f.grammar is not None)
         if sampled_here and mode not in LOGPROB_MODES:
             # the first token's logits are only here when the prompt is prefilled here, by the engine's thread
             if f.prefill_mode:
-                what = (names.logprobs if f.logprobs is not None else "penalties and logit filters"
-                        if f.penalties is not None else f.grammar_field)
+                what = (names.logprobs if f.logprobs is not None else "prompt_logprobs" if f.prompt_logprobs is not None
+                        else "penalties and logit filters" if f.penalties is not None else f.grammar_field)
                 raise InvalidRequest(f"{what} need the prompt prefilled on this server: use "
                                      f"{names.prefill_mode} colocated, chunked or layered", names.prefill_mode)
             mode = PrefillMode.COLOCATED
@@ -174,7 +175,7 @@ class RequestParser:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
                        f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, cache_salt=f.cache_salt,
-                       logprobs=f.logprobs, prompt_logprobs=f.logprobs if f.prompt_logprobs else None,
+                       logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
                        penalties=f.penalties,
                        grammar=await self._compile(f.grammar, f.grammar_field) if f.grammar is not None else None)
 

@@ -139,3 +139,33 @@ def test_streamed_echo_sends_the_prompt_first(http_server: HttpServer) -> None:
                                             stream=True, extra_body={"ignore_eos": True}))
     firsts = {c.choices[0].index: c.choices[0].text for c in reversed(chunks)}  # each choice's first event
     assert firsts[0].startswith("Hi") and firsts[1].startswith("Hi")
+
+
+def test_vllm_prompt_logprobs_rank_the_prompts_tokens(http_server: HttpServer) -> None:
+    """vLLM's `prompt_logprobs: k`: None for the first token, then the prompt token's log probability
+    and rank among all tokens, beside the k likeliest (ranks 1..k); echo's alternatives stay its own."""
+    ids = prompt(24, salt=17)
+    reference = reference_logprobs(ids[:1], ids[1:])
+    got = http_server.client().completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, logprobs=1,
+                                                  echo=True, extra_body={"prompt_logprobs": 3})
+    choice: Any = got.choices[0]
+    entries = choice.prompt_logprobs
+    assert len(entries) == 24 and entries[0] is None
+    for i, token in enumerate(ids[1:]):
+        row = reference[i]
+        entry = entries[i + 1]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(float(row[token]), abs=1e-3)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        best = torch.topk(row, 3).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2, 3]
+        assert set(entry) == {str(t) for t in best} | {str(token)}
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:24])  # echo's logprobs=1: itself and 1
+    chat = http_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=2, extra_body={"prompt_logprobs": 0})
+    chat_entries = getattr(chat, "prompt_logprobs", None) or chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert chat.usage is not None and len(chat_entries) == chat.usage.prompt_tokens and chat_entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat_entries[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not supported with stream"):
+        http_server.client().completions.create(model=MODEL, prompt=ids, max_tokens=2, stream=True,
+                                                extra_body={"prompt_logprobs": 1})
