@@ -7,16 +7,15 @@ that would have changed it was dropped."""
 
 from __future__ import annotations
 
-import json
 import math
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
 from decode_server.openai_grammar import FIELDS as GRAMMAR_FIELDS
 from decode_server.openai_grammar import read_grammar
+from decode_server.openai_prompt import check_text, json_type, read_messages, read_prompt
 from decode_server.openai_tools import Tools, read_tools
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
@@ -32,12 +31,10 @@ INT32 = (-(2**31), 2**31)  # the proto's int32 fields' range, [low, high)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
-TOKEN_ID_RANGE = (0, 2**31)  # the proto's token ids are int32; the vocabulary check comes later
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
 # `cache_salt` belongs to the prefix cache).
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
@@ -148,11 +145,6 @@ class Body:
         return default if value is None else bool(value)
 
 
-def json_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
-
-
 def read_request(data: Any, chat: bool, request_id: str, max_items: int,
                  ignore_unknown: bool = False) -> tuple[ApiRequest, list[str]]:
     """The request and the unknown fields it held (refused unless `ignore_unknown`). A chat without
@@ -183,9 +175,9 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     token_ids: list[int] = []
     prompt = ""
     if chat:
-        messages = _messages(body.data.get("messages"), max_items)
+        messages = read_messages(body.data.get("messages"), max_items)
     else:
-        prompt, token_ids = _prompt(body.data.get("prompt"), max_items)
+        prompt, token_ids = read_prompt(body.data.get("prompt"), max_items)
     top_p = body.float32("top_p", 1.0)
     if not 0 < top_p <= 1:  # 0 would keep no token (over gRPC, where fields can't be unset, 0 is "off")
         raise InvalidRequest(f"top_p must be in (0, 1], got {body.data['top_p']}", "top_p")
@@ -312,94 +304,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(stops)} strings; the limit is {MAX_STOP_STRINGS}", "stop")
     for s in stops:
-        _check_text(s, "stop")
+        check_text(s, "stop")
         if not 0 < len(s) <= MAX_STOP_CHARS:
             raise InvalidRequest(f"every stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}", "stop")
     return tuple(stops)
-
-
-def _prompt(value: Any, max_items: int) -> tuple[str, list[int]]:
-    """One prompt: text or token ids (also as a batch of one); a batch of several is refused."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise InvalidRequest("prompt is empty", "prompt")
-        return _check_text(value, "prompt"), []
-    if isinstance(value, list) and len(value) > max_items:
-        raise InvalidRequest(f"prompt holds {len(value)} items; no prompt longer than the context limit of "
-                             f"{max_items} tokens fits", "prompt")
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        low, high = TOKEN_ID_RANGE
-        for position, token in enumerate(value):
-            if not low <= token < high:
-                raise InvalidRequest(f"token id {token} at position {position} of prompt is outside the vocabulary",
-                                     "prompt")
-        return "", value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
-        raise InvalidRequest(f"prompt holds {len(value)} prompts; this server takes one per request", "prompt")
-    raise InvalidRequest("prompt must be a non-empty string or array of token ids", "prompt")
-
-
-def _messages(value: Any, max_items: int) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("messages must be a non-empty array of {role, content} objects", "messages")
-    if len(value) > max_items:  # every message is at least one token of the rendered chat
-        raise InvalidRequest(f"messages holds {len(value)} messages; no chat of more than the context limit of "
-                             f"{max_items} tokens fits", "messages")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object, got {json_type(message)}", "messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        out.append({"role": role, "content": _content(message.get("content"), i), **_tool_parts(message, i)})
-    return out
-
-
-def _tool_parts(message: Mapping[str, Any], i: int) -> dict[str, Any]:
-    """An assistant's earlier tool calls (their arguments as objects, as chat templates take them) and a
-    tool message's call id and name."""
-    parts: dict[str, Any] = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
-    calls = message.get("tool_calls")
-    if calls is None:
-        return parts
-    if not isinstance(calls, list) or any(not isinstance(c, Mapping) or not isinstance(c.get("function"), Mapping)
-                                          for c in calls):
-        raise InvalidRequest(f"messages[{i}].tool_calls must be an array of {{\"function\": {{...}}}}", "messages")
-    parts["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
-                           for c in calls]
-    return parts
-
-
-def _arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-def _content(value: Any, i: int) -> str:
-    """Text, or an array of text parts (joined); no images or audio."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return _check_text(value, "messages")
-    if isinstance(value, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in value):
-        return _check_text("".join(p["text"] for p in value), "messages")
-    raise InvalidRequest(f"messages[{i}].content must be a string or an array of text parts "
-                         "({\"type\": \"text\", \"text\": ...})", "messages")
-
-
-def _check_text(text: str, name: str) -> str:
-    """JSON can carry a lone UTF-16 surrogate (an escaped d800), which is no text a tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{name} holds a lone UTF-16 surrogate at character {e.start}; send valid "
-                             "Unicode text", name) from None
-    return text
