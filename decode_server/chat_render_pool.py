@@ -14,7 +14,6 @@ waits one to four seconds for it), not with the server."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -25,7 +24,7 @@ from typing import Any
 import grpc
 from pd.v1 import decode_pb2
 
-from decode_server.http_request import ApiError, count_values, too_complex
+from decode_server.http_request import ApiError, count_values, parse_json, too_complex
 from decode_server.openai_schema import ApiRequest, read_request
 from decode_server.openai_tools import Tools, family_of
 from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields
@@ -77,12 +76,11 @@ def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
                ignore_unknown: bool) -> tuple[str, Any]:
     assert _tokenizer is not None
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        return "api", (400, f"the request body is not valid JSON: {e}", "invalid_json")
-    if count_values(data, max_values) > max_values:
-        error = too_complex(max_values)
-        return "api", (error.status, str(error), error.code)
+        data = parse_json(raw)
+        if count_values(data, max_values) > max_values:
+            raise too_complex(max_values)
+    except ApiError as e:  # the refusals a body parsed in the server gets
+        return "api", (e.status, str(e), e.code)
     try:
         api, unknown = read_request(data, True, request_id, max_model_len, ignore_unknown)
         packed = _packed_ids(_tokenizer, api.messages, api.tools, max_model_len)

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from engine.byte_tokenizer import byte_tokenizer
+from tests.test_http_api import post as http_post
 from tests.test_http_fixtures import HttpServer
 
 pytest_plugins = ["tests.test_reliability_fixtures", "tests.test_http_fixtures"]
@@ -79,3 +80,11 @@ def test_a_killed_render_worker_is_replaced(http_server: HttpServer) -> None:
     time.sleep(0.5)
     assert ask() == first
     assert "the chat render worker had stopped; starting another" in http_server.log()
+
+
+def test_a_large_chat_that_is_not_json_is_400(http_server: HttpServer) -> None:
+    """Read in the worker, a broken body gets the refusal one read here gets."""
+    body = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 10_000 + b"]"  # over 256 KiB, cut short
+    status, reply = http_post(http_server, "/v1/chat/completions", body)
+    assert status == 400 and reply["error"]["code"] == "invalid_json", reply
+    assert "not valid JSON" in reply["error"]["message"]
