@@ -62,15 +62,17 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
     }
 
 
-def post(port: int, path: str, body: bytes, headers: dict[str, str]) -> int:
+def post(port: int, path: str, body: bytes, headers: dict[str, str]) -> int | str:
+    """The response's status; a connection the server closed before the body was all sent is
+    recorded as such, not as the status it presumably carried."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     try:
         conn.request("POST", path, body, {"Content-Type": "application/json", **headers})
         response = conn.getresponse()
         response.read()
         return response.status
-    except (BrokenPipeError, ConnectionResetError):  # refused before the body was all sent
-        return 413
+    except (BrokenPipeError, ConnectionResetError):
+        return "closed while sending"
     finally:
         conn.close()
 
@@ -101,7 +103,7 @@ class Stream:
         return round(max(gaps) * 1000, 2)
 
 
-def trial(stream: Stream, send: Callable[[], int]) -> dict[str, Any]:
+def trial(stream: Stream, send: Callable[[], int | str]) -> dict[str, Any]:
     idle_start = time.perf_counter()
     time.sleep(WINDOW_S)
     sent = time.perf_counter()
