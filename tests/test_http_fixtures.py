@@ -6,7 +6,7 @@ There are no tests in this module; the server is session-scoped so one serves ev
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import openai
@@ -44,3 +44,9 @@ def http_server(server_logs: Path) -> Iterator[HttpServer]:
     server = HttpServer(server_logs).start()
     yield server
     server.stop()
+
+
+def approx_logprobs(expected: Sequence[float | None]) -> object:
+    """Log probabilities of the same tokens from two runs: equal up to float rounding. The runs batch rows and reuse
+    cached prompt blocks differently, so a sum may round differently in its last bits."""
+    return pytest.approx(expected, abs=1e-4)
