@@ -27,7 +27,7 @@ from pd.v1 import decode_pb2
 from decode_server.http_request import ApiError, count_values, parse_json, too_complex
 from decode_server.openai_schema import ApiRequest, read_request
 from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import MAX_PROMPT_CHARS_PER_TOKEN, RequestFields
+from decode_server.request_parser import RequestFields, check_text_fits, encode_within_context
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from serving.validation import InvalidRequest
 
@@ -47,10 +47,7 @@ def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools
     if tools is not None and family_of(tokenizer.chat_template) is None:
         raise InvalidRequest("this model's chat template takes no tools (or no known tool-call format: hermes, "
                              "Llama 3 JSON); leave tools out", "tools")
-    chars = sum(len(m["content"]) for m in messages)
-    if chars > max_model_len * MAX_PROMPT_CHARS_PER_TOKEN:
-        raise InvalidRequest(f"messages of {chars} characters can't fit the context limit of {max_model_len} tokens",
-                             "messages")
+    check_text_fits(sum(len(m["content"]) for m in messages), max_model_len, "messages", "messages")
     try:
         return tokenizer.render_chat(messages, tools.tools if tools else None)
     except ChatTemplateError as e:
@@ -59,10 +56,8 @@ def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools
 
 def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> bytes:
     text = chat_text(tokenizer, messages, tools, max_model_len)
-    ids = tokenizer.encode_within(text, max_model_len, add_special_tokens=False)  # the template writes its BOS
-    if ids is None:
-        raise InvalidRequest(f"messages of {len(text)} characters through the chat template encode to more than "
-                             f"the context limit of {max_model_len} tokens", "messages")
+    ids = encode_within_context(tokenizer, text, max_model_len, False,  # the template writes its BOS
+                                "messages through the chat template", "messages")
     return decode_pb2.GenerateRequest(token_ids=ids).SerializeToString()
 
 

@@ -57,6 +57,7 @@ class Request:
     cache_salt: str = ""  # its prefix-cache namespace, in both servers; "" = none
     logprobs: int | None = None  # log probabilities of its tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... and of its prompt's tokens
+    prompt_ranks: bool = False  # ... with each prompt token's rank among all tokens
     penalties: Penalties | None = None
     grammar: CompiledGrammar | None = None  # structured outputs: what its answer must follow
 
@@ -153,7 +154,8 @@ class DecodeCore:
                        request.stop_ids, frozenset() if request.ignore_eos else self.eos_ids, request.mode,
                        request.chunk_size, timing=Timing(arrival=request.arrival), prefill_sms=request.prefill_sms,
                        cache_salt=request.cache_salt, logprobs=request.logprobs,
-                       prompt_logprobs=request.prompt_logprobs, penalties=request.penalties,
+                       prompt_logprobs=request.prompt_logprobs, prompt_ranks=request.prompt_ranks,
+                       penalties=request.penalties,
                        grammar=request.grammar)
         return Generation(self, seq)
 

@@ -53,16 +53,21 @@ class StepInFlight:
     """A decode step queued on the device whose tokens are not yet read back (overlapped steps)."""
 
     seqs: list[RequestSequence]   # its rows, in order
-    tokens: torch.Tensor          # its sampled tokens on the device (its logits until they are): the next step's inputs
     reader: TokenReader
     started: float
     marks: StepMarks | None  # --step-trace
-    logprobs: StepLogprobs | None  # of the rows that asked for them
+    tokens: torch.Tensor | None = None     # its sampled tokens on the device, once sampled: the next step's inputs
+    logprobs: StepLogprobs | None = None   # of the rows that asked for them
     rows: dict[int, int] = field(init=False)                            # id(seq) -> row
     release_after: list[RequestSequence] = field(default_factory=list)  # blocks it still writes: freed once done
 
     def __post_init__(self) -> None:
         self.rows = {id(s): i for i, s in enumerate(self.seqs)}
+
+    def sampled(self) -> torch.Tensor:
+        """Its tokens on the device; a step is sampled before the next one is launched."""
+        assert self.tokens is not None, "the step in flight has not been sampled"
+        return self.tokens
 
 
 class DecodeSteps:
@@ -132,18 +137,19 @@ class DecodeSteps:
             produced = len(s.tokens) + (row >= 0)  # its tokens once `previous` is read
             batch.append(DecodeSeq(s.tokens[-1] if row < 0 else 0, len(s.prompt) + produced - 1, s.block_table, row))
             indices.append(produced)
-        logits, greedy = self.runner.decode(batch, previous.tokens if previous is not None else None)
+        logits, greedy = self.runner.decode(batch, previous.sampled() if previous is not None else None)
         self._launched += 1
         reader = self.readers[self._launched % 2]  # the other may hold the step before
-        step = StepInFlight(seqs, logits, reader, t0, marks, None)  # its tokens once sampled, below
+        step = StepInFlight(seqs, reader, t0, marks)  # in flight from here: a row that leaves keeps its blocks
         if self.overlap:
             self.in_flight = step
         if before_sampling is not None:
             before_sampling()
-        step.tokens, step.logprobs = sample_rows(logits, seqs, indices, self.runner.device, greedy)
+        tokens, step.logprobs = sample_rows(logits, seqs, indices, self.runner.device, greedy)
+        step.tokens = tokens
         if marks is not None:
             marks.queued()
-        step.reader.start(step.tokens)
+        step.reader.start(tokens)
         return step
 
     def _read(self, step: StepInFlight, running: list[RequestSequence]) -> set[int]:

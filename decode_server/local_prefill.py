@@ -192,7 +192,7 @@ class LocalPrefill:
         if len(targets):
             rows = logits[:len(targets)]
             queued = StepLogprobs.queue(rows, device_tensor(targets, torch.long, rows.device),
-                                        [seq.prompt_logprobs] * len(targets), rank=True)
+                                        [seq.prompt_logprobs] * len(targets), rank=seq.prompt_ranks)
             assert queued is not None
             seq.prompt_logprob_values.extend(lp for lp in queued.read(len(targets)) if lp is not None)
         return logits[-1]

@@ -209,7 +209,8 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     # the prompt's log probabilities, with as many alternatives as the echo or prompt_logprobs wants
     echoed = fields.logprobs if echo and fields.logprobs is not None else None
     wanted = [k for k in (echoed, prompt_logprobs) if k is not None]
-    fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, grammar=grammar and grammar[0],
+    fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, prompt_ranks=prompt_logprobs is not None,
+                     grammar=grammar and grammar[0],
                      grammar_field=grammar[1] if grammar else "")
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
                       prompt_logprobs), unknown

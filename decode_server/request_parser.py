@@ -26,6 +26,24 @@ TOKENIZE_IN_THREAD_CHARS = 16384  # longer prompts are tokenized off the event l
 LOGPROB_MODES = (PrefillMode.COLOCATED, PrefillMode.CHUNKED, PrefillMode.LAYERED)
 
 
+def check_text_fits(chars: int, limit: int, what: str, field: str) -> None:
+    """Refuse text too long to fit `limit` tokens before paying to tokenize it."""
+    if chars > limit * MAX_PROMPT_CHARS_PER_TOKEN:
+        raise InvalidRequest(f"{what} of {chars} characters can't fit the context limit of {limit} tokens (at most "
+                             f"{limit * MAX_PROMPT_CHARS_PER_TOKEN} characters are accepted)", field)
+
+
+def encode_within_context(tokenizer: Tokenizer, text: str, limit: int, add_special_tokens: bool, what: str,
+                          field: str) -> list[int]:
+    """The text's ids, or the refusal of a text that encodes to more than the context's `limit` tokens (the
+    encoding stops counting there, so a huge text costs no more than a full context)."""
+    ids = tokenizer.encode_within(text, limit, add_special_tokens)
+    if ids is None:
+        raise InvalidRequest(f"{what} of {len(text)} characters encodes to more than the context limit of "
+                             f"{limit} tokens", field)
+    return ids
+
+
 @dataclass(frozen=True, kw_only=True)
 class RequestFields:
     """A request before any check. As in the proto, 0 / "" / empty mean unset. Built by keyword only:
@@ -48,6 +66,7 @@ class RequestFields:
     cache_salt: str = ""             # its prefix-cache namespace; "" = none
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... of the prompt's tokens, this many alternatives (echo, vLLM's field)
+    prompt_ranks: bool = False          # ... and each prompt token's rank among all (vLLM's field shows it)
     penalties: Penalties | None = None
     bad_words: tuple[str, ...] = ()     # texts the answer may not produce (tokenized here, into penalties)
     grammar: GrammarSpec | None = None  # structured outputs
@@ -175,7 +194,7 @@ class RequestParser:
                 raise InvalidRequest(f"{names.prefill_sms} {problem}", names.prefill_sms)
         return Request(f.request_id, tokens, max_new, params, frozenset(f.stop_token_ids), f.ignore_eos, mode,
                        f.chunk_size or self.cfg.chunk_size, arrival, f.prefill_sms, cache_salt=f.cache_salt,
-                       logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
+                       logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs, prompt_ranks=f.prompt_ranks,
                        penalties=f.penalties,
                        grammar=await self._compile(f.grammar, f.grammar_field) if f.grammar is not None else None)
 
@@ -218,19 +237,14 @@ class RequestParser:
         if self.tokenizer is None:
             raise InvalidRequest(f"this server's model has no tokenizer, so it can't take {names.prompt} text; "
                                  f"send {names.token_ids}", names.prompt)
-        limit = self.max_model_len
-        if len(f.prompt) > limit * MAX_PROMPT_CHARS_PER_TOKEN:
-            raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters can't fit the context limit "
-                                 f"of {limit} tokens (at most {limit * MAX_PROMPT_CHARS_PER_TOKEN} characters are "
-                                 "accepted)", names.prompt)
-        encode = self.tokenizer.encode_within
+        limit, tokenizer = self.max_model_len, self.tokenizer
+        check_text_fits(len(f.prompt), limit, f"{names.prompt} text", names.prompt)
         if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS:
-            ids = await asyncio.to_thread(encode, f.prompt, limit, f.add_special_tokens)
+            ids = await asyncio.to_thread(encode_within_context, tokenizer, f.prompt, limit, f.add_special_tokens,
+                                          f"{names.prompt} text", names.prompt)
         else:
-            ids = encode(f.prompt, limit, f.add_special_tokens)
-        if ids is None:
-            raise InvalidRequest(f"{names.prompt} text of {len(f.prompt)} characters encodes to more than the "
-                                 f"context limit of {limit} tokens", names.prompt)
+            ids = encode_within_context(tokenizer, f.prompt, limit, f.add_special_tokens, f"{names.prompt} text",
+                                        names.prompt)
         tokens = token_ids(ids)
         if not tokens:
             raise InvalidRequest(f"the {names.prompt} text encodes to no tokens", names.prompt)

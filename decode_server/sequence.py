@@ -90,6 +90,7 @@ class RequestSequence:
     cache_salt: str = ""           # its prefix-cache namespace; "" = none
     logprobs: int | None = None    # log probabilities of its tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... of its prompt's tokens too (after the first), filled by its prefill
+    prompt_ranks: bool = False     # ... with each prompt token's rank among all tokens (a pass over the vocabulary)
     prompt_logprob_values: list[TokenLogprobs] = field(default_factory=list)
     penalties: Penalties | None = None
     penalty_state: PenaltyState | None = None  # on the device, made by the engine's thread

@@ -59,7 +59,7 @@ def test_a_large_chat_past_the_context_is_400(http_server: HttpServer) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         http_server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "messages"
-    assert "encode to more than the context limit of 40960" in caught.value.body["message"]
+    assert "encodes to more than the context limit of 40960" in caught.value.body["message"]
 
 
 def test_a_killed_render_worker_is_replaced(http_server: HttpServer) -> None:
