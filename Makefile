@@ -2,6 +2,8 @@
 PYTHON ?= python3
 # GPU images bring their own torch; elsewhere this build (CPU where no CUDA wheel is wanted).
 TORCH_SPEC ?= torch==2.13.0
+# CPU torch brings no Triton; with it, the kernels' FP8 paths are tested in Triton's interpreter on the CPU.
+TRITON_SPEC ?= triton==3.9.0
 RUN_DIR ?= run
 HOST ?= 127.0.0.1
 PREFILL_PORT ?= 50052
@@ -18,6 +20,7 @@ SCENARIO_ARGS ?= --b-len $(B_LEN) --json $(RUN_DIR)/scenario.json --plot $(RUN_D
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q "$(TRITON_SPEC)"
 	@$(PYTHON) -m pip install -q -e '.[dev]'
 
 proto:

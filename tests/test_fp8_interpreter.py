@@ -1,7 +1,7 @@
 """The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
 argmax) and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
-installed (the CPU build of torch does not bring it); skipped elsewhere.
+installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
 The interpreter computes in NumPy, which has no bfloat16, so activations are float16 (the matmul)
 and float32 (attention); and its own float32 -> e4m3 cast mis-rounds values that carry into the
