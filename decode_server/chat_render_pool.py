@@ -27,8 +27,8 @@ from pd.v1 import decode_pb2
 from decode_server.http_request import ApiError, count_values, parse_json, too_complex
 from decode_server.openai_schema import ApiRequest, read_request
 from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import RequestFields, check_text_fits, encode_within_context
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from decode_server.request_parser import RequestFields, check_text_fits, encode_within_context, tokens_kept
+from engine.tokenizer import ChatOptions, ChatTemplateError, Tokenizer
 from serving.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,28 @@ WORKERS = 1
 _tokenizer: Tokenizer | None = None  # the worker's own
 
 
-def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> str:
+def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, options: ChatOptions,
+              max_model_len: int) -> str:
     """The chat's prompt through its template, or the refusal of a chat this server can't take."""
     if tools is not None and family_of(tokenizer.chat_template) is None:
         raise InvalidRequest("this model's chat template takes no tools (or no known tool-call format: hermes, "
                              "Llama 3 JSON); leave tools out", "tools")
     check_text_fits(sum(len(m["content"]) for m in messages), max_model_len, "messages", "messages")
     try:
-        return tokenizer.render_chat(messages, tools.tools if tools else None)
+        return tokenizer.render_chat(messages, tools.tools if tools else None, options)
     except ChatTemplateError as e:
         raise InvalidRequest(str(e), "messages") from e
 
 
-def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> bytes:
-    text = chat_text(tokenizer, messages, tools, max_model_len)
-    ids = encode_within_context(tokenizer, text, max_model_len, False,  # the template writes its BOS
-                                "messages through the chat template", "messages")
+def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Tools | None, options: ChatOptions,
+                max_model_len: int, truncate: int) -> bytes:
+    """The rendered chat's ids (its last `truncate`, where given), packed. The template writes its BOS."""
+    text = chat_text(tokenizer, messages, tools, options, max_model_len)
+    if truncate:  # may encode past the context before it is cut: chat_text's character bound is its cost's
+        ids = tokenizer.encode(text, add_special_tokens=False)[-tokens_kept(truncate, max_model_len):]
+    else:
+        ids = encode_within_context(tokenizer, text, max_model_len, False, "messages through the chat template",
+                                    "messages")
     return decode_pb2.GenerateRequest(token_ids=ids).SerializeToString()
 
 
@@ -78,16 +84,18 @@ def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
         return "api", (e.status, str(e), e.code)
     try:
         api, unknown = read_request(data, True, request_id, max_model_len, ignore_unknown)
-        packed = _packed_ids(_tokenizer, api.messages, api.tools, max_model_len)
+        packed = _packed_ids(_tokenizer, api.messages, api.tools, api.chat_options, max_model_len,
+                             api.fields.truncate_prompt_tokens)
     except InvalidRequest as e:
         return "invalid", (str(e), e.param)
     return "ok", (replace(api, messages=[]), unknown, packed)
 
 
-def _render(messages: list[dict[str, Any]], tools: Tools | None, max_model_len: int) -> tuple[str, Any]:
+def _render(messages: list[dict[str, Any]], tools: Tools | None, options: ChatOptions, max_model_len: int,
+            truncate: int) -> tuple[str, Any]:
     assert _tokenizer is not None
     try:
-        return "ok", _packed_ids(_tokenizer, messages, tools, max_model_len)
+        return "ok", _packed_ids(_tokenizer, messages, tools, options, max_model_len, truncate)
     except InvalidRequest as e:
         return "invalid", (str(e), e.param)
 
@@ -106,9 +114,10 @@ class ChatRenderPool:
         return replace(api, fields=_with_ids(api.fields, packed)), unknown
 
     async def render(self, fields: RequestFields, messages: list[dict[str, Any]], tools: Tools | None,
-                     max_model_len: int) -> RequestFields:
+                     options: ChatOptions, max_model_len: int) -> RequestFields:
         """`fields` with the chat's prompt ids."""
-        return _with_ids(fields, await self._call(_render, messages, tools, max_model_len))
+        return _with_ids(fields, await self._call(_render, messages, tools, options, max_model_len,
+                                                  fields.truncate_prompt_tokens))
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the worker. A worker found dead (killed, out of memory) is replaced and the

@@ -41,7 +41,6 @@ from decode_server.http_request import (
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_reply import Reply, SseStream
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
-from decode_server.openai_tools import Tools
 from decode_server.request_parser import RequestFields, RequestParser
 from decode_server.sequence import Rejected
 from serving.grpc_common import FATAL_GRACE_S, StartupError
@@ -211,7 +210,7 @@ class OpenAIApi:
                                "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
             fields = api.fields
             if chat and not fields.token_ids:  # not already through the template in the render pool
-                fields = await self._chat_fields(fields, api.messages, api.tools)
+                fields = await self._chat_fields(fields, api)
             parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
             return api, parsed, self.core.accept(parsed)
         except Rejected as e:
@@ -244,16 +243,16 @@ class OpenAIApi:
                                            "(--ignore-unknown-fields)")
         return api
 
-    async def _chat_fields(self, fields: RequestFields, messages: list[dict[str, Any]],
-                           tools: Tools | None) -> RequestFields:
+    async def _chat_fields(self, fields: RequestFields, api: ApiRequest) -> RequestFields:
         """The chat's prompt through its template: its text, rendered here, or the ids of one of many
         messages, from the render pool."""
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
                                  "/v1/completions with a prompt of token ids", "messages")
-        if self.render_pool is not None and len(messages) > POOL_MESSAGES:
-            return await self.render_pool.render(fields, messages, tools, self.max_model_len)
-        return replace(fields, prompt=chat_text(self.tokenizer, messages, tools, self.max_model_len),
+        if self.render_pool is not None and len(api.messages) > POOL_MESSAGES:
+            return await self.render_pool.render(fields, api.messages, api.tools, api.chat_options, self.max_model_len)
+        return replace(fields, prompt=chat_text(self.tokenizer, api.messages, api.tools, api.chat_options,
+                                                self.max_model_len),
                        add_special_tokens=False)
 
 

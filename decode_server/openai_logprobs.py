@@ -1,7 +1,8 @@
 """Log probabilities in OpenAI's shapes: chat's `logprobs.content` entries ({token, logprob, bytes,
 top_logprobs}) and completions' four parallel lists ({tokens, token_logprobs, top_logprobs,
 text_offset}), a token at a time (one SSE event) or for the whole answer. A token's text is its own
-decoding, special tokens included; without a tokenizer it is `token_id:<id>`, as vLLM writes it."""
+decoding, special tokens included; without a tokenizer, or with vLLM's `return_tokens_as_token_ids`,
+it is `token_id:<id>`, as vLLM writes it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from engine.tokenizer import Tokenizer
 
 
 class LogprobFormat:
-    def __init__(self, tokenizer: Tokenizer | None, chat: bool) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer: Tokenizer | None, chat: bool, as_ids: bool = False) -> None:
+        self.tokenizer, self.chat, self.as_ids = tokenizer, chat, as_ids
         self.entries: list[dict[str, Any]] = []  # chat: content entries; completions: (token, lp, top, offset)
 
     def text(self, token_id: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.as_ids:
             return f"token_id:{token_id}"
         return str(self.tokenizer.backend.decode([token_id], skip_special_tokens=False))
 

@@ -78,9 +78,11 @@ class Reply:
     def __init__(self, api: ApiRequest, fmt: ChunkFormat, tokenizer: Tokenizer | None,
                  stream: SseStream | None) -> None:
         self.api, self.fmt, self.tokenizer, self.stream = api, fmt, tokenizer, stream
-        self.detok = StreamDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stops = StopMatcher(api.stop) if api.stop else None
-        self.logprobs = LogprobFormat(tokenizer, api.chat) if api.fields.logprobs is not None else None
+        out = api.output
+        self.detok = StreamDetokenizer(tokenizer, out.skip_special_tokens) if tokenizer is not None else None
+        self.stops = StopMatcher(api.stop, out.include_stop) if api.stop else None
+        self.logprobs = LogprobFormat(tokenizer, api.chat, out.tokens_as_ids) if api.fields.logprobs is not None \
+            else None
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, filled with the first token
         family = family_of(tokenizer.chat_template if tokenizer is not None else "") if api.tools else None
         # streamed with tools: content and calls go out as the parser decides them
@@ -106,7 +108,8 @@ class Reply:
                         self.logprobs.add_prompt(as_array(seq.prompt).tolist(),
                                                  [replace(lp, top=lp.top[:asked]) for lp in seq.prompt_logprob_values])
                 if self.api.prompt_logprobs is not None and out.index == 0:
-                    self.prompt_logprobs = LogprobFormat(self.tokenizer, self.api.chat).vllm_prompt(
+                    self.prompt_logprobs = LogprobFormat(self.tokenizer, self.api.chat,
+                                                         self.api.output.tokens_as_ids).vllm_prompt(
                         as_array(seq.prompt).tolist(), seq.prompt_logprob_values, self.api.prompt_logprobs)
                 piece = self.detok.step(out.token_id) if self.detok is not None else ""
                 answer.tokens += 1
@@ -135,7 +138,8 @@ class Reply:
         return answer
 
     def _prompt_text(self, prompt: TokenIds) -> str:
-        if self.api.fields.prompt:
+        """The prompt as sent; its ids decoded where they were sent, or where truncate_prompt_tokens cut it."""
+        if self.api.fields.prompt and not self.api.fields.truncate_prompt_tokens:
             return self.api.fields.prompt
         return self.tokenizer.decode(as_array(prompt).tolist()) if self.tokenizer is not None else ""
 

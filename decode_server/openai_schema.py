@@ -7,9 +7,10 @@ that would have changed it was dropped."""
 
 from __future__ import annotations
 
+import json
 import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
@@ -20,6 +21,7 @@ from decode_server.openai_tools import Tools, read_tools
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.penalties import Penalties
+from engine.tokenizer import ChatOptions
 from serving.validation import InvalidRequest
 
 OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids="prompt",
@@ -35,28 +37,45 @@ MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
+MAX_TEMPLATE_KWARGS_CHARS = 8192  # chat_template_kwargs, as JSON
+# chat_template_kwargs can't set what transformers' apply_chat_template takes itself, nor the messages
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "sanitize_control_tokens", "padding", "truncation", "max_length",
+                                      "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                      "tokenizer_kwargs", "kwargs"})
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
 # `cache_salt` belongs to the prefix cache).
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                       "top_k", "ignore_eos", "stop_token_ids", "prefill_mode", "chunk_size", "prefill_sms", "user",
                       "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                      "min_p", "min_tokens", "allowed_token_ids", "bad_words", "prompt_logprobs", *GRAMMAR_FIELDS})
+                      "min_p", "min_tokens", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                      "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+                      "return_tokens_as_token_ids", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
                True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                 "tool_choice", "parallel_tool_calls"}}
+                                 "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+                                 "continue_final_message", "chat_template_kwargs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "best_of": (1,), "guided_decoding_backend": (),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
-    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-    "chat_template_kwargs": ({},), "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
-    "return_tokens_as_token_ids": (False,), "priority": (0,), "store": (False,), "metadata": (),
+    "spaces_between_special_tokens": (True,), "chat_template": (),
+    "documents": (), "use_beam_search": (False,), "length_penalty": (1,),
+    "priority": (0,), "store": (False,), "metadata": (),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "service_tier": ("auto",),
     "web_search_options": (), "verbosity": ()}
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How an answer's tokens become text (vLLM's fields of these names)."""
+
+    include_stop: bool = False          # include_stop_str_in_output: the stop string ends the text
+    skip_special_tokens: bool = True    # False: special tokens are written in the text too
+    tokens_as_ids: bool = False         # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class ApiRequest:
     n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
     tools: Tools | None = None   # chat: the functions it may call, and how (`tool_choice`)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log probabilities, this many alternatives each
+    output: OutputOptions = OutputOptions()
+    chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: how its template renders it
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -190,7 +211,8 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         seed=seed, stop_token_ids=stop_ids, ignore_eos=body.flag("ignore_eos"),
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
-        penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body))
+        penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body),
+        truncate_prompt_tokens=_truncate_prompt_tokens(body))
     echo = not chat and body.flag("echo")
     grammar = read_grammar(body.data)
     tools = read_tools(body.data) if chat else None
@@ -212,8 +234,33 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, prompt_ranks=prompt_logprobs is not None,
                      grammar=grammar and grammar[0],
                      grammar_field=grammar[1] if grammar else "")
+    output = OutputOptions(include_stop=body.flag("include_stop_str_in_output"),
+                           skip_special_tokens=body.flag("skip_special_tokens", True),
+                           tokens_as_ids=body.flag("return_tokens_as_token_ids"))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
-                      prompt_logprobs), unknown
+                      prompt_logprobs, output, _chat_options(body) if chat else ChatOptions()), unknown
+
+
+def _chat_options(body: Body) -> ChatOptions:
+    """vLLM's: continue_final_message without add_generation_prompt leaves the turn unopened."""
+    continued = body.flag("continue_final_message")
+    opened = body.get("add_generation_prompt", bool, "true or false")
+    if continued and opened:
+        raise InvalidRequest("add_generation_prompt and continue_final_message can't both be true: the answer "
+                             "either opens a new turn or continues the last message", "continue_final_message")
+    kwargs = body.get("chat_template_kwargs", dict, "an object") or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs can't set {', '.join(reserved)}: the request's own fields do",
+                             "chat_template_kwargs")
+    if any(not key.isidentifier() for key in kwargs):
+        raise InvalidRequest("chat_template_kwargs' keys must be names a template can read (letters, digits, _)",
+                             "chat_template_kwargs")
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest(f"chat_template_kwargs holds more than {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON",
+                             "chat_template_kwargs")
+    return ChatOptions(add_generation_prompt=not continued if opened is None else opened,
+                       continue_final_message=continued, template_kwargs=kwargs)
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:
@@ -279,6 +326,15 @@ def _cache_salt(body: Body) -> str:
     if salt == "":
         raise InvalidRequest("cache_salt must be a non-empty string when given; leave it out for none", "cache_salt")
     return salt or ""
+
+
+def _truncate_prompt_tokens(body: Body) -> int:
+    """vLLM's: keep the prompt's last k tokens, k >= 1, or -1 for as many as the context holds."""
+    value = body.integer("truncate_prompt_tokens", 0, -1, 2**31)
+    if "truncate_prompt_tokens" in body.data and value == 0:
+        raise InvalidRequest("truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds), "
+                             "got 0", "truncate_prompt_tokens")
+    return value
 
 
 def _top_k(value: int) -> int:

@@ -9,6 +9,7 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from decode_server.config import DecodeConfig, PrefillMode, chunk_size_problem
 from decode_server.core import Request
@@ -44,6 +45,12 @@ def encode_within_context(tokenizer: Tokenizer, text: str, limit: int, add_speci
     return ids
 
 
+def tokens_kept(truncate_prompt_tokens: int, limit: int) -> int:
+    """How many of a prompt's last tokens vLLM's truncate_prompt_tokens keeps (-1: as many as the
+    context holds); 0: all."""
+    return limit if truncate_prompt_tokens < 0 else truncate_prompt_tokens
+
+
 @dataclass(frozen=True, kw_only=True)
 class RequestFields:
     """A request before any check. As in the proto, 0 / "" / empty mean unset. Built by keyword only:
@@ -64,6 +71,7 @@ class RequestFields:
     chunk_size: int = 0
     prefill_sms: int = 0             # partitioned: its prefill's SM count; 0 = the server's
     cache_salt: str = ""             # its prefix-cache namespace; "" = none
+    truncate_prompt_tokens: int = 0  # keep the prompt's last this many tokens (-1: the context's); 0 = all
     logprobs: int | None = None      # log probabilities of the tokens and this many alternatives; None: none
     prompt_logprobs: int | None = None  # ... of the prompt's tokens, this many alternatives (echo, vLLM's field)
     prompt_ranks: bool = False          # ... and each prompt token's rank among all (vLLM's field shows it)
@@ -118,6 +126,9 @@ class RequestParser:
         if f.max_new_tokens is not None:
             check_max_new_tokens(f.max_new_tokens, names.max_new_tokens)
         tokens = f.token_ids if has_ids else await self._encode(f, names)
+        keep = tokens_kept(f.truncate_prompt_tokens, limit)
+        if 0 < keep < len(tokens):
+            tokens = token_ids(tokens[-keep:])
         max_new = f.max_new_tokens
         if max_new is None:
             max_new = min(self.cfg.default_chat_max_tokens, limit - len(tokens))
@@ -239,12 +250,11 @@ class RequestParser:
                                  f"send {names.token_ids}", names.prompt)
         limit, tokenizer = self.max_model_len, self.tokenizer
         check_text_fits(len(f.prompt), limit, f"{names.prompt} text", names.prompt)
-        if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS:
-            ids = await asyncio.to_thread(encode_within_context, tokenizer, f.prompt, limit, f.add_special_tokens,
-                                          f"{names.prompt} text", names.prompt)
-        else:
-            ids = encode_within_context(tokenizer, f.prompt, limit, f.add_special_tokens, f"{names.prompt} text",
-                                        names.prompt)
+        # a prompt to be truncated may encode past the context: the character bound above is its cost's
+        encode = (partial(tokenizer.encode, f.prompt, f.add_special_tokens) if f.truncate_prompt_tokens else
+                  partial(encode_within_context, tokenizer, f.prompt, limit, f.add_special_tokens,
+                          f"{names.prompt} text", names.prompt))
+        ids = await asyncio.to_thread(encode) if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS else encode()
         tokens = token_ids(ids)
         if not tokens:
             raise InvalidRequest(f"the {names.prompt} text encodes to no tokens", names.prompt)

@@ -11,6 +11,7 @@ What a front door needs per request:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ COUNT_PIECE_CHARS_PER_TOKEN, COUNT_SLACK_TOKENS = 4, 32
 
 class ChatTemplateError(ValueError):
     """The messages can't be rendered: no chat template, or the template refused them."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat template renders a chat (the fields of vLLM's chat API of these names)."""
+
+    add_generation_prompt: bool = True    # end with the assistant's turn opened, for the answer
+    continue_final_message: bool = False  # end inside the last message, for the answer to continue it
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the template's own variables (enable_thinking)
 
 
 class Tokenizer:
@@ -98,14 +108,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._hf.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text for `messages` (and the functions it may call), ending with the
-        assistant's turn opened."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: ChatOptions = ChatOptions()) -> str:
+        """The chat template's text for `messages` (and the functions it may call), by default ending
+        with the assistant's turn opened."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template; send a plain prompt instead")
         try:
             text = self._hf.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
-                                                add_generation_prompt=True)
+                                                add_generation_prompt=options.add_generation_prompt,
+                                                continue_final_message=options.continue_final_message,
+                                                **options.template_kwargs)
         except Exception as e:  # jinja's errors, including the template's own raise_exception
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
         return str(text)
@@ -119,9 +132,9 @@ class StreamDetokenizer:
     """Turns a token stream into text pieces; a character split across tokens (byte-level BPE)
     comes out whole with the token that completes it, never as U+FFFD halves."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""
@@ -129,13 +142,14 @@ class StreamDetokenizer:
 
 class StopMatcher:
     """Finds stop strings in streamed text, also when one is split across pieces. Text is held
-    back only while it could be the start of a stop string; the stop string itself is never
-    emitted, nor anything after it."""
+    back only while it could be the start of a stop string; nothing after the first stop string
+    found is emitted, nor the stop string itself unless `include_stop`."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("a stop string is empty; every stop string needs at least one character")
         self._stops = tuple(stops)
+        self._include = include_stop
         self._held = ""
         self.stopped = False
 
@@ -144,10 +158,11 @@ class StopMatcher:
         if self.stopped:
             return "", True
         text = self._held + piece
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        found = [(i, s) for s, i in ((s, text.find(s)) for s in self._stops) if i >= 0]
         if found:
             self._held, self.stopped = "", True
-            return text[:min(found)], True
+            at, stop = min(found, key=lambda f: f[0])  # the earliest; of two there, the first listed
+            return text[:at + len(stop) if self._include else at], True
         keep = max((n for s in self._stops for n in range(min(len(s) - 1, len(text)), 0, -1)
                     if s.startswith(text[len(text) - n:])), default=0)
         self._held = text[len(text) - keep:]

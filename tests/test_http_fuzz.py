@@ -38,7 +38,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "chunk_size", "logprobs", "user", "presence_penalty", "echo", "tools", "tool_choice", "response_format",
           "repetition_penalty", "min_p", "min_tokens", "guided_json", "guided_choice", "structured_outputs",
           "bad_words", "allowed_token_ids", "prompt_logprobs", "skip_special_tokens", "add_generation_prompt",
-          "logit_bias", "top_logprobs", "cache_salt"]
+          "logit_bias", "top_logprobs", "cache_salt", "include_stop_str_in_output", "truncate_prompt_tokens",
+          "return_tokens_as_token_ids", "continue_final_message", "chat_template_kwargs"]
 # every field anything, but never a long non-streamed answer (the only thing that would merely be slow)
 def short(body: dict[str, Any]) -> dict[str, Any]:
     tokens = body.get("max_tokens")

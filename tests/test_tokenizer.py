@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.byte_tokenizer import byte_tokenizer
-from engine.tokenizer import ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
+from engine.tokenizer import ChatOptions, ChatTemplateError, StopMatcher, StreamDetokenizer, Tokenizer
 from tests.conftest import write_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "漢字 😀?"}]
@@ -150,3 +150,30 @@ def test_encode_within_is_encode_or_refuses_only_what_cannot_fit() -> None:
     assert tok.encode_within(dense, 1200) == tok.encode(dense)
     assert tok.encode_within(dense, 1000) == tok.encode(dense)
     assert tok.encode_within(dense, 700) is None
+
+
+def test_chat_options_reach_the_template() -> None:
+    """A Qwen3-style template: `enable_thinking` false writes an empty thought after the opened turn."""
+    tok = byte_tokenizer()
+    tok.hf.chat_template = tok.chat_template + (
+        "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+        "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}")
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    opened = tok.render_chat(said)
+    assert opened.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.render_chat(said, options=ChatOptions(template_kwargs={"enable_thinking": False})) == \
+        opened + "<think>\n\n</think>\n\n"
+    assert tok.render_chat(said, options=ChatOptions(add_generation_prompt=False)) == \
+        opened.removesuffix("<|im_start|>assistant\n")
+    assert tok.render_chat(said, options=ChatOptions(add_generation_prompt=False, continue_final_message=True)) \
+        .endswith("<|im_start|>assistant\nHel")
+
+
+@pytest.mark.parametrize(("stops", "pieces", "out"), [
+    (["cd"], ["ab", "c", "de"], "abcd"),          # split across pieces, kept
+    (["de", "bc"], ["abcdef"], "abc"),            # the earliest found
+    (["abc", "ab"], ["abcd"], "abc"),             # two at one place: the first listed
+])
+def test_stop_string_included_when_asked(stops: list[str], pieces: list[str], out: str) -> None:
+    matcher = StopMatcher(stops, include_stop=True)
+    assert "".join(matcher.feed(p)[0] for p in pieces) == out and matcher.stopped
