@@ -23,19 +23,26 @@ class ChunkFormat:
         self.finish = {reason: f',"finish_reason":{json.dumps(reason)}}}]}}\n\n' for reason in (None, "stop", "length")}
         self.tails = {reason: f'{self.close},"logprobs":null{finish}' for reason, finish in self.finish.items()}
 
-    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None) -> bytes:
-        """One token's event; `logprobs`: its log probabilities' JSON, when the request asked."""
+    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None,
+              usage: dict[str, int] | None = None) -> bytes:
+        """One token's event; `logprobs`: its log probabilities' JSON, when the request asked; `usage`:
+        its choice's so far (vLLM's continuous_usage_stats)."""
         head = (self.first if first else self.head) + json.dumps(text)
         if logprobs is None:
-            return (head + self.tails[finish_reason]).encode()
-        return (head + self.close + ',"logprobs":' + logprobs + self.finish[finish_reason]).encode()
+            event = head + self.tails[finish_reason]
+        else:
+            event = head + self.close + ',"logprobs":' + logprobs + self.finish[finish_reason]
+        if usage is not None:  # into the chunk's object, after its choices
+            event = event[:-len("}\n\n")] + ',"usage":' + json.dumps(usage) + "}\n\n"
+        return event.encode()
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return (self.usage_head + json.dumps(usage) + "}\n\n").encode()
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> bytes:
+    def delta(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None,
+              usage: dict[str, int] | None = None) -> bytes:
         """A chat event of any delta (tool calls), encoded whole."""
         chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                  "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason}]}
+                              "finish_reason": finish_reason}], **({"usage": usage} if usage is not None else {})}
         return f"data: {json.dumps(chunk)}\n\n".encode()

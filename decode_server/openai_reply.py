@@ -126,10 +126,11 @@ class Reply:
                     if echoed:  # the first event carries the prompt's too, as vLLM streams an echo
                         logprobs = self.logprobs.streamed(logprobs_from)
                 answer.chars += len(piece)
+                usage = self._usage_so_far(len(seq.prompt), answer.tokens)
                 if self.tool_calls is not None:
-                    finish = await self._send_tool_calls(piece, finish, logprobs)
+                    finish = await self._send_tool_calls(piece, finish, logprobs, usage)
                 elif self.stream is not None:
-                    await self._send(echoed + piece, finish, logprobs)
+                    await self._send(echoed + piece, finish, logprobs, usage)
                 else:
                     answer.text += piece
                 if finish:
@@ -143,11 +144,18 @@ class Reply:
             return self.api.fields.prompt
         return self.tokenizer.decode(as_array(prompt).tolist()) if self.tokenizer is not None else ""
 
-    async def _send(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> None:
+    def _usage_so_far(self, prompt_tokens: int, tokens: int) -> dict[str, int] | None:
+        """vLLM's continuous_usage_stats: a streamed event's usage, its choice's tokens so far."""
+        if not self.api.continuous_usage:
+            return None
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+
+    async def _send(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None,
+                    usage: dict[str, int] | None) -> None:
         assert self.stream is not None
         first, self.sent = not self.sent, True
         encoded = None if logprobs is None else json.dumps(logprobs)
-        await self.stream.write(self.fmt.token(piece, finish, first, encoded))
+        await self.stream.write(self.fmt.token(piece, finish, first, encoded, usage))
 
     def choice(self, answer: Answer) -> dict[str, Any]:
         """The answer as a non-streamed response's choice."""
@@ -171,7 +179,8 @@ class Reply:
     def _tool_calls(self, answer: Answer) -> tuple[str | None, list[dict[str, Any]]]:
         return parse_calls(answer.text, self.api.tools, self.family) if self.api.tools else (answer.text, [])
 
-    async def _send_tool_calls(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None) -> str | None:
+    async def _send_tool_calls(self, piece: str, finish: str | None, logprobs: dict[str, Any] | None,
+                               usage: dict[str, int] | None) -> str | None:
         """A token of an answer with tools: the content and call deltas it decided, each an event (the
         first with the token's log probabilities), the last with the finish reason, `tool_calls` when
         a call was whole (but of a named function); returns that reason."""
@@ -190,5 +199,5 @@ class Reply:
             if not self.sent:
                 delta, self.sent = {"role": "assistant", **delta}, True
             await self.stream.write(self.fmt.delta(delta, finish if n == len(deltas) - 1 else None,
-                                                   logprobs if n == 0 else None))
+                                                   logprobs if n == 0 else None, usage))
         return finish

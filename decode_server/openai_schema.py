@@ -93,6 +93,7 @@ class ApiRequest:
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log probabilities, this many alternatives each
     output: OutputOptions = OutputOptions()
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: how its template renders it
+    continuous_usage: bool = False  # streamed: every event carries its choice's usage so far
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -181,7 +182,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
-    include_usage = Body(options or {}).flag("include_usage")
+    include_usage, continuous_usage = _stream_options(options or {})
     max_tokens = _max_tokens(body, chat)
     stop = _stop_strings(body.data.get("stop"))
     stop_ids = body.get("stop_token_ids", list, "an array of token ids") or []
@@ -238,7 +239,21 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
                            skip_special_tokens=body.flag("skip_special_tokens", True),
                            tokens_as_ids=body.flag("return_tokens_as_token_ids"))
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
-                      prompt_logprobs, output, _chat_options(body) if chat else ChatOptions()), unknown
+                      prompt_logprobs, output, _chat_options(body) if chat else ChatOptions(),
+                      continuous_usage), unknown
+
+
+def _stream_options(options: dict[str, Any]) -> tuple[bool, bool]:
+    """(include_usage, vLLM's continuous_usage_stats: every event carries its choice's usage so far)."""
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise InvalidRequest(f"stream_options.{unknown[0][:MAX_FIELD_NAME_CHARS]} is not supported by this server "
+                             "(it takes include_usage and continuous_usage_stats); leave it out", "stream_options")
+    body = Body(options)
+    include_usage, continuous = body.flag("include_usage"), body.flag("continuous_usage_stats")
+    if continuous and not include_usage:
+        raise InvalidRequest("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
+    return include_usage, continuous
 
 
 def _chat_options(body: Body) -> ChatOptions:

@@ -124,3 +124,31 @@ def test_chat_template_options_checked(http_server: HttpServer, fields: dict[str
     with pytest.raises(openai.BadRequestError) as caught:
         chat_prompt_tokens(http_server, [{"role": "user", "content": "hi"}], **fields)
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_count_each_choices_tokens(http_server: HttpServer, chat: bool) -> None:
+    client = http_server.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common: dict[str, Any] = dict(model=MODEL, max_tokens=5, n=2, temperature=1.0, seed=3, stream=True,
+                                  stream_options=options, extra_body={"ignore_eos": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **common))
+    else:
+        chunks = list(client.completions.create(prompt=prompt(10, salt=67), **common))
+    *events, last = chunks
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 10
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for event in events:
+        assert event.usage is not None and event.usage.prompt_tokens == last.usage.prompt_tokens
+        assert event.usage.total_tokens == event.usage.prompt_tokens + event.usage.completion_tokens
+        counts[event.choices[0].index].append(event.usage.completion_tokens)
+    assert counts == {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5]}  # each choice's own, a token an event
+
+
+@pytest.mark.parametrize("options", [{"continuous_usage_stats": True}, {"include_usage": True, "something": 1}])
+def test_stream_options_checked(http_server: HttpServer, options: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        list(http_server.client().completions.create(model=MODEL, prompt=prompt(8), max_tokens=2, stream=True,
+                                                     stream_options=options))  # type: ignore[arg-type]
+    assert caught.value.body["param"] == "stream_options"  # type: ignore[index]
