@@ -7,16 +7,21 @@ that would have changed it was dropped."""
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from decode_server.config import PrefillMode
+from decode_server.openai_body import MAX_FIELD_NAME_CHARS, Body
 from decode_server.openai_grammar import FIELDS as GRAMMAR_FIELDS
 from decode_server.openai_grammar import read_grammar
-from decode_server.openai_prompt import check_text, json_type, read_messages, read_prompt
+from decode_server.openai_options import (
+    OutputOptions,
+    read_chat_options,
+    read_output_options,
+    read_stream_options,
+    read_truncate_prompt_tokens,
+)
+from decode_server.openai_prompt import check_text, read_messages, read_prompt
 from decode_server.openai_tools import Tools, read_tools
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
@@ -36,14 +41,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
-MAX_FIELD_NAME_CHARS = 64  # of an unknown field's name, as an error or a warning shows it
-MAX_TEMPLATE_KWARGS_CHARS = 8192  # chat_template_kwargs, as JSON
-# chat_template_kwargs can't set what transformers' apply_chat_template takes itself, nor the messages
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
-                                      "add_generation_prompt", "continue_final_message", "tokenize",
-                                      "sanitize_control_tokens", "padding", "truncation", "max_length",
-                                      "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                      "tokenizer_kwargs", "kwargs"})
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
 # `cache_salt` belongs to the prefix cache).
 HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
@@ -67,15 +64,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "priority": (0,), "store": (False,), "metadata": (),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "service_tier": ("auto",),
     "web_search_options": (), "verbosity": ()}
-
-
-@dataclass(frozen=True)
-class OutputOptions:
-    """How an answer's tokens become text (vLLM's fields of these names)."""
-
-    include_stop: bool = False          # include_stop_str_in_output: the stop string ends the text
-    skip_special_tokens: bool = True    # False: special tokens are written in the text too
-    tokens_as_ids: bool = False         # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 @dataclass(frozen=True)
@@ -123,50 +111,6 @@ def check_fields(body: Body, chat: bool, ignore_unknown: bool) -> list[str]:
     return unknown
 
 
-class Body:
-    """Typed reads of a JSON object's fields; a wrong type is one line naming the field."""
-
-    def __init__(self, data: Any) -> None:
-        if not isinstance(data, dict):
-            raise InvalidRequest(f"the request body must be a JSON object, got {type(data).__name__}")
-        self.data: dict[str, Any] = data
-
-    def get(self, name: str, kind: type | tuple[type, ...], what: str) -> Any:
-        value = self.data.get(name)
-        # JSON's true/false are Python ints too; they are not numbers here
-        if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and bool not in
-                                                                    (kind if isinstance(kind, tuple) else (kind,)))):
-            raise InvalidRequest(f"{name} must be {what}, got {json_type(value)}", name)
-        return value
-
-    def integer(self, name: str, default: int, low: int | None = None, high: int | None = None) -> int:
-        value = self.get(name, int, "an integer")
-        if value is None:
-            return default
-        if (low is not None and value < low) or (high is not None and value >= high):
-            raise InvalidRequest(f"{name} must be in [{low}, {high}), got {value}", name)
-        return int(value)
-
-    def float32(self, name: str, default: float) -> float:
-        """A number as the proto's float fields hold it, so that a request samples the same tokens
-        over HTTP as over gRPC (and a top_p below float32's range is 0 there too, not a filter
-        that keeps nothing)."""
-        value = self.get(name, (int, float), "a number")
-        if value is None:
-            return default
-        try:
-            rounded: float = struct.unpack("f", struct.pack("f", value))[0]
-        except (OverflowError, struct.error):
-            rounded = math.inf
-        if not math.isfinite(rounded):
-            raise InvalidRequest(f"{name} must be a finite 32-bit number, got {value}", name)
-        return rounded
-
-    def flag(self, name: str, default: bool = False) -> bool:
-        value = self.get(name, bool, "true or false")
-        return default if value is None else bool(value)
-
-
 def read_request(data: Any, chat: bool, request_id: str, max_items: int,
                  ignore_unknown: bool = False) -> tuple[ApiRequest, list[str]]:
     """The request and the unknown fields it held (refused unless `ignore_unknown`). A chat without
@@ -182,7 +126,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
-    include_usage, continuous_usage = _stream_options(options or {})
+    include_usage, continuous_usage = read_stream_options(options or {})
     max_tokens = _max_tokens(body, chat)
     stop = _stop_strings(body.data.get("stop"))
     stop_ids = body.get("stop_token_ids", list, "an array of token ids") or []
@@ -213,7 +157,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         prefill_mode=PrefillMode(mode).number if mode else 0, chunk_size=body.integer("chunk_size", 0, *INT32),
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
         penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body),
-        truncate_prompt_tokens=_truncate_prompt_tokens(body))
+        truncate_prompt_tokens=read_truncate_prompt_tokens(body))
     echo = not chat and body.flag("echo")
     grammar = read_grammar(body.data)
     tools = read_tools(body.data) if chat else None
@@ -235,47 +179,10 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, prompt_ranks=prompt_logprobs is not None,
                      grammar=grammar and grammar[0],
                      grammar_field=grammar[1] if grammar else "")
-    output = OutputOptions(include_stop=body.flag("include_stop_str_in_output"),
-                           skip_special_tokens=body.flag("skip_special_tokens", True),
-                           tokens_as_ids=body.flag("return_tokens_as_token_ids"))
+    output = read_output_options(body)
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
-                      prompt_logprobs, output, _chat_options(body) if chat else ChatOptions(),
+                      prompt_logprobs, output, read_chat_options(body) if chat else ChatOptions(),
                       continuous_usage), unknown
-
-
-def _stream_options(options: dict[str, Any]) -> tuple[bool, bool]:
-    """(include_usage, vLLM's continuous_usage_stats: every event carries its choice's usage so far)."""
-    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
-    if unknown:
-        raise InvalidRequest(f"stream_options.{unknown[0][:MAX_FIELD_NAME_CHARS]} is not supported by this server "
-                             "(it takes include_usage and continuous_usage_stats); leave it out", "stream_options")
-    body = Body(options)
-    include_usage, continuous = body.flag("include_usage"), body.flag("continuous_usage_stats")
-    if continuous and not include_usage:
-        raise InvalidRequest("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
-    return include_usage, continuous
-
-
-def _chat_options(body: Body) -> ChatOptions:
-    """vLLM's: continue_final_message without add_generation_prompt leaves the turn unopened."""
-    continued = body.flag("continue_final_message")
-    opened = body.get("add_generation_prompt", bool, "true or false")
-    if continued and opened:
-        raise InvalidRequest("add_generation_prompt and continue_final_message can't both be true: the answer "
-                             "either opens a new turn or continues the last message", "continue_final_message")
-    kwargs = body.get("chat_template_kwargs", dict, "an object") or {}
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise InvalidRequest(f"chat_template_kwargs can't set {', '.join(reserved)}: the request's own fields do",
-                             "chat_template_kwargs")
-    if any(not key.isidentifier() for key in kwargs):
-        raise InvalidRequest("chat_template_kwargs' keys must be names a template can read (letters, digits, _)",
-                             "chat_template_kwargs")
-    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
-        raise InvalidRequest(f"chat_template_kwargs holds more than {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON",
-                             "chat_template_kwargs")
-    return ChatOptions(add_generation_prompt=not continued if opened is None else opened,
-                       continue_final_message=continued, template_kwargs=kwargs)
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:
@@ -341,15 +248,6 @@ def _cache_salt(body: Body) -> str:
     if salt == "":
         raise InvalidRequest("cache_salt must be a non-empty string when given; leave it out for none", "cache_salt")
     return salt or ""
-
-
-def _truncate_prompt_tokens(body: Body) -> int:
-    """vLLM's: keep the prompt's last k tokens, k >= 1, or -1 for as many as the context holds."""
-    value = body.integer("truncate_prompt_tokens", 0, -1, 2**31)
-    if "truncate_prompt_tokens" in body.data and value == 0:
-        raise InvalidRequest("truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds), "
-                             "got 0", "truncate_prompt_tokens")
-    return value
 
 
 def _top_k(value: int) -> int:
