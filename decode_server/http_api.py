@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the decode server (aiohttp, on the server's own event loop and
 request core, beside gRPC's `pd.v1.Decode`).
 
-    GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions
+    GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions,
+    POST /tokenize, POST /detokenize (vLLM's)
 
 A request is read into `RequestFields` (openai_schema.py), checked by the same `RequestParser` as
 a gRPC one, accepted by `DecodeCore`, and answered from its `Generation`s' tokens (one a choice,
@@ -20,6 +21,7 @@ import ssl
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -41,8 +43,16 @@ from decode_server.http_request import (
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_reply import Reply, SseStream
 from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
-from decode_server.request_parser import RequestFields, RequestParser
+from decode_server.openai_tokenize import TokenizeRequest, read_detokenize, read_tokenize, tokenize_reply
+from decode_server.request_parser import (
+    TOKENIZE_IN_THREAD_CHARS,
+    RequestFields,
+    RequestParser,
+    check_text_fits,
+    encode_within_context,
+)
 from decode_server.sequence import Rejected
+from engine.tokenizer import Tokenizer
 from serving.grpc_common import FATAL_GRACE_S, StartupError
 from serving.validation import InvalidRequest
 
@@ -74,6 +84,8 @@ class OpenAIApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
@@ -116,6 +128,64 @@ class OpenAIApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """A prompt's or a chat's ids, as a generation of it would have them (openai_tokenize.py)."""
+        try:
+            tokenizer = self._tokenizer_for(request.path)
+            req = read_tokenize(await self._json(request), self.max_model_len)
+            self._check_model(req.model)
+            ids = await self._token_ids(req, tokenizer)
+            return web.json_response(tokenize_reply(ids, tokenizer, self.max_model_len, req.token_strs))
+        except InvalidRequest as e:
+            return ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param).response()
+        except ApiError as e:
+            return e.response()
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            tokenizer = self._tokenizer_for(request.path)
+            model, ids = read_detokenize(await self._json(request), self.parser.vocab_size, self.max_model_len)
+            self._check_model(model)
+            return web.json_response({"prompt": tokenizer.decode(ids)})
+        except InvalidRequest as e:
+            return ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param).response()
+        except ApiError as e:
+            return e.response()
+
+    def _tokenizer_for(self, path: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ApiError(400, f"this server's model has no tokenizer, so it can't serve {path}",
+                           "invalid_request_error", "no_tokenizer", None, grpc.StatusCode.FAILED_PRECONDITION)
+        return self.tokenizer
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await read_body(request, self.max_body_bytes)
+        return await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "invalid_request_error", "model_not_found", "model",
+                           grpc.StatusCode.NOT_FOUND)
+
+    async def _token_ids(self, req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+        """Through the template, in the render pool for a chat of many messages; bounded by the context."""
+        limit = self.max_model_len
+        if req.chat and self.render_pool is not None and len(req.messages) > POOL_MESSAGES:
+            fields = await self.render_pool.render(RequestFields(request_id="tokenize"), req.messages, req.tools,
+                                                   req.chat_options, limit)
+            return list(fields.token_ids)
+        text = chat_text(tokenizer, req.messages, req.tools, req.chat_options, limit) if req.chat else req.prompt
+        check_text_fits(len(text), limit, "prompt text", "messages" if req.chat else "prompt")
+        encode = partial(encode_within_context, tokenizer, text, limit, req.add_special_tokens and not req.chat,
+                         "messages through the chat template" if req.chat else "prompt text",
+                         "messages" if req.chat else "prompt")
+        ids = await asyncio.to_thread(encode) if len(text) > TOKENIZE_IN_THREAD_CHARS else encode()
+        if len(ids) > limit:  # encode_within_context refuses what is surely longer; this, the rest
+            raise InvalidRequest(f"the {'chat' if req.chat else 'prompt'} encodes to {len(ids)} tokens, past the "
+                                 f"context limit of {limit}", "messages" if req.chat else "prompt")
+        return ids
 
     # --- one request --------------------------------------------------------------------------
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -204,10 +274,7 @@ class OpenAIApi:
         try:
             self.core.check_open()
             api = await self._read(request, chat, request_id)
-            if api.model is not None and api.model != self.model_name:
-                raise ApiError(404, f"the model {api.model!r} does not exist; this server serves "
-                                    f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
-                               "model_not_found", "model", grpc.StatusCode.NOT_FOUND)
+            self._check_model(api.model)
             fields = api.fields
             if chat and not fields.token_ids:  # not already through the template in the render pool
                 fields = await self._chat_fields(fields, api)
