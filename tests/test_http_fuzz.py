@@ -39,7 +39,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "repetition_penalty", "min_p", "min_tokens", "guided_json", "guided_choice", "structured_outputs",
           "bad_words", "allowed_token_ids", "prompt_logprobs", "skip_special_tokens", "add_generation_prompt",
           "logit_bias", "top_logprobs", "cache_salt", "include_stop_str_in_output", "truncate_prompt_tokens",
-          "return_tokens_as_token_ids", "continue_final_message", "chat_template_kwargs"]
+          "return_tokens_as_token_ids", "continue_final_message", "chat_template_kwargs", "tokens",
+          "add_special_tokens", "return_token_strs"]
 # every field anything, but never a long non-streamed answer (the only thing that would merely be slow)
 def short(body: dict[str, Any]) -> dict[str, Any]:
     tokens = body.get("max_tokens")
@@ -70,10 +71,14 @@ long_streams = st.fixed_dictionaries({"prompt": st.lists(st.integers(0, VOCAB - 
                                       "max_tokens": st.integers(CONTEXT - 600, CONTEXT - 50),
                                       "stream": st.just(True), "ignore_eos": st.just(True)})
 bodies = st.one_of(
-    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), wild),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), wild),
     st.tuples(st.just("/v1/completions"), completions),
     st.tuples(st.just("/v1/completions"), long_streams),
     st.tuples(st.just("/v1/chat/completions"), chats),
+    st.tuples(st.just("/tokenize"), st.one_of(st.fixed_dictionaries({"prompt": texts}),
+                                             st.fixed_dictionaries({"messages": messages}))),
+    st.tuples(st.just("/detokenize"), st.fixed_dictionaries({"tokens": st.lists(st.integers(-5, VOCAB + 5),
+                                                                                 max_size=50)})),
 )
 
 
@@ -112,6 +117,9 @@ def send(port: int, path: str, body: bytes, headers: dict[str, str] | None = Non
         assert response.status in DEFINED, (response.status, response.read())
         if response.status != 200:
             check_error(response.read())
+        elif path in ("/tokenize", "/detokenize"):
+            answer = json.loads(response.read())
+            assert isinstance(answer["count"], int) if path == "/tokenize" else isinstance(answer["prompt"], str)
         elif response.getheader("Content-Type", "").startswith("text/event-stream"):
             check_stream(response)
         else:
@@ -145,7 +153,7 @@ def test_fuzz_openai_raw_bytes(http_server: HttpServer) -> None:
 
     @FUZZ
     @given(payload=st.one_of(st.binary(max_size=300), st.binary(max_size=len(valid)).map(
-        lambda b: valid[:len(b)] + b)), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        lambda b: valid[:len(b)] + b)), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
         encoding=st.sampled_from([None, None, "gzip", "deflate", "br", "x-zstd"]),
         compressed=st.booleans())
     def one(payload: bytes, path: str, encoding: str | None, compressed: bool) -> None:
