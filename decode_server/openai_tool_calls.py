@@ -148,8 +148,9 @@ class JsonCall:
         if self.key == "name" and self.name is None:
             name = _loads("".join(self.raw))
             self.invalid, self.name = not isinstance(name, str), name if isinstance(name, str) else None
-        elif self.collecting and self.kind == '"':  # arguments sent as a string: that string is their JSON
-            self.pending.append(str(_loads("".join(self.raw))))
+        elif self.collecting and self.kind == '"':  # arguments sent as a string: that string is their JSON,
+            text = str(_loads("".join(self.raw)))      # or, where it holds none, a JSON string of it
+            self.pending.append(text if _is_json(text) else json.dumps(text))
         self.collecting = False
         if self.value_only:
             self.done = True
@@ -352,3 +353,11 @@ def _loads(text: str) -> Any:
         return json.loads(text, strict=False)
     except json.JSONDecodeError:
         return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

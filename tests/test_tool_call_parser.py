@@ -10,6 +10,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from decode_server.openai_tool_calls import CallDelta, ToolCallParser, parse_calls
 from decode_server.openai_tools import Tools
@@ -25,6 +27,7 @@ CASES: list[tuple[Tools, str | None, str]] = [
     (Tools(TOOLS, "auto", parallel=False), "hermes", HERMES),
     (Tools(TOOLS, "auto"), "hermes", ' Sunny.  <tool_call>{"name": "nope", "arguments": {}}</tool_call> <tool>'),
     (Tools(TOOLS, "auto"), "hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"cet\\"}"}'),
+    (Tools(TOOLS, "auto"), "hermes", '<tool_call>{"name": "get_time", "arguments": "utc, please"}'),  # no JSON inside
     (Tools(TOOLS, "auto"), "hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "a\nb", "days": 1}}'),
     (Tools(TOOLS, "auto"), "hermes", '<tool_call>{"name": "get_time", "arguments": {"zo'),
     (Tools(TOOLS, "auto"), "llama3_json", LLAMA),
@@ -101,3 +104,27 @@ def test_llama3_json_parser() -> None:
         [("get_time", {"zone": "cet"})]
     assert parse_calls("It is sunny.", tools, "llama3_json") == ("It is sunny.", [])
     assert parse_calls('{"name": "unknown", "parameters": {}}', tools, "llama3_json")[1] == []
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":", ",", ";",
+             " ", "\n", '"name"', '"arguments"', '"parameters"', '"get_time"', '"get_weather"', '"zone"', '"utc"',
+             "1", "-2.5e3", "true", "null", "abc", "é"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=40), case=st.sampled_from(range(4)),
+       cuts=st.lists(st.integers(0, 400), max_size=6))
+def test_any_text_streams_as_it_parses_whole(parts: list[str], case: int, cuts: list[int]) -> None:
+    """Text made of the parsers' own tokens, cut anywhere: no error, and the streamed calls are the
+    whole answer's (as are its content, where it held a call). Arguments are passed on as they come, so
+    they are JSON where the model wrote JSON (a grammar makes it, for `required` and a named function)."""
+    tools, family = [(Tools(TOOLS, "auto"), "hermes"), (Tools(TOOLS, "auto"), "llama3_json"),
+                     (Tools(TOOLS, "required"), "hermes"), (Tools(TOOLS, "get_time", named=True), "hermes")][case]
+    text = "".join(parts)
+    edges = sorted({c for c in cuts if c < len(text)} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(edges, edges[1:], strict=False)] or [text]
+    want_content, want_calls = parse_calls(text, tools, family)
+    content, deltas, parser = streamed(tools, family, pieces)
+    if want_calls:
+        assert without_ids(parser.calls(deltas)) == without_ids(want_calls)
+        assert content == (want_content or "")
