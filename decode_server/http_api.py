@@ -41,8 +41,17 @@ from decode_server.http_request import (
     request_id_header,
 )
 from decode_server.openai_events import ChunkFormat
-from decode_server.openai_reply import Reply, SseStream
-from decode_server.openai_schema import CHAT_NAMES, OPENAI_NAMES, ApiRequest, read_request
+from decode_server.openai_reply import DONE, Reply, SseStream
+from decode_server.openai_response_events import ResponseEvents
+from decode_server.openai_responses import new_id, output_of, response_object, status_of
+from decode_server.openai_schema import (
+    CHAT_NAMES,
+    OPENAI_NAMES,
+    RESPONSES_NAMES,
+    ApiRequest,
+    read_request,
+    read_responses_request,
+)
 from decode_server.openai_tokenize import TokenizeRequest, read_detokenize, read_tokenize, tokenize_reply
 from decode_server.request_parser import (
     TOKENIZE_IN_THREAD_CHARS,
@@ -84,6 +93,7 @@ class OpenAIApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
@@ -128,6 +138,9 @@ class OpenAIApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True, responses=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """A prompt's or a chat's ids, as a generation of it would have them (openai_tokenize.py)."""
@@ -188,13 +201,13 @@ class OpenAIApi:
         return ids
 
     # --- one request --------------------------------------------------------------------------
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
         arrival = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.timeout_s if self.timeout_s else None
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = new_id("resp") if responses else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             request_id = request_id_header(request) or request_id
-            api, parsed, generation = await self._accept(request, chat, request_id, arrival)
+            api, parsed, generation = await self._accept(request, chat, request_id, arrival, responses)
         except ApiError as e:
             self.core.log_rejected(request_id, e.grpc_code, arrival)
             if e.status < 500:
@@ -209,9 +222,10 @@ class OpenAIApi:
         cache; then the others are accepted and take them from there, so the prompt is not prefilled n
         times. Choice i samples with the request's seed + i."""
         created = int(time.time())
-        stream = SseStream(request) if api.stream else None
-        replies = [Reply(api, ChunkFormat(parsed.request_id, api.chat, created, self.model_name, i), self.tokenizer,
-                         stream) for i in range(api.n)]
+        stream = SseStream(request, closing=b"" if api.responses else DONE) if api.stream else None
+        events = ResponseEvents(parsed.request_id, created, self.model_name, api.responses) if api.responses else None
+        replies = [Reply(api, events or ChunkFormat(parsed.request_id, api.chat, created, self.model_name, i),
+                         self.tokenizer, stream) for i in range(api.n)]
         generations, tasks, status = [first], [], "OK"
         try:
             async with asyncio.timeout_at(deadline):
@@ -227,6 +241,8 @@ class OpenAIApi:
                     tasks.append(asyncio.create_task(replies[i].collect(generations[i])))
                 answers = await asyncio.gather(*tasks)
                 usage = self._usage(len(first.seq.prompt), sum(a.tokens for a in answers))
+                if stream is not None and events is not None:
+                    return await stream.end(events.completed(answers[0].finish_reason, usage))
                 if stream is not None:
                     return await stream.end(replies[0].fmt.usage(usage) if api.include_usage else b"")
         except Rejected as e:
@@ -252,6 +268,10 @@ class OpenAIApi:
                 task.add_done_callback(_settled)  # ... and a second choice's failure is not logged as unseen
             for generation in generations:
                 self.core.finish(generation, status)
+        if api.responses is not None:
+            return web.json_response(response_object(
+                parsed.request_id, created, self.model_name, api.responses, status_of(answers[0].finish_reason),
+                output_of(replies[0].choice(answers[0])), usage))
         return web.json_response({
             "id": parsed.request_id, "object": "chat.completion" if api.chat else "text_completion",
             "created": created, "model": self.model_name,
@@ -268,17 +288,18 @@ class OpenAIApi:
     async def _fail(stream: SseStream | None, error: ApiError) -> web.StreamResponse:
         return await stream.fail(error) if stream is not None else error.response()
 
-    async def _accept(self, request: web.Request, chat: bool, request_id: str,
-                      arrival: float) -> tuple[ApiRequest, Request, Generation]:
+    async def _accept(self, request: web.Request, chat: bool, request_id: str, arrival: float,
+                      responses: bool = False) -> tuple[ApiRequest, Request, Generation]:
         """Read, check and accept a request; every refusal is an ApiError."""
         try:
             self.core.check_open()
-            api = await self._read(request, chat, request_id)
+            api = await self._read(request, chat, request_id, responses)
             self._check_model(api.model)
             fields = api.fields
             if chat and not fields.token_ids:  # not already through the template in the render pool
                 fields = await self._chat_fields(fields, api)
-            parsed = await self.parser.parse(fields, arrival, CHAT_NAMES if chat else OPENAI_NAMES)
+            names = RESPONSES_NAMES if responses else CHAT_NAMES if chat else OPENAI_NAMES
+            parsed = await self.parser.parse(fields, arrival, names)
             return api, parsed, self.core.accept(parsed)
         except Rejected as e:
             raise ApiError.from_status(e.code, str(e)) from e
@@ -290,12 +311,21 @@ class OpenAIApi:
             log.exception("request %s: reading the request failed", request_id)
             raise ApiError.internal(f"reading the request failed: {type(e).__name__}: {e}") from e
 
-    async def _read(self, request: web.Request, chat: bool, request_id: str) -> ApiRequest:
+    async def _read(self, request: web.Request, chat: bool, request_id: str, responses: bool = False) -> ApiRequest:
         """The body into an ApiRequest; a large one is parsed and checked off the event loop, a large
-        chat in the render pool's process."""
+        chat in the render pool's process (a Responses API request's in a thread: its input becomes
+        the chat's messages here)."""
         raw = await read_body(request, self.max_body_bytes)
         max_values = MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE
-        if chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
+        if responses:
+            data = await parse_body(raw, max_values)
+
+            def read_responses() -> tuple[ApiRequest, list[str]]:
+                return read_responses_request(data, request_id, self.max_model_len, self.ignore_unknown_fields)
+
+            api, unknown = (await asyncio.to_thread(read_responses) if len(raw) > PARSE_IN_THREAD_BYTES
+                            else read_responses())
+        elif chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
             api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, max_values,
                                                             self.ignore_unknown_fields)
         else:

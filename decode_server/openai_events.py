@@ -4,7 +4,22 @@ its text (and, when asked, its log probabilities) is encoded."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
+
+
+class EventFormat(Protocol):
+    """How a choice's streamed events are written: chat's and completions' chunks (`ChunkFormat`), or
+    the Responses API's typed events (`openai_response_events.ResponseEvents`)."""
+
+    index: int
+
+    def token(self, text: str, finish_reason: str | None, first: bool, logprobs: str | None = None,
+              usage: dict[str, int] | None = None) -> bytes: ...
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None,
+              usage: dict[str, int] | None = None) -> bytes: ...
+
+    def usage(self, usage: dict[str, int]) -> bytes: ...
 
 
 class ChunkFormat:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from decode_server.core import Generation
 from decode_server.http_request import ApiError
-from decode_server.openai_events import ChunkFormat
+from decode_server.openai_events import EventFormat
 from decode_server.openai_logprobs import LogprobFormat
 from decode_server.openai_schema import ApiRequest
 from decode_server.openai_tool_calls import ToolCallParser, parse_calls
@@ -42,8 +42,9 @@ class SseStream:
     refusal before any token (a full KV pool, a failed prefill) is still a plain HTTP status; the
     choices' events are written one at a time, whole."""
 
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
+    def __init__(self, request: web.Request, closing: bytes = DONE) -> None:
+        """`closing`: the stream's last bytes (the Responses API's streams end with an event, not [DONE])."""
+        self.request, self.closing = request, closing
         self.response: web.StreamResponse | None = None
         self._lock = asyncio.Lock()
 
@@ -57,7 +58,7 @@ class SseStream:
 
     async def end(self, last: bytes = b"") -> web.StreamResponse:
         """`last` (the usage event, when asked for), then [DONE]."""
-        await self.write(last + DONE)
+        await self.write(last + self.closing)
         assert self.response is not None
         await self.response.write_eof()
         return self.response
@@ -75,7 +76,7 @@ class Reply:
     """One choice of an accepted request: its tokens as SSE events on `stream`, or its answer for
     the JSON body when `stream` is None."""
 
-    def __init__(self, api: ApiRequest, fmt: ChunkFormat, tokenizer: Tokenizer | None,
+    def __init__(self, api: ApiRequest, fmt: EventFormat, tokenizer: Tokenizer | None,
                  stream: SseStream | None) -> None:
         self.api, self.fmt, self.tokenizer, self.stream = api, fmt, tokenizer, stream
         out = api.output

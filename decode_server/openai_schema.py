@@ -22,6 +22,7 @@ from decode_server.openai_options import (
     read_truncate_prompt_tokens,
 )
 from decode_server.openai_prompt import check_text, read_messages, read_prompt
+from decode_server.openai_responses import ResponsesFields, chat_body, responses_refusal
 from decode_server.openai_tools import Tools, read_tools
 from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
 from engine.logprobs import MAX_TOP_LOGPROBS
@@ -33,6 +34,7 @@ OPENAI_NAMES = FieldNames(request_id="X-Request-Id", prompt="prompt", token_ids=
                           max_new_tokens="max_tokens", sampling="", stop_token_ids="stop_token_ids",
                           prefill_mode="prefill_mode", chunk_size="chunk_size")
 CHAT_NAMES = replace(OPENAI_NAMES, prompt="messages", token_ids="messages")
+RESPONSES_NAMES = replace(OPENAI_NAMES, prompt="input", token_ids="input", max_new_tokens="max_output_tokens")
 
 INT32 = (-(2**31), 2**31)  # the proto's int32 fields' range, [low, high)
 MAX_STOP_STRINGS = 16
@@ -82,6 +84,7 @@ class ApiRequest:
     output: OutputOptions = OutputOptions()
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: how its template renders it
     continuous_usage: bool = False  # streamed: every event carries its choice's usage so far
+    responses: ResponsesFields | None = None  # a Responses API request: what its Response repeats
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -278,3 +281,15 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         if not 0 < len(s) <= MAX_STOP_CHARS:
             raise InvalidRequest(f"every stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}", "stop")
     return tuple(stops)
+
+
+def read_responses_request(data: Any, request_id: str, max_items: int,
+                           ignore_unknown: bool = False) -> tuple[ApiRequest, list[str]]:
+    """A Responses API request, read as the chat it becomes (openai_responses.py); refusals name its fields."""
+    try:
+        chat, echoed, unknown = chat_body(data, ignore_unknown)
+        api, _ = read_request(chat, True, request_id, max_items)
+    except InvalidRequest as e:
+        raise responses_refusal(e) from None
+    grammar_field = "text" if api.fields.grammar_field == "response_format" else api.fields.grammar_field
+    return replace(api, responses=echoed, fields=replace(api.fields, grammar_field=grammar_field)), unknown

@@ -71,7 +71,11 @@ long_streams = st.fixed_dictionaries({"prompt": st.lists(st.integers(0, VOCAB - 
                                       "max_tokens": st.integers(CONTEXT - 600, CONTEXT - 50),
                                       "stream": st.just(True), "ignore_eos": st.just(True)})
 bodies = st.one_of(
-    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), wild),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                               "/detokenize"]), wild),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"input": st.one_of(texts, messages)}, optional={
+        "max_output_tokens": st.integers(1, 40), "stream": st.booleans(), "instructions": texts,
+        "temperature": st.floats(0, 2)})),
     st.tuples(st.just("/v1/completions"), completions),
     st.tuples(st.just("/v1/completions"), long_streams),
     st.tuples(st.just("/v1/chat/completions"), chats),
@@ -109,6 +113,16 @@ def check_stream(response: http.client.HTTPResponse) -> None:
     raise AssertionError("the stream ended without data: [DONE]")
 
 
+def check_response(response: http.client.HTTPResponse) -> None:
+    """A Response whole, or its events in sequence ending with the whole Response."""
+    if not response.getheader("Content-Type", "").startswith("text/event-stream"):
+        assert json.loads(response.read())["status"] in ("completed", "incomplete")
+        return
+    events = [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), events
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+
+
 def send(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CALL_TIMEOUT)
     try:
@@ -117,6 +131,8 @@ def send(port: int, path: str, body: bytes, headers: dict[str, str] | None = Non
         assert response.status in DEFINED, (response.status, response.read())
         if response.status != 200:
             check_error(response.read())
+        elif path == "/v1/responses":
+            check_response(response)
         elif path in ("/tokenize", "/detokenize"):
             answer = json.loads(response.read())
             assert isinstance(answer["count"], int) if path == "/tokenize" else isinstance(answer["prompt"], str)
