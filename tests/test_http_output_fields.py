@@ -149,6 +149,6 @@ def test_continuous_usage_stats_count_each_choices_tokens(http_server: HttpServe
 @pytest.mark.parametrize("options", [{"continuous_usage_stats": True}, {"include_usage": True, "something": 1}])
 def test_stream_options_checked(http_server: HttpServer, options: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        list(http_server.client().completions.create(model=MODEL, prompt=prompt(8), max_tokens=2, stream=True,
-                                                     stream_options=options))  # type: ignore[arg-type]
+        args: dict[str, Any] = {"model": MODEL, "prompt": prompt(8), "max_tokens": 2, "stream_options": options}
+        list(http_server.client().completions.create(stream=True, **args))
     assert caught.value.body["param"] == "stream_options"  # type: ignore[index]
