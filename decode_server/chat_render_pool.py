@@ -59,8 +59,8 @@ def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Too
                 max_model_len: int, truncate: int) -> bytes:
     """The rendered chat's ids (its last `truncate`, where given), packed. The template writes its BOS."""
     text = chat_text(tokenizer, messages, tools, options, max_model_len)
-    if truncate:  # may encode past the context before it is cut: chat_text's character bound is its cost's
-        ids = tokenizer.encode(text, add_special_tokens=False)[-tokens_kept(truncate, max_model_len):]
+    if truncate:  # may encode past the context before it is cut; read as a prompt of the same text is
+        ids = tokenizer.encode_tail(text, tokens_kept(truncate, max_model_len), add_special_tokens=False)
     else:
         ids = encode_within_context(tokenizer, text, max_model_len, False, "messages through the chat template",
                                     "messages")

@@ -250,8 +250,8 @@ class RequestParser:
                                  f"send {names.token_ids}", names.prompt)
         limit, tokenizer = self.max_model_len, self.tokenizer
         check_text_fits(len(f.prompt), limit, f"{names.prompt} text", names.prompt)
-        # a prompt to be truncated may encode past the context: the character bound above is its cost's
-        encode = (partial(tokenizer.encode, f.prompt, f.add_special_tokens) if f.truncate_prompt_tokens else
+        keep = tokens_kept(f.truncate_prompt_tokens, limit)  # a prompt to be truncated may encode past the context
+        encode = (partial(tokenizer.encode_tail, f.prompt, keep, f.add_special_tokens) if keep else
                   partial(encode_within_context, tokenizer, f.prompt, limit, f.add_special_tokens,
                           f"{names.prompt} text", names.prompt))
         ids = await asyncio.to_thread(encode) if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS else encode()

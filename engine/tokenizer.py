@@ -105,6 +105,22 @@ class Tokenizer:
                 return None
         return self.encode(text, add_special_tokens)
 
+    def encode_tail(self, text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
+        """`encode(text)[-keep:]`, read from tails of the text cut before a space: a tail's last `keep`
+        ids are taken once a tail twice as long ends in the same ones (what a cut changes stays at the
+        tail's start). A text of millions of characters truncated to `keep` tokens then costs about
+        what those tokens do; its whole tokenization (and the GIL held for its list of ids) is spared."""
+        chars = COUNT_PIECE_CHARS_PER_TOKEN * (keep + COUNT_SLACK_TOKENS)
+        previous: list[int] | None = None
+        while chars < len(text):
+            start = len(text) - chars
+            space = text.find(" ", start, start + chars // 2)  # a cut before a space splits no word
+            ids = self.encode(text[space if space >= 0 else start:], add_special_tokens=False)[-keep:]
+            if ids == previous and len(ids) == keep:
+                return ids
+            previous, chars = ids, 2 * chars
+        return self.encode(text, add_special_tokens)[-keep:]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._hf.decode(list(ids), skip_special_tokens=True))
 

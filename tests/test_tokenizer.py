@@ -3,6 +3,7 @@ across byte-level tokens, stop strings split across pieces, and the tiny preset'
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,14 @@ def test_chat_options_reach_the_template() -> None:
 def test_stop_string_included_when_asked(stops: list[str], pieces: list[str], out: str) -> None:
     matcher = StopMatcher(stops, include_stop=True)
     assert "".join(matcher.feed(p)[0] for p in pieces) == out and matcher.stopped
+
+
+@pytest.mark.parametrize("keep", [1, 7, 100, 5000])
+def test_encode_tail_is_the_encodings_last_tokens(tokenizer: Tokenizer, keep: int) -> None:
+    """From tails of the text, however long it is: the same ids as the whole text's encoding ends in."""
+    words = ["hello", "world,", "the", "tokenizer's", "  spaced", "\n\nnew", "漢字", "😀", "<|im_end|>", "x" * 40]
+    rng = random.Random(keep)
+    for tok in (tokenizer, byte_tokenizer()):
+        for _ in range(5):
+            text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 20_000)))
+            assert tok.encode_tail(text, keep) == tok.encode(text)[-keep:]
