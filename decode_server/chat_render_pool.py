@@ -25,7 +25,8 @@ import grpc
 from pd.v1 import decode_pb2
 
 from decode_server.http_request import ApiError, count_values, parse_json, too_complex
-from decode_server.openai_schema import ApiRequest, read_request
+from decode_server.openai_responses import responses_refusal
+from decode_server.openai_schema import ApiRequest, read_request, read_responses_request
 from decode_server.openai_tools import Tools, family_of
 from decode_server.request_parser import RequestFields, check_text_fits, encode_within_context, tokens_kept
 from engine.tokenizer import ChatOptions, ChatTemplateError, Tokenizer
@@ -74,7 +75,8 @@ def _start_worker(tokenizer: Tokenizer) -> None:
 
 
 def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
-               ignore_unknown: bool) -> tuple[str, Any]:
+               ignore_unknown: bool, responses: bool) -> tuple[str, Any]:
+    """A chat's body (or a Responses API request's, read as the chat it becomes)."""
     assert _tokenizer is not None
     try:
         data = parse_json(raw)
@@ -83,10 +85,12 @@ def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
     except ApiError as e:  # the refusals a body parsed in the server gets
         return "api", (e.status, str(e), e.code)
     try:
-        api, unknown = read_request(data, True, request_id, max_model_len, ignore_unknown)
+        api, unknown = (read_responses_request(data, request_id, max_model_len, ignore_unknown) if responses
+                        else read_request(data, True, request_id, max_model_len, ignore_unknown))
         packed = _packed_ids(_tokenizer, api.messages, api.tools, api.chat_options, max_model_len,
                              api.fields.truncate_prompt_tokens)
     except InvalidRequest as e:
+        e = responses_refusal(e) if responses else e
         return "invalid", (str(e), e.param)
     return "ok", (replace(api, messages=[]), unknown, packed)
 
@@ -107,10 +111,11 @@ class ChatRenderPool:
         self._pool: ProcessPoolExecutor | None = None
 
     async def read_chat(self, raw: bytes, request_id: str, max_model_len: int, max_values: int,
-                        ignore_unknown: bool) -> tuple[ApiRequest, list[str]]:
-        """A chat body read as `read_request` reads it, with its prompt's ids in its fields."""
+                        ignore_unknown: bool, responses: bool = False) -> tuple[ApiRequest, list[str]]:
+        """A chat body read as `read_request` reads it (a Responses API body as `read_responses_request`
+        does), with its prompt's ids in its fields."""
         api, unknown, packed = await self._call(_read_chat, raw, request_id, max_model_len, max_values,
-                                                ignore_unknown)
+                                                ignore_unknown, responses)
         return replace(api, fields=_with_ids(api.fields, packed)), unknown
 
     async def render(self, fields: RequestFields, messages: list[dict[str, Any]], tools: Tools | None,

@@ -313,25 +313,18 @@ class OpenAIApi:
 
     async def _read(self, request: web.Request, chat: bool, request_id: str, responses: bool = False) -> ApiRequest:
         """The body into an ApiRequest; a large one is parsed and checked off the event loop, a large
-        chat in the render pool's process (a Responses API request's in a thread: its input becomes
-        the chat's messages here)."""
+        chat (or Responses API request) in the render pool's process."""
         raw = await read_body(request, self.max_body_bytes)
         max_values = MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE
-        if responses:
-            data = await parse_body(raw, max_values)
-
-            def read_responses() -> tuple[ApiRequest, list[str]]:
-                return read_responses_request(data, request_id, self.max_model_len, self.ignore_unknown_fields)
-
-            api, unknown = (await asyncio.to_thread(read_responses) if len(raw) > PARSE_IN_THREAD_BYTES
-                            else read_responses())
-        elif chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
+        if chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
             api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, max_values,
-                                                            self.ignore_unknown_fields)
+                                                            self.ignore_unknown_fields, responses)
         else:
             data = await parse_body(raw, max_values)
 
             def read() -> tuple[ApiRequest, list[str]]:
+                if responses:
+                    return read_responses_request(data, request_id, self.max_model_len, self.ignore_unknown_fields)
                 return read_request(data, chat, request_id, self.max_model_len, self.ignore_unknown_fields)
 
             api, unknown = await asyncio.to_thread(read) if len(raw) > PARSE_IN_THREAD_BYTES else read()

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.test_http_api import post
 from tests.test_http_fixtures import HttpServer
 from tests.test_http_tools import HERMES_TEMPLATE, TOOLS, serve_with_template
 from tests.test_http_tools import MODEL as TOOLS_MODEL
@@ -141,3 +142,18 @@ def test_text_format_json_schema_holds_the_answer(http_server: HttpServer) -> No
         text={"format": {"type": "json_schema", "name": "number", "schema": schema, "strict": True}})
     assert response.status == "completed" and set(json.loads(response.output_text)) == {"n"}
     assert response.text.format.type == "json_schema"  # type: ignore[union-attr]
+
+
+def test_a_large_body_is_read_in_the_render_pool(http_server: HttpServer) -> None:
+    """Past 256 KiB a body is read, rendered and tokenized in the render pool's process: the same
+    Response as the body without its padding, and a refusal there names the Responses field."""
+    body = {"model": MODEL, "input": [{"role": "user", "content": "Hello pool"}], **GREEDY}
+    padded = json.dumps(body).replace(", ", "," + " " * 100_000)  # JSON whitespace, 300 KB of it
+    assert len(padded) > 256 << 10
+    status, got = post(http_server, "/v1/responses", padded.encode())
+    assert status == 200, got
+    whole = http_server.client().responses.create(**body)
+    assert got["output"][0]["content"][0]["text"] == whole.output_text
+    too_long = json.dumps({"model": MODEL, "input": "é" * 150_000})  # 300,000 tokens: past the context
+    status, got = post(http_server, "/v1/responses", too_long.encode())
+    assert status == 400 and got["error"]["param"] == "input", got
