@@ -169,7 +169,8 @@ def test_fuzz_openai_raw_bytes(http_server: HttpServer) -> None:
 
     @FUZZ
     @given(payload=st.one_of(st.binary(max_size=300), st.binary(max_size=len(valid)).map(
-        lambda b: valid[:len(b)] + b)), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
+        lambda b: valid[:len(b)] + b)),
+        path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"]),
         encoding=st.sampled_from([None, None, "gzip", "deflate", "br", "x-zstd"]),
         compressed=st.booleans())
     def one(payload: bytes, path: str, encoding: str | None, compressed: bool) -> None:
