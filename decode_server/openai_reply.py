@@ -100,7 +100,9 @@ class Reply:
             async for out in tokens:
                 self.first_token.set()
                 echoed, logprobs_from = "", 0
-                if self.api.echo and out.index == 0:  # the prompt's log probabilities are in by its first token
+                if self.api.echo and out.index == 0 and self.api.chat:  # vLLM's: the answer continues it
+                    echoed = answer.text = self.api.echo_text
+                elif self.api.echo and out.index == 0:  # the prompt's log probabilities are in by its first token
                     echoed = answer.text = self._prompt_text(seq.prompt)
                     answer.chars = len(answer.text)
                     if self.logprobs is not None:
@@ -124,7 +126,7 @@ class Reply:
                 logprobs = None
                 if self.logprobs is not None and out.logprobs is not None:
                     logprobs = self.logprobs.add(out.token_id, out.logprobs, answer.chars)
-                    if echoed:  # the first event carries the prompt's too, as vLLM streams an echo
+                    if echoed and not self.api.chat:  # the first event carries the prompt's too, as vLLM streams
                         logprobs = self.logprobs.streamed(logprobs_from)
                 answer.chars += len(piece)
                 usage = self._usage_so_far(len(seq.prompt), answer.tokens)

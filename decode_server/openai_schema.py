@@ -52,13 +52,13 @@ HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "st
                       "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
                       "return_tokens_as_token_ids", *GRAMMAR_FIELDS})
 HONOURED_BY = {False: HONOURED | {"prompt", "logprobs", "echo"},
-               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+               True: HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "echo",
                                  "tool_choice", "parallel_tool_calls", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs"}}
 # Fields of OpenAI's or vLLM's API that this server does not implement: taken only at the value
 # that asks for nothing (null always), refused otherwise, as the answer would not be what they ask.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "suffix": (), "tools": ([],), "functions": ([],),
+    "suffix": (), "tools": ([],), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "best_of": (1,), "guided_decoding_backend": (),
     "spaces_between_special_tokens": (True,), "chat_template": (),
@@ -77,7 +77,8 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
-    echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's
+    echo: bool = False           # completions: the prompt's text (and log probabilities) before the answer's;
+                                 # chat (vLLM's): the last message's text, where it is the assistant's
     n: int = 1                   # choices, each its own sequence (the prompt's KV shared through the prefix cache)
     tools: Tools | None = None   # chat: the functions it may call, and how (`tool_choice`)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log probabilities, this many alternatives each
@@ -85,6 +86,7 @@ class ApiRequest:
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: how its template renders it
     continuous_usage: bool = False  # streamed: every event carries its choice's usage so far
     responses: ResponsesFields | None = None  # a Responses API request: what its Response repeats
+    echo_text: str = ""  # chat with echo: the last message's text, where it is the assistant's
 
 
 def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -161,9 +163,13 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
         prefill_sms=body.integer("prefill_sms", 0, *INT32), logprobs=_logprobs(body, chat),
         penalties=_penalties(body), bad_words=_bad_words(body), cache_salt=_cache_salt(body),
         truncate_prompt_tokens=read_truncate_prompt_tokens(body))
-    echo = not chat and body.flag("echo")
+    echo = body.flag("echo")
+    echo_text = messages[-1]["content"] if echo and chat and messages[-1]["role"] == "assistant" else ""
     grammar = read_grammar(body.data)
     tools = read_tools(body.data) if chat else None
+    if tools is not None and echo:
+        raise InvalidRequest("echo is not supported with tools: an echoed message is no tool call's text; leave "
+                             "one out", "echo")
     forced = tools.grammar() if tools is not None else None
     if forced is not None:  # tool_choice required or named: the answer is held to the tools' schema
         if grammar is not None:
@@ -177,7 +183,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     if prompt_logprobs is not None and stream:
         raise InvalidRequest("prompt_logprobs is not supported with stream: true; leave one out", "prompt_logprobs")
     # the prompt's log probabilities, with as many alternatives as the echo or prompt_logprobs wants
-    echoed = fields.logprobs if echo and fields.logprobs is not None else None
+    echoed = fields.logprobs if echo and not chat and fields.logprobs is not None else None
     wanted = [k for k in (echoed, prompt_logprobs) if k is not None]
     fields = replace(fields, prompt_logprobs=max(wanted) if wanted else None, prompt_ranks=prompt_logprobs is not None,
                      grammar=grammar and grammar[0],
@@ -185,7 +191,7 @@ def read_request(data: Any, chat: bool, request_id: str, max_items: int,
     output = read_output_options(body)
     return ApiRequest(chat, model, fields, messages, stream, include_usage, stop, echo, n, tools,
                       prompt_logprobs, output, read_chat_options(body) if chat else ChatOptions(),
-                      continuous_usage), unknown
+                      continuous_usage, echo_text=echo_text), unknown
 
 
 def _logprobs(body: Body, chat: bool) -> int | None:

@@ -39,7 +39,6 @@ def completion(**fields: Any) -> bytes:
 
 # --- every field honoured or refused --------------------------------------------------------------
 NOT_IMPLEMENTED: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/chat/completions", {"echo": True}),
     ("/v1/completions", {"guided_decoding_backend": "outlines"}), ("/v1/completions", {"length_penalty": 2}),
     ("/v1/completions", {"spaces_between_special_tokens": False}), ("/v1/completions", {"use_beam_search": True}),
     ("/v1/completions", {"best_of": 2}), ("/v1/chat/completions", {"chat_template": "x"}),

@@ -119,6 +119,7 @@ def test_chat_template_options(http_server: HttpServer) -> None:
     ({"chat_template_kwargs": {"big": "x" * 9000}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ({"add_generation_prompt": 1}, "add_generation_prompt"),
+    ({"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, "echo"),
 ])
 def test_chat_template_options_checked(http_server: HttpServer, fields: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -152,3 +153,24 @@ def test_stream_options_checked(http_server: HttpServer, options: dict[str, Any]
         args: dict[str, Any] = {"model": MODEL, "prompt": prompt(8), "max_tokens": 2, "stream_options": options}
         list(http_server.client().completions.create(stream=True, **args))
     assert caught.value.body["param"] == "stream_options"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_puts_the_continued_message_first(http_server: HttpServer, stream: bool) -> None:
+    """vLLM's chat `echo`: the last message's text before the answer's, where it is the assistant's."""
+    client = http_server.client()
+    said: list[Any] = [{"role": "user", "content": "a story"}, {"role": "assistant", "content": "Once upon"}]
+    args: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={
+        "continue_final_message": True, "ignore_eos": True})
+    plain = client.chat.completions.create(messages=said, **args).choices[0].message.content
+
+    def answer(messages: list[Any]) -> str:
+        echoed: dict[str, Any] = {**args, "extra_body": {**args["extra_body"], "echo": True}}
+        if not stream:
+            return client.chat.completions.create(messages=messages, **echoed).choices[0].message.content or ""
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **echoed))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert answer(said) == "Once upon" + (plain or "")
+    asked = [said[0]]  # the last message is the user's: nothing to echo
+    assert answer(asked) == client.chat.completions.create(messages=asked, **args).choices[0].message.content
