@@ -43,7 +43,7 @@ from decode_server.http_request import (
 from decode_server.openai_events import ChunkFormat
 from decode_server.openai_reply import DONE, Reply, SseStream
 from decode_server.openai_response_events import ResponseEvents
-from decode_server.openai_responses import new_id, output_of, response_object, status_of
+from decode_server.openai_responses import new_id, output_of, response_object, responses_refusal, status_of
 from decode_server.openai_schema import (
     CHAT_NAMES,
     OPENAI_NAMES,
@@ -304,6 +304,7 @@ class OpenAIApi:
         except Rejected as e:
             raise ApiError.from_status(e.code, str(e)) from e
         except InvalidRequest as e:
+            e = responses_refusal(e) if responses else e  # the chat's field names, as the Responses API's
             raise ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from e
         except ApiError:
             raise

@@ -121,6 +121,7 @@ def test_function_calls_are_output_items(tools_server: HttpServer) -> None:
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ({"input": "é" * 30_000}, "input"),  # 60,000 tokens through the template: past the context
     ({"text": {"format": {"type": "yaml"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
