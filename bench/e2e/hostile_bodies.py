@@ -3,7 +3,8 @@
 One decode server (colocated) streams a long answer over its OpenAI API to one user; meanwhile
 other clients send bodies built to cost the server work: one larger than the body limit, one at the
 limit of a million small JSON values (an id list, a chat of empty messages), a prompt of ids past
-the context, a text prompt past it, a gzip bomb. Each is sent --trials times; for each trial the
+the context, a text prompt past it (also truncated to 16 tokens, and to /tokenize), a Responses API
+input to render past it, a gzip bomb. Each is sent --trials times; for each trial the
 longest gap between the streamed tokens while it was answered is recorded beside the longest gap of
 an idle window just before, and the stall is their difference. The target: at most 10 ms.
 --gil-switch-ms runs them all again against a server started with each switch interval: a thread
@@ -48,7 +49,11 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
     rendered = json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": filler}] * count},
                           separators=(",", ":")).encode()
     past_context = json.dumps({"max_tokens": 2, "prompt": [1] * (max_model_len + 8)}).encode()
-    text = json.dumps({"max_tokens": 2, "prompt": "a " * (limit // 2 - 32)}).encode()
+    long_text = "a " * (limit // 2 - 48)
+    text = json.dumps({"max_tokens": 2, "prompt": long_text}).encode()
+    truncated = json.dumps({"max_tokens": 2, "prompt": long_text, "truncate_prompt_tokens": 16}).encode()
+    responses = json.dumps({"max_output_tokens": 2, "input": [{"role": "user", "content": filler}] * count},
+                           separators=(",", ":")).encode()
     plain: dict[str, str] = {}
     return {
         "over the limit (60 MB)": ("/v1/completions", b"[" + b"1," * 30_000_000 + b"1]", plain),
@@ -57,6 +62,9 @@ def bodies(limit: int, max_model_len: int) -> dict[str, tuple[str, bytes, dict[s
         "ids past the context": ("/v1/completions", past_context, plain),
         "messages to render past the context": ("/v1/chat/completions", rendered, plain),
         "text past the context": ("/v1/completions", text, plain),
+        "text past the context, truncated to 16 tokens": ("/v1/completions", truncated, plain),
+        "text past the context, to /tokenize": ("/tokenize", json.dumps({"prompt": long_text}).encode(), plain),
+        "a Responses input to render past the context": ("/v1/responses", responses, plain),
         "gzip bomb": ("/v1/completions", gzip.compress(b" " * (64 << 20), compresslevel=9),
                       {"Content-Encoding": "gzip"}),
     }
