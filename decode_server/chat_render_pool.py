@@ -28,7 +28,7 @@ from decode_server.http_request import ApiError, count_values, parse_json, too_c
 from decode_server.openai_responses import responses_refusal
 from decode_server.openai_schema import ApiRequest, read_request, read_responses_request
 from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import RequestFields, check_text_fits, encode_within_context, tokens_kept
+from decode_server.request_parser import RequestFields, check_text_fits, encode_prompt
 from engine.tokenizer import ChatOptions, ChatTemplateError, Tokenizer
 from serving.validation import InvalidRequest
 
@@ -60,11 +60,8 @@ def _packed_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: Too
                 max_model_len: int, truncate: int) -> bytes:
     """The rendered chat's ids (its last `truncate`, where given), packed. The template writes its BOS."""
     text = chat_text(tokenizer, messages, tools, options, max_model_len)
-    if truncate:  # may encode past the context before it is cut; read as a prompt of the same text is
-        ids = tokenizer.encode_tail(text, tokens_kept(truncate, max_model_len), add_special_tokens=False)
-    else:
-        ids = encode_within_context(tokenizer, text, max_model_len, False, "messages through the chat template",
-                                    "messages")
+    ids = encode_prompt(tokenizer, text, max_model_len, False, truncate, "messages through the chat template",
+                        "messages")  # read as a prompt of the same text is
     return decode_pb2.GenerateRequest(token_ids=ids).SerializeToString()
 
 

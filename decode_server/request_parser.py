@@ -51,6 +51,16 @@ def tokens_kept(truncate_prompt_tokens: int, limit: int) -> int:
     return limit if truncate_prompt_tokens < 0 else truncate_prompt_tokens
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str, limit: int, add_special_tokens: bool, truncate_prompt_tokens: int,
+                  what: str, field: str) -> list[int]:
+    """A prompt text's ids: the last ones truncate_prompt_tokens keeps, read from the text's tail (it
+    may encode past the context before it is cut), or else all of them, refused past the context."""
+    keep = tokens_kept(truncate_prompt_tokens, limit)
+    if keep:
+        return tokenizer.encode_tail(text, keep, add_special_tokens)
+    return encode_within_context(tokenizer, text, limit, add_special_tokens, what, field)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RequestFields:
     """A request before any check. As in the proto, 0 / "" / empty mean unset. Built by keyword only:
@@ -250,10 +260,8 @@ class RequestParser:
                                  f"send {names.token_ids}", names.prompt)
         limit, tokenizer = self.max_model_len, self.tokenizer
         check_text_fits(len(f.prompt), limit, f"{names.prompt} text", names.prompt)
-        keep = tokens_kept(f.truncate_prompt_tokens, limit)  # a prompt to be truncated may encode past the context
-        encode = (partial(tokenizer.encode_tail, f.prompt, keep, f.add_special_tokens) if keep else
-                  partial(encode_within_context, tokenizer, f.prompt, limit, f.add_special_tokens,
-                          f"{names.prompt} text", names.prompt))
+        encode = partial(encode_prompt, tokenizer, f.prompt, limit, f.add_special_tokens, f.truncate_prompt_tokens,
+                         f"{names.prompt} text", names.prompt)
         ids = await asyncio.to_thread(encode) if len(f.prompt) > TOKENIZE_IN_THREAD_CHARS else encode()
         tokens = token_ids(ids)
         if not tokens:
