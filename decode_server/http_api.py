@@ -21,7 +21,6 @@ import ssl
 import time
 import uuid
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import grpc
@@ -53,15 +52,10 @@ from decode_server.openai_schema import (
     read_responses_request,
 )
 from decode_server.openai_tokenize import TokenizeRequest, read_detokenize, read_tokenize, tokenize_reply
-from decode_server.request_parser import (
-    TOKENIZE_IN_THREAD_CHARS,
-    RequestFields,
-    RequestParser,
-    check_text_fits,
-    encode_within_context,
-)
+from decode_server.openai_tools import Tools
+from decode_server.request_parser import RequestFields, RequestParser
 from decode_server.sequence import Rejected
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import ChatOptions, Tokenizer
 from serving.grpc_common import FATAL_GRACE_S, StartupError
 from serving.validation import InvalidRequest
 
@@ -148,7 +142,7 @@ class OpenAIApi:
             tokenizer = self._tokenizer_for(request.path)
             req = read_tokenize(await self._json(request), self.max_model_len)
             self._check_model(req.model)
-            ids = await self._token_ids(req, tokenizer)
+            ids = await self._token_ids(req)
             return web.json_response(tokenize_reply(ids, tokenizer, self.max_model_len, req.token_strs))
         except InvalidRequest as e:
             return ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param).response()
@@ -182,22 +176,17 @@ class OpenAIApi:
                                 "(GET /v1/models)", "invalid_request_error", "model_not_found", "model",
                            grpc.StatusCode.NOT_FOUND)
 
-    async def _token_ids(self, req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
-        """Through the template, in the render pool for a chat of many messages; bounded by the context."""
-        limit = self.max_model_len
-        if req.chat and self.render_pool is not None and len(req.messages) > POOL_MESSAGES:
-            fields = await self.render_pool.render(RequestFields(request_id="tokenize"), req.messages, req.tools,
-                                                   req.chat_options, limit)
-            return list(fields.token_ids)
-        text = chat_text(tokenizer, req.messages, req.tools, req.chat_options, limit) if req.chat else req.prompt
-        check_text_fits(len(text), limit, "prompt text", "messages" if req.chat else "prompt")
-        encode = partial(encode_within_context, tokenizer, text, limit, req.add_special_tokens and not req.chat,
-                         "messages through the chat template" if req.chat else "prompt text",
-                         "messages" if req.chat else "prompt")
-        ids = await asyncio.to_thread(encode) if len(text) > TOKENIZE_IN_THREAD_CHARS else encode()
-        if len(ids) > limit:  # encode_within_context refuses what is surely longer; this, the rest
+    async def _token_ids(self, req: TokenizeRequest) -> list[int]:
+        """As a generation reads its prompt: a chat through its template (in the render pool where it is
+        long), text encoded by the request parser; bounded by the context."""
+        fields = RequestFields(request_id="tokenize", prompt=req.prompt, add_special_tokens=req.add_special_tokens)
+        if req.chat:
+            fields = await self._chat_fields(fields, req.messages, req.tools, req.chat_options)
+        names = CHAT_NAMES if req.chat else OPENAI_NAMES
+        ids = list(fields.token_ids or await self.parser.encode_text(fields, names))
+        if len(ids) > self.max_model_len:  # encoding refuses what is surely longer; this, the rest
             raise InvalidRequest(f"the {'chat' if req.chat else 'prompt'} encodes to {len(ids)} tokens, past the "
-                                 f"context limit of {limit}", "messages" if req.chat else "prompt")
+                                 f"context limit of {self.max_model_len}", names.prompt)
         return ids
 
     # --- one request --------------------------------------------------------------------------
@@ -297,7 +286,7 @@ class OpenAIApi:
             self._check_model(api.model)
             fields = api.fields
             if chat and not fields.token_ids:  # not already through the template in the render pool
-                fields = await self._chat_fields(fields, api)
+                fields = await self._chat_fields(fields, api.messages, api.tools, api.chat_options)
             names = RESPONSES_NAMES if responses else CHAT_NAMES if chat else OPENAI_NAMES
             parsed = await self.parser.parse(fields, arrival, names)
             return api, parsed, self.core.accept(parsed)
@@ -334,16 +323,16 @@ class OpenAIApi:
                                            "(--ignore-unknown-fields)")
         return api
 
-    async def _chat_fields(self, fields: RequestFields, api: ApiRequest) -> RequestFields:
+    async def _chat_fields(self, fields: RequestFields, messages: list[dict[str, Any]], tools: Tools | None,
+                           options: ChatOptions) -> RequestFields:
         """The chat's prompt through its template: its text, rendered here, or the ids of one of many
         messages, from the render pool."""
         if self.tokenizer is None:
             raise InvalidRequest("this server's model has no tokenizer, so it can't take chats; use "
                                  "/v1/completions with a prompt of token ids", "messages")
-        if self.render_pool is not None and len(api.messages) > POOL_MESSAGES:
-            return await self.render_pool.render(fields, api.messages, api.tools, api.chat_options, self.max_model_len)
-        return replace(fields, prompt=chat_text(self.tokenizer, api.messages, api.tools, api.chat_options,
-                                                self.max_model_len),
+        if self.render_pool is not None and len(messages) > POOL_MESSAGES:
+            return await self.render_pool.render(fields, messages, tools, options, self.max_model_len)
+        return replace(fields, prompt=chat_text(self.tokenizer, messages, tools, options, self.max_model_len),
                        add_special_tokens=False)
 
 

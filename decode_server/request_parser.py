@@ -135,7 +135,7 @@ class RequestParser:
                                                   f"{names.token_ids}", names.prompt)
         if f.max_new_tokens is not None:
             check_max_new_tokens(f.max_new_tokens, names.max_new_tokens)
-        tokens = f.token_ids if has_ids else await self._encode(f, names)
+        tokens = f.token_ids if has_ids else await self.encode_text(f, names)
         keep = tokens_kept(f.truncate_prompt_tokens, limit)
         if 0 < keep < len(tokens):
             tokens = token_ids(tokens[-keep:])
@@ -254,7 +254,8 @@ class RequestParser:
         except GrammarError as e:
             raise InvalidRequest(f"{name} is not a valid {spec.kind.replace('_', ' ')}: {e}", name) from None
 
-    async def _encode(self, f: RequestFields, names: FieldNames) -> TokenIds:
+    async def encode_text(self, f: RequestFields, names: FieldNames) -> TokenIds:
+        """`f.prompt`'s ids (`encode_prompt`), off the event loop where the text is long."""
         if self.tokenizer is None:
             raise InvalidRequest(f"this server's model has no tokenizer, so it can't take {names.prompt} text; "
                                  f"send {names.token_ids}", names.prompt)
