@@ -76,15 +76,17 @@ class ResponseEvents:
     def _next_index(self) -> int:
         return len(self.items) + (self.message is not None) + len(self.calls)
 
+    def _open_message(self) -> bytes:
+        self.message = (new_id("msg"), self._next_index())
+        item_id, index = self.message
+        return (self._event("response.output_item.added", output_index=index,
+                            item=message_item(item_id, "", "in_progress"))
+                + self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                              part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+
     def _add_text(self, text: str) -> bytes:
-        out = b""
-        if self.message is None:
-            self.message = (new_id("msg"), self._next_index())
-            item_id, index = self.message
-            out += self._event("response.output_item.added", output_index=index,
-                               item=message_item(item_id, "", "in_progress"))
-            out += self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                               part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        out = self._open_message() if self.message is None else b""
+        assert self.message is not None
         item_id, index = self.message
         self.text += text
         return out + self._event("response.output_text.delta", item_id=item_id, output_index=index, content_index=0,
@@ -120,10 +122,10 @@ class ResponseEvents:
                 + self._event("response.output_item.done", output_index=index, item=item))
 
     def _close_all(self) -> bytes:
+        out = b""
         if self.message is None and not self.calls and not self.items:
-            out = self._close_message_opened_empty()  # an empty answer is an empty message
-        else:
-            out = self._close_message()
+            out = self._open_message()  # an empty answer is an empty message
+        out += self._close_message()
         for call in sorted(self.calls.values(), key=lambda c: c.output_index):
             item = call_item(call.item_id, call.call_id, call.name, call.arguments, "completed")
             self.items.append(item)
@@ -132,16 +134,6 @@ class ResponseEvents:
             out += self._event("response.output_item.done", output_index=call.output_index, item=item)
         self.calls = {}
         return out
-
-    def _close_message_opened_empty(self) -> bytes:
-        """The opening events of an empty message, then its closing ones."""
-        item_id, index = new_id("msg"), self._next_index()
-        self.message = (item_id, index)
-        return (self._event("response.output_item.added", output_index=index,
-                            item=message_item(item_id, "", "in_progress"))
-                + self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                              part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-                + self._close_message())
 
     def completed(self, finish_reason: str | None, usage: dict[str, int]) -> bytes:
         """The last event: the whole Response."""
