@@ -243,7 +243,8 @@ class NixlSenders(TransportSenders):
         pairs = chunk_pairs(job.block_table, layout.block_size, job.dst_block_table, job.dst_block_size,
                             job.send_from, len(job.token_ids), chunk)
         writes = prepared_writes(self.agent, peer.agent, peer.prepared, pairs)
-        return NixlKVSender(self.agent, peer.agent, writes, job.dst_tag, layout.num_layers, self.timeout_s)
+        return NixlKVSender(self.agent, peer.agent, writes, job.dst_tag, layout.num_layers, self.timeout_s,
+                            peer.prepared)
 
 
 SENDERS: dict[KVTransport, type[TransportSenders]] = {

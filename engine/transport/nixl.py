@@ -130,9 +130,13 @@ class NixlAgent:
                 raise TransferError(f"the pairing with {peer} was replaced or dropped")
             return self._agent.make_prepped_xfer("WRITE", prepared.local, local, prepared.remote, remote)
 
-    def start(self, handle: Any, op: str, peer: str) -> Any:
-        """Post a transfer made by make_xfer or make_prepared_write; its handle (released if NIXL refuses)."""
+    def start(self, handle: Any, op: str, peer: str, prepared: PreparedPools | None = None) -> Any:
+        """Post a transfer made by make_xfer or make_prepared_write (from `prepared`); its handle
+        (released if NIXL refuses, or if `prepared` was let go since: its peer may be unloaded)."""
         with self._lock:
+            if prepared is not None and prepared.released:
+                self._agent.release_xfer_handle(handle)
+                raise TransferError(f"the pairing with {peer} was replaced or dropped")
             if self._agent.transfer(handle) != "ERR":
                 return handle
             self._agent.release_xfer_handle(handle)
@@ -229,11 +233,14 @@ class NixlKVSender(KVSender):
     """Prefill side: each layer's WRITE (made by `make`) posted from a thread of its own once the layer's KV
     is written (a CUDA event on the GPU), so the prefill never waits; `finish` waits for every write,
     then notifies DONE, or END when the transfer stopped early (a cancel or a failure: the decode side
-    then knows nothing more will land)."""
+    then knows nothing more will land). The thread makes the next layers' WRITEs while it waits for
+    their KV, so a layer's KV, the last one's above all, is only posted once it is there."""
 
     def __init__(self, agent: NixlAgent, peer: str, make: LayerWrite, tag: str, num_layers: int,
-                 timeout_s: float) -> None:
-        self.agent, self.peer, self.make = agent, peer, make
+                 timeout_s: float, prepared: PreparedPools | None = None) -> None:
+        """`prepared`: the pairing's lists `make` draws on; a WRITE made from them is not posted once
+        they are let go."""
+        self.agent, self.peer, self.make, self.prepared = agent, peer, make, prepared
         self.timeout_s = timeout_s
         self.tag, self.num_layers = tag.encode(), num_layers
         self._handles: list[Any] = []
@@ -252,32 +259,57 @@ class NixlKVSender(KVSender):
         self._layers.put((layer, event))
 
     def _post_loop(self) -> None:
-        while (item := self._layers.get()) is not None:
+        made: dict[int, Any] = {}  # WRITEs made ahead of their layer's KV, not yet posted
+        ahead = 0  # the next layer to make while no layer waits
+        while True:
+            if ahead < self.num_layers and self._error is None and self._layers.empty():
+                try:
+                    made[ahead] = self.make(ahead)
+                except BaseException as e:
+                    self._error = e
+                ahead += 1
+                continue
+            if (item := self._layers.get()) is None:
+                break
             layer, event = item
             if self._error is not None:
                 continue
+            handle = made.pop(layer, None)
+            ahead = max(ahead, layer + 1)
             try:
+                handle = handle if handle is not None else self.make(layer)
                 if event is not None:
                     event.synchronize()
-                self._handles.append(self.agent.start(self.make(layer), "WRITE", self.peer))
             except BaseException as e:
                 self._error = e
+                if handle is not None:
+                    made[layer] = handle  # released below
+                continue
+            try:
+                self._handles.append(self.agent.start(handle, "WRITE", self.peer, self.prepared))  # released if refused
+            except BaseException as e:
+                self._error = e
+        for handle in made.values():  # never posted: the transfer stopped early
+            self.agent.release(handle)
 
     def finish(self) -> None:
         self._layers.put(None)
         self._thread.join()
         give_up = time.monotonic() + self.timeout_s
-        for handle in self._handles:
-            while (state := self.agent.state(handle)) not in ("DONE", "ERR") and time.monotonic() < give_up:
-                time.sleep(0.0001)
-            if state != "DONE" and self._error is None:
-                self._error = TransferError(f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
-            self.agent.release(handle)
-        whole = self._error is None and len(self._handles) == self.num_layers
         try:
-            self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
-        except Exception as e:  # its agent unloaded (the pairing replaced or dropped): the first error stays
-            self._error = self._error or TransferError(f"no notification reached {self.peer}: {e}")
+            for handle in self._handles:
+                while (state := self.agent.state(handle)) not in ("DONE", "ERR") and time.monotonic() < give_up:
+                    time.sleep(0.0001)
+                if state != "DONE" and self._error is None:
+                    self._error = TransferError(f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
+            whole = self._error is None and len(self._handles) == self.num_layers
+            try:
+                self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
+            except Exception as e:  # its agent unloaded (the pairing replaced or dropped): the first error stays
+                self._error = self._error or TransferError(f"no notification reached {self.peer}: {e}")
+        finally:  # after the notification: the decode side need not wait for NIXL's bookkeeping
+            for handle in self._handles:
+                self.agent.release(handle)
         if self._error is not None:
             raise TransferError(f"KV over nixl: {self._error}") from self._error
 
