@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.cuda,
 
 @pytest.fixture(scope="module")
 def http_server(server_logs: Path) -> Iterator[HttpServer]:
-    server = HttpServer(server_logs, "--device", "cuda:0", "--dtype", "float32", "--max-batch-size", "16")
+    server = HttpServer(server_logs, "--preset", "tiny", "--device", "cuda:0", "--dtype", "float32",
+                        "--max-batch-size", "16")
     server.start(timeout=300)
     yield server
     server.stop()
