@@ -38,6 +38,21 @@ def metadata() -> dict[str, Any]:
             "command": "python -m " + " ".join([_module_run(), *sys.argv[1:]]), "torch": torch.__version__}
 
 
+def tokenizer_args(preset: str) -> list[str]:
+    """`--tokenizer` for a preset without one of its own (all but tiny): the tiny preset's byte-level
+    tokenizer (ids 0-319 of the model's vocabulary), saved to a fresh folder, so that text prompts,
+    chats and grammars run on a real model's shape."""
+    if preset == "tiny":
+        return []
+    import tempfile
+
+    from engine.byte_tokenizer import byte_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="byte-tokenizer-")
+    byte_tokenizer().hf.save_pretrained(folder)
+    return ["--tokenizer", folder]
+
+
 def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")

@@ -343,6 +343,22 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     return LoadedModel(model, cfg, tokenizer, str(folder))
 
 
+def load_tokenizer(folder: str, vocab_size: int) -> Tokenizer:
+    """`--tokenizer`: a folder's tokenizer in place of the model's own; refused when it has none, or names
+    ids past the model's vocabulary (they would index past its embedding)."""
+    path = Path(folder)
+    try:
+        tokenizer = Tokenizer.maybe_from_folder(path) if path.is_dir() else None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"--tokenizer {folder}: its tokenizer files can't be loaded ({e})") from e
+    if tokenizer is None:
+        raise ModelLoadError(f"--tokenizer {folder}: no tokenizer files there; give a folder with a tokenizer.json")
+    if (top := max(tokenizer.hf.get_vocab().values(), default=0)) >= vocab_size:
+        raise ModelLoadError(f"--tokenizer {folder}: it has ids up to {top}, past the model's vocabulary of "
+                             f"{vocab_size}; use a tokenizer made for this model")
+    return tokenizer
+
+
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
                quantization: str | None = None) -> LoadedModel:

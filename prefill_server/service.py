@@ -254,4 +254,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             def finish(self) -> None:
                 sender.finish()
 
+            def release(self) -> None:
+                sender.release()
+
         return Faulty()

@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.device import default_preset, resolve_device, resolve_dtype
-from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.loader import LoadedModel, ModelLoadError, load_model, load_tokenizer
 from engine.ops import KernelOptions
 from engine.runner import ModelRunner, kv_pool_bytes
 from serving.grpc_common import StartupError
@@ -42,6 +42,8 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up, pdl=cfg.pdl)
         loaded: LoadedModel = load_model(cfg.model, preset, device, dtype, max_positions=max_len, kernels=kernels,
                                              quantization=cfg.quantization)
+        if cfg.tokenizer:
+            loaded.tokenizer = load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
     except ModelLoadError as e:
         raise StartupError(str(e)) from e
     max_len = min(max_len, loaded.config.max_position_embeddings)

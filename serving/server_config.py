@@ -41,6 +41,9 @@ class ServerConfig:
     preset: str | None = field(default=None, metadata=opt("built-in model with random weights; default: "
                                                            "qwen2.5-7b with a GPU, tiny without",
                                                            choices=sorted(PRESETS)))
+    tokenizer: str | None = field(default=None, metadata=opt(
+        "a local tokenizer folder (tokenizer.json) to read text with in place of the model's own: a preset's "
+        "(which have none but tiny's) or a checkpoint's"))
     device: str = field(default="auto", metadata=opt("cpu, cuda:N, or auto (prefill GPU 0, decode GPU 1)"))
     dtype: str = field(default="auto", metadata=opt("auto (bfloat16 on GPU, float32 on CPU), float32, "
                                                      "bfloat16, float16"))

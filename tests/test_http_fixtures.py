@@ -32,6 +32,12 @@ class HttpServer(Server):
         return self.log()[self.log_start:]
 
     @property
+    def device(self) -> str:
+        """Its --device: a preset's random weights are drawn by that device's generator, so a reference
+        computed elsewhere is another model."""
+        return self.args[self.args.index("--device") + 1] if "--device" in self.args else "cpu"
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/v1"
 

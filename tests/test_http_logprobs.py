@@ -23,11 +23,12 @@ pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves i
 MODEL = "tiny"
 
 
-def reference_logprobs(prompt_ids: list[int], answer: list[int]) -> list[torch.Tensor]:
-    """log_softmax of the tiny model's logits before each answer token, from whole prefills here."""
+def reference_logprobs(prompt_ids: list[int], answer: list[int], device: str) -> list[torch.Tensor]:
+    """log_softmax of the tiny model's logits before each answer token, from whole prefills here, on the
+    server's device (a preset's random weights are drawn by that device's generator)."""
     from engine.offline import make_runner
 
-    runner = make_runner(preset="tiny", max_model_len=256)
+    runner = make_runner(preset="tiny", device=device, max_model_len=256)
     out = []
     for i in range(len(answer)):
         ids = prompt_ids + answer[:i]
@@ -52,7 +53,7 @@ def test_completion_logprobs_are_the_models(http_server: HttpServer, mode: str) 
         answer = [r.token_id for r in decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
             token_ids=ids, max_new_tokens=6, ignore_eos=True, sampling=decode_pb2.SamplingParams(
                 temperature=0.8, seed=5)), timeout=60)]
-    reference = reference_logprobs(ids, answer)
+    reference = reference_logprobs(ids, answer, http_server.device)
     for i, (token, chosen, top) in enumerate(zip(answer, lp.token_logprobs, lp.top_logprobs, strict=True)):
         assert chosen == pytest.approx(float(reference[i][token]), abs=1e-3)  # raw logits: no temperature
         assert max(top.values()) == pytest.approx(float(reference[i].max()), abs=1e-3)
@@ -100,7 +101,7 @@ def test_echo_scores_the_prompt_as_the_model_does(http_server: HttpServer, mode:
     """lm-eval-harness' loglikelihood request: echo, logprobs, one token. Sent twice, so the second
     finds the prompt in the prefix cache, whose blocks would have no logits to give."""
     ids = prompt(40, salt=13)
-    reference = reference_logprobs(ids[:1], ids[1:])
+    reference = reference_logprobs(ids[:1], ids[1:], http_server.device)
     for _ in range(2):
         got = http_server.client().completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0,
                                                       logprobs=1, echo=True,
@@ -151,7 +152,7 @@ def test_vllm_prompt_logprobs_rank_the_prompts_tokens(http_server: HttpServer) -
     """vLLM's `prompt_logprobs: k`: None for the first token, then the prompt token's log probability
     and rank among all tokens, beside the k likeliest (ranks 1..k); echo's alternatives stay its own."""
     ids = prompt(24, salt=17)
-    reference = reference_logprobs(ids[:1], ids[1:])
+    reference = reference_logprobs(ids[:1], ids[1:], http_server.device)
     got = http_server.client().completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, logprobs=1,
                                                   echo=True, extra_body={"prompt_logprobs": 3})
     choice: Any = got.choices[0]

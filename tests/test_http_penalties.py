@@ -22,12 +22,13 @@ MODEL = "tiny"
 STEPS = 8
 
 
-def reference(ids: list[int], steps: int, presence: float = 0.0, frequency: float = 0.0,
+def reference(ids: list[int], steps: int, device: str, presence: float = 0.0, frequency: float = 0.0,
               repetition: float = 1.0, bias: dict[int, float] | None = None) -> tuple[list[int], list[float]]:
-    """Greedy tokens under the penalties, and each one's raw log probability, from whole prefills here."""
+    """Greedy tokens under the penalties, and each one's raw log probability, from whole prefills here
+    on the server's device (where the preset's random weights were drawn)."""
     from engine.offline import make_runner
 
-    runner = make_runner(preset="tiny", max_model_len=256)
+    runner = make_runner(preset="tiny", device=device, max_model_len=256)
     tokens: list[int] = []
     raw: list[float] = []
     for _ in range(steps):
@@ -58,8 +59,8 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
-def expected(ids: list[int], case: dict[str, Any]) -> list[float]:
-    _, raw = reference(ids, STEPS, case.get("presence_penalty", 0.0), case.get("frequency_penalty", 0.0),
+def expected(ids: list[int], case: dict[str, Any], device: str) -> list[float]:
+    _, raw = reference(ids, STEPS, device, case.get("presence_penalty", 0.0), case.get("frequency_penalty", 0.0),
                        case.get("repetition_penalty", 1.0),
                        {int(k): v for k, v in case.get("logit_bias", {}).items()})
     return raw
@@ -80,7 +81,7 @@ def test_penalties_in_one_batch_are_each_the_models(http_server: HttpServer) -> 
     with ThreadPoolExecutor(len(CASES) + 1) as pool:
         got = list(pool.map(lambda case: answer(http_server, ids, case), CASES + plain))
     for case, values in zip(CASES + plain, got, strict=True):
-        assert values == pytest.approx(expected(ids, case), abs=1e-3), case
+        assert values == pytest.approx(expected(ids, case, http_server.device), abs=1e-3), case
     assert got[-1] != got[0]  # the penalty changed the answer
 
 

@@ -79,6 +79,7 @@ def test_writes_made_ahead_land_every_layer_and_notify_done(agents: tuple[Any, .
     for layer in range(layers):
         sender.layer_done(layer)
     sender.finish()
+    sender.release()
     assert made == list(range(layers))  # none made twice
     assert note(receive, send.name, "whole") == DONE
     assert layer_checksums(receive.pool, receive_table, TOKENS) == layer_checksums(send.pool, send_table, TOKENS)
@@ -104,6 +105,8 @@ def test_writes_made_from_released_lists_are_never_posted(agents: tuple[Any, ...
             sender.finish()
         except TransferError as e:
             refused.append(e)
+        finally:
+            sender.release()
 
     finishing = threading.Thread(target=finish)
     finishing.start()

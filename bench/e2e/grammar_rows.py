@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import metadata, write_json
+from bench.common import metadata, tokenizer_args, write_json
 from launcher.process import ServerFailed, ServerProcess
 
 TARGET_RATIO = 1.10  # the mixed batch's ITL over the unconstrained batch's
@@ -77,7 +77,8 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     server_args = ["--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.http_port),
                    "--metrics-port", "0", "--preset", args.preset, "--device", args.device, "--mode", "colocated",
-                   "--no-prefix-cache", "--max-batch-size", str(args.users), *args.server_args.split()]
+                   "--no-prefix-cache", "--max-batch-size", str(args.users), *tokenizer_args(args.preset),
+                   *args.server_args.split()]
     server = ServerProcess("decode_server", server_args, f"127.0.0.1:{args.port}", logs / "decode_server.log")
     url = f"http://127.0.0.1:{args.http_port}/v1"
     alone_cmd = load_cmd(url, args.users, args, logs / "alone.json", args.seed)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import metadata, write_json
+from bench.common import metadata, tokenizer_args, write_json
 from decode_server.http_request import default_max_body_bytes
 from launcher.process import ServerFailed, ServerProcess
 
@@ -147,7 +147,7 @@ def main() -> None:
         server_args = ["--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.http_port),
                        "--metrics-port", "0", "--preset", args.preset, "--device", args.device, "--mode", "colocated",
                        "--max-model-len", str(args.max_model_len), "--gil-switch-ms", f"{switch_ms:g}",
-                       *args.server_args.split()]
+                       *tokenizer_args(args.preset), *args.server_args.split()]
         print(f"--gil-switch-ms {switch_ms:g}", flush=True)
         results = run_cases(server_args, cases, args)
         worst = {name: max(r["stall_ms"] for r in rows) for name, rows in results.items()}

@@ -50,6 +50,10 @@ class KVSender(ABC):
     def finish(self) -> None:
         """Block until every layer has been handed to the transport."""
 
+    def release(self) -> None:  # noqa: B027 (optional: only nixl's sender holds anything by then)
+        """Let go of what the transfer still holds, after `finish` returned or raised and the answer
+        has left (bookkeeping kept off the request's path). Called once by the worker, whatever happened."""
+
 
 class KVReceiver(ABC):
     """The decode side of one request's transfer, into blocks the decode server reserved for the

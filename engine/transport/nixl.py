@@ -234,7 +234,9 @@ class NixlKVSender(KVSender):
     is written (a CUDA event on the GPU), so the prefill never waits; `finish` waits for every write,
     then notifies DONE, or END when the transfer stopped early (a cancel or a failure: the decode side
     then knows nothing more will land). The thread makes the next layers' WRITEs while it waits for
-    their KV, so a layer's KV, the last one's above all, is only posted once it is there."""
+    their KV, and notes the earlier ones done as it goes, so that once the last layer's KV is there
+    only its post, its WRITE and the notification stand between it and the decode side; the handles
+    are let go in `release`, after the answer has left."""
 
     def __init__(self, agent: NixlAgent, peer: str, make: LayerWrite, tag: str, num_layers: int,
                  timeout_s: float, prepared: PreparedPools | None = None) -> None:
@@ -243,7 +245,9 @@ class NixlKVSender(KVSender):
         self.agent, self.peer, self.make, self.prepared = agent, peer, make, prepared
         self.timeout_s = timeout_s
         self.tag, self.num_layers = tag.encode(), num_layers
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # posted
+        self._landed = 0  # how many of them (in order) NIXL has reported done
+        self._released = False
         self._error: BaseException | None = None
         self._layers: queue.Queue[tuple[int, torch.cuda.Event | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._post_loop, daemon=True, name="nixl-send")
@@ -289,29 +293,44 @@ class NixlKVSender(KVSender):
                 self._handles.append(self.agent.start(handle, "WRITE", self.peer, self.prepared))  # released if refused
             except BaseException as e:
                 self._error = e
+            self._check_landed(wait=False)
         for handle in made.values():  # never posted: the transfer stopped early
             self.agent.release(handle)
+
+    def _check_landed(self, wait: bool) -> None:
+        """Move past the posted WRITEs NIXL reports done, in order; `wait`: until all are, or the timeout."""
+        give_up = time.monotonic() + self.timeout_s
+        while self._landed < len(self._handles):
+            state = self.agent.state(self._handles[self._landed])
+            if state == "DONE":
+                self._landed += 1
+            elif state == "ERR" or (wait and time.monotonic() > give_up):
+                self._error = self._error or TransferError(
+                    f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
+                return
+            elif wait:
+                time.sleep(0.0001)
+            else:
+                return
 
     def finish(self) -> None:
         self._layers.put(None)
         self._thread.join()
-        give_up = time.monotonic() + self.timeout_s
+        self._check_landed(wait=True)
+        whole = self._error is None and len(self._handles) == self.num_layers
         try:
-            for handle in self._handles:
-                while (state := self.agent.state(handle)) not in ("DONE", "ERR") and time.monotonic() < give_up:
-                    time.sleep(0.0001)
-                if state != "DONE" and self._error is None:
-                    self._error = TransferError(f"a NIXL WRITE to {self.peer} {'failed' if state == 'ERR' else 'hung'}")
-            whole = self._error is None and len(self._handles) == self.num_layers
-            try:
-                self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
-            except Exception as e:  # its agent unloaded (the pairing replaced or dropped): the first error stays
-                self._error = self._error or TransferError(f"no notification reached {self.peer}: {e}")
-        finally:  # after the notification: the decode side need not wait for NIXL's bookkeeping
-            for handle in self._handles:
-                self.agent.release(handle)
+            self.agent.notify(self.peer, (DONE if whole else END) + b":" + self.tag)
+        except Exception as e:  # its agent unloaded (the pairing replaced or dropped): the first error stays
+            self._error = self._error or TransferError(f"no notification reached {self.peer}: {e}")
         if self._error is not None:
             raise TransferError(f"KV over nixl: {self._error}") from self._error
+
+    def release(self) -> None:
+        """Let go of every posted WRITE (NIXL's bookkeeping), once finish has returned or raised."""
+        if not self._released:
+            self._released = True
+            for handle in self._handles:
+                self.agent.release(handle)
 
 
 class NixlKVReceiver(KVReceiver):
