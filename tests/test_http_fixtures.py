@@ -35,7 +35,8 @@ class HttpServer(Server):
     def device(self) -> str:
         """Its --device: a preset's random weights are drawn by that device's generator, so a reference
         computed elsewhere is another model."""
-        return self.args[self.args.index("--device") + 1] if "--device" in self.args else "cpu"
+        flags = self.args[::-1]  # argparse takes the last --device given
+        return flags[flags.index("--device") - 1] if "--device" in flags else "cpu"
 
     @property
     def url(self) -> str:
