@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +36,7 @@ def _module_run() -> str:
 
 def metadata() -> dict[str, Any]:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "hardware": hardware(), "commit": git_commit(),
-            "command": "python -m " + " ".join([_module_run(), *sys.argv[1:]]), "torch": torch.__version__}
+            "command": "python -m " + shlex.join([_module_run(), *sys.argv[1:]]), "torch": torch.__version__}
 
 
 def tokenizer_args(preset: str) -> list[str]:

@@ -217,16 +217,17 @@ def kv_nixl_h200() -> str:
     for (transport, mode, op, tokens), runs_ in groups.items():
         mid = sorted(runs_, key=lambda r: r["seconds"])[len(runs_) // 2]
         rate = f"{mid['gbps']:,.1f} GB/s" if mid.get("gbps") else "-"
-        exposed = ms(mid["exposed_ms"], 2) if mid.get("exposed_ms") is not None else "-"
+        shown = sorted(r["exposed_ms"] for r in runs_ if r.get("exposed_ms") is not None)
+        exposed = f"{ms(shown[len(shown) // 2], 2)} ({shown[0]:.2f}-{shown[-1]:.2f})" if shown else "-"
         cells.append([transport, mode, op if mode == "endpoints" else "-", f"{tokens // 1024}k",
                       f"{mid['bytes'] / 1e9:.2f} GB", ms(mid["seconds"] * 1e3, 2), rate, exposed,
                       "yes" if all(r["bitwise_equal"] for r in runs_) else "**no**"])
-    first = rows[0]
+    first, last = rows[0], max(rows, key=lambda r: r["date"])
     commands = dict.fromkeys(r["command"].replace(f"--tokens {r['tokens']}", "--tokens N") for r in rows)
-    doc = {"hardware": first["hardware"], "date": first["date"], "commit": first["commit"],
-           "command": "`, then `".join(commands)}
-    header = ["transport", "measured", "op", "KV of", "bytes", "time (median of 3)", "rate",
-              "exposed beyond the prefill", "bytes identical"]
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
+    doc = {"hardware": first["hardware"], "date": last["date"], "commit": commits, "command": "`, then `".join(commands)}
+    header = ["transport", "measured", "op", "KV of", "bytes", "time (median)", "rate",
+              "exposed beyond the prefill: median (range)", "bytes identical"]
     return provenance(doc, file, f", run with `{first['env']}`") + "\n\n" + table(header, cells)
 
 
@@ -263,11 +264,14 @@ def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
     before = doc.get("previous")
     if before:
         runs_.append((f"at {before['commit']}, switch 5 ms", before, "5"))
-    first = doc["gil_switch_ms"][runs_[0][2]]["cases"]
+    cases: dict[str, list[Doc]] = {}  # every case of every run, each answered as in the first run that sent it
+    for _, d, k in runs_:
+        for name, trials in d["gil_switch_ms"][k]["cases"].items():
+            cases.setdefault(name, trials)
     header = ["body", "answer", "answered in (median)",
               *[f"stall, worst / median of {d['trials']} ({label})" for label, d, _ in runs_]]
     rows = []
-    for name, trials in first.items():
+    for name, trials in cases.items():
         status = sorted({str(t["status"]) for t in trials})
         answered = sorted(t["answered_s"] for t in trials)[len(trials) // 2]
         stalls = [f"{ms(d['gil_switch_ms'][k]['worst_stall_ms'].get(name))} / "
@@ -285,6 +289,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
     "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200, "hostile-bodies-cpu": hostile_bodies,
+    "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"),
 }
 
 
