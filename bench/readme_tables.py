@@ -225,7 +225,8 @@ def kv_nixl_h200() -> str:
     first, last = rows[0], max(rows, key=lambda r: r["date"])
     commands = dict.fromkeys(r["command"].replace(f"--tokens {r['tokens']}", "--tokens N") for r in rows)
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
-    doc = {"hardware": first["hardware"], "date": last["date"], "commit": commits, "command": "`, then `".join(commands)}
+    doc = {"hardware": first["hardware"], "date": last["date"], "commit": commits,
+           "command": "`, then `".join(commands)}
     header = ["transport", "measured", "op", "KV of", "bytes", "time (median)", "rate",
               "exposed beyond the prefill: median (range)", "bytes identical"]
     return provenance(doc, file, f", run with `{first['env']}`") + "\n\n" + table(header, cells)
