@@ -35,7 +35,7 @@ def reference(ids: list[int], steps: int, device: str, presence: float = 0.0, fr
         seq = ids + tokens
         table = runner.pool.allocator.allocate(runner.pool.blocks_needed(len(seq)))
         try:
-            logits = runner.prefill(seq, table, 0).float()
+            logits = runner.prefill(seq, table, 0).float().cpu()  # the arithmetic below is on the host
         finally:
             runner.pool.allocator.free(table)
         x = logits.clone()
