@@ -1,14 +1,19 @@
-"""The prefill side's NIXL sender between two agents in this process (host-memory pools of the tiny
+"""The prefill side's NIXL sender between two agents in one process (host-memory pools of the tiny
 preset, UCX over TCP): it makes the next layers' WRITEs while it waits for their KV, posts each once its
 layer is done, and notifies DONE; a pairing let go while a prefill runs posts none of the WRITEs made
-ahead from its lists, and the decode side hears END."""
+ahead from its lists, and the decode side hears END. Each check runs in a process of its own: NIXL's
+bundled libraries and grpc_tools' protoc, which other tests load, crash a process that holds both."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +22,12 @@ from engine.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl wheel")
 
+ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 40
 
 
-@pytest.fixture
-def agents() -> Iterator[tuple[Any, Any, Any, Any, list[int], list[int]]]:
+@contextmanager
+def two_agents() -> Iterator[tuple[Any, Any, Any, Any, list[int], list[int]]]:
     from bench.random_pool import make_pool
     from engine.transport.nixl import NixlAgent
     from engine.transport.nixl_descriptors import PoolAddress, chunk_tokens
@@ -64,7 +70,32 @@ def note(receive: Any, peer_name: str, tag: str) -> bytes | None:
     return kind
 
 
-def test_writes_made_ahead_land_every_layer_and_notify_done(agents: tuple[Any, ...]) -> None:
+def in_own_process(check: str) -> None:
+    """Run `check` (a function of this module) in a fresh interpreter; its failure fails the test."""
+    done = subprocess.run([sys.executable, "-c", f"from tests.test_nixl_sender import {check}; {check}()"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_writes_made_ahead_land_every_layer_and_notify_done() -> None:
+    in_own_process("check_writes_made_ahead")
+
+
+def test_writes_made_from_released_lists_are_never_posted() -> None:
+    in_own_process("check_released_lists")
+
+
+def check_writes_made_ahead() -> None:
+    with two_agents() as agents:
+        writes_made_ahead(agents)
+
+
+def check_released_lists() -> None:
+    with two_agents() as agents:
+        released_lists(agents)
+
+
+def writes_made_ahead(agents: tuple[Any, ...]) -> None:
     from engine.kv_checksum import layer_checksums
     from engine.transport.nixl import DONE
 
@@ -85,7 +116,7 @@ def test_writes_made_ahead_land_every_layer_and_notify_done(agents: tuple[Any, .
     assert layer_checksums(receive.pool, receive_table, TOKENS) == layer_checksums(send.pool, send_table, TOKENS)
 
 
-def test_writes_made_from_released_lists_are_never_posted(agents: tuple[Any, ...]) -> None:
+def released_lists(agents: tuple[Any, ...]) -> None:
     from engine.transport.nixl import END, TransferError
 
     send, receive, _, prepared, _, _ = agents
