@@ -156,47 +156,50 @@ class PrefillWorker:
             if job.never_sent is not None:
                 job.never_sent(job)
             raise TransferCancelled
-        runner = self.runner
-        n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
-        slots = runner.pool.slots(job.block_table, skip, n)
+        slots = self.runner.pool.slots(job.block_table, job.send_from, len(job.token_ids))
         sender = job.make_sender(job, slots)
         try:
-            checks = LayerChecksums(runner.pool, slots, job.send_start(runner.pool)) if job.kv_checksums else None
-
-            def layer_done(layer: int) -> None:
-                if job.cancelled.is_set() and sender.cancellable:
-                    raise TransferCancelled
-                sender.layer_done(layer)
-                if checks is not None:  # under the next layers' compute, after the send is queued
-                    checks.layer_done(layer)
-
-            started = time.perf_counter()
-            try:
-                uncached = as_array(job.token_ids)[cached:] if cached else job.token_ids
-                logits = runner.prefill(uncached, job.block_table, cached, on_layer_done=layer_done)
-                first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
-                self.cache.publish(job.token_ids, job.block_table, n, job.cache_salt)
-            finally:
-                computed = time.perf_counter()
-                sender.finish()
-            sent = time.perf_counter()
-            if job.cancelled.is_set():
-                raise TransferCancelled
-            kv_bytes = (n - skip) * runner.layout.bytes_per_token
-            checksums = checks.result() if checks is not None else []
-            checked = time.perf_counter()
-            metrics.PREFILL_SECONDS.observe(computed - started)
-            metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
-            metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
-            done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started,
-                                           kv_send_s=sent - computed, kv_bytes=kv_bytes, layer_checksums=checksums,
-                                           queue_s=dequeued - job.submitted, checksum_s=checked - sent,
-                                           cached_tokens=cached,
-                                           backlog_tokens=max(0, self.backlog_tokens - job.uncached_tokens))
-            job.out.send(prefill_pb2.PrefillResponse(done=done))
-            job.out.end()
+            self._prefill(job, sender, slots, dequeued)
         finally:
             sender.release()  # after the answer has left: off its path
+
+    def _prefill(self, job: PrefillJob, sender: KVSender, slots: torch.Tensor, dequeued: float) -> None:
+        """The job's prefill, its KV handed to `sender` layer by layer, then its answer sent."""
+        runner = self.runner
+        n, cached, skip = len(job.token_ids), job.cached_tokens, job.send_from
+        checks = LayerChecksums(runner.pool, slots, job.send_start(runner.pool)) if job.kv_checksums else None
+
+        def layer_done(layer: int) -> None:
+            if job.cancelled.is_set() and sender.cancellable:
+                raise TransferCancelled
+            sender.layer_done(layer)
+            if checks is not None:  # under the next layers' compute, after the send is queued
+                checks.layer_done(layer)
+
+        started = time.perf_counter()
+        try:
+            uncached = as_array(job.token_ids)[cached:] if cached else job.token_ids
+            logits = runner.prefill(uncached, job.block_table, cached, on_layer_done=layer_done)
+            first = self._tokens.read(sample(logits[None], [job.params], [0]))[0]  # waits for the prefill
+            self.cache.publish(job.token_ids, job.block_table, n, job.cache_salt)
+        finally:
+            computed = time.perf_counter()
+            sender.finish()
+        sent = time.perf_counter()
+        if job.cancelled.is_set():
+            raise TransferCancelled
+        kv_bytes = (n - skip) * runner.layout.bytes_per_token
+        checksums = checks.result() if checks is not None else []
+        checked = time.perf_counter()
+        metrics.PREFILL_SECONDS.observe(computed - started)
+        metrics.KV_TRANSFER_SECONDS.observe(sent - computed)
+        metrics.KV_TRANSFER_BYTES.labels(job.transport).inc(kv_bytes)
+        done = prefill_pb2.PrefillDone(first_token_id=first, prefill_s=computed - started, kv_send_s=sent - computed,
+                                       kv_bytes=kv_bytes, layer_checksums=checksums, queue_s=dequeued - job.submitted,
+                                       checksum_s=checked - sent, cached_tokens=cached,
+                                       backlog_tokens=max(0, self.backlog_tokens - job.uncached_tokens))
+        job.out.send(prefill_pb2.PrefillResponse(done=done))
+        job.out.end()
         request_log.info(json.dumps({
             "event": "prefill_finished", "request_id": job.request_id, "prompt_tokens": n,
             "cached_tokens": cached, "sent_tokens": n - skip, "transport": job.transport,
