@@ -148,11 +148,12 @@ def main() -> None:
     cases = {name: case for name, case in bodies(limit, args.max_model_len).items()
              if args.cases is None or any(word in name for word in args.cases)}
     settings = {}
+    tokenizer = tokenizer_args(args.preset)  # one folder for every server started here
     for switch_ms in args.gil_switch_ms:
         server_args = ["--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.http_port),
                        "--metrics-port", "0", "--preset", args.preset, "--device", args.device, "--mode", "colocated",
                        "--max-model-len", str(args.max_model_len), "--gil-switch-ms", f"{switch_ms:g}",
-                       *tokenizer_args(args.preset), *args.server_args.split()]
+                       *tokenizer, *args.server_args.split()]
         print(f"--gil-switch-ms {switch_ms:g}", flush=True)
         results = run_cases(server_args, cases, args)
         worst = {name: max(r["stall_ms"] for r in rows) for name, rows in results.items()}
