@@ -82,7 +82,9 @@ def test_penalties_in_one_batch_are_each_the_models(http_server: HttpServer) -> 
         got = list(pool.map(lambda case: answer(http_server, ids, case), CASES + plain))
     for case, values in zip(CASES + plain, got, strict=True):
         assert values == pytest.approx(expected(ids, case, http_server.device), abs=1e-3), case
-    assert got[-1] != got[0]  # the penalty changed the answer
+    # the penalties changed answers, beyond rounding (a frequency or presence penalty alone changes
+    # nothing while the greedy answer repeats no token, as here; repetition and bias do)
+    assert any(values != pytest.approx(got[-1], abs=1e-3) for values in got[:-1])
 
 
 def test_logit_bias_min_tokens_and_min_p(http_server: HttpServer) -> None:
