@@ -73,6 +73,38 @@ def test_fp8_gated_and_argmax_epilogues() -> None:
         assert rel_err(logits, F.linear(x.float(), ref_w)) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 16, 40, 64])
+def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
+    """Tiles with `quantize_x` (x to e4m3 per row in the kernel at 1-16 rows, by `quantize_rows` first
+    at 17-64; FP8 tensor cores): plain, split-K and gated, against x quantized per row and the
+    dequantized weights in float32; a row's result the same whatever rides along in its tile."""
+    from engine.fp8 import FP8, FP8_MAX
+    from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
+    from engine.ops import silu_mul
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    block_n = 32 if rows <= 16 else 128
+    for shape, split in (("qkv", 1), ("qkv", 2), ("down", 4), ("gate_up", 1)):
+        n, k, has_bias = SHAPES[shape]
+        q, scale, ref_w = fp8_weight(n, k, seed=5)
+        bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+        xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale
+        cfg = GemvConfig(block_n, 256 if rows <= 16 else 128, 4, 3, split, quantize_x=True)
+        if shape == "gate_up":
+            got = gemv_silu(x, q, GemvConfig(block_n // 2, cfg.block_k, 4, 3, 1, quantize_x=True), scale=scale)
+            want = silu_mul(F.linear(xq, ref_w).to(torch.bfloat16))
+        else:
+            got = gemv(x, q, bias, cfg, scale=scale)
+            want = F.linear(xq, ref_w, None if bias is None else bias.float())
+        assert rel_err(got, want) < 1e-2, (shape, split)
+        if shape != "gate_up":
+            for m in ((1, 5) if rows == 16 else (17, 33) if rows == 64 else ()):
+                assert torch.equal(gemv(x[:m], q, bias, cfg, scale=scale), got[:m]), (shape, m)
+
+
 @pytest.mark.parametrize("rows", [17, 64, 65, 512, 4096])
 def test_scaled_mm_prefill_is_the_per_token_quantized_matmul(rows: int) -> None:
     """Prefill's `torch._scaled_mm` path: x quantized per token, e4m3 weights, float32 sums; against the

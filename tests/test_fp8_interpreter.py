@@ -49,6 +49,17 @@ def check_gemv() -> None:
         assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1), scale=scale), want) < 2e-3
         logits, tokens = gemv_argmax(x, w, torch.float32, GemvConfig(32, 128, 4, 2, 1), scale=scale)
         assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
+    for m in (1, 3, 20):  # W8A8: x quantized per row, in the kernel (1-16 rows) or by a kernel first (17-64)
+        # x already on e4m3's grid (its largest magnitude 448 * 2^-8): the interpreter's own cast would
+        # mis-round; the rounding itself is the GPU tests'
+        x = (torch.randn(m, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        x[:, 0] = 448.0
+        x = (x / 256).half()
+        for cfg in (GemvConfig(32, 128, 4, 2, 1, quantize_x=True), GemvConfig(32, 64, 4, 2, 2, quantize_x=True)):
+            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3, (m, cfg)
+        gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
+        want = (F.silu(gate.float()).half().float() * up.float()).half()
+        assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1, quantize_x=True), scale=scale), want) < 2e-3
 
 
 def check_paged_decode() -> None:

@@ -5,9 +5,10 @@ Each figure is one CUDA-graph replay over one weight copy per layer (so nothing 
 L2, as in a real step), divided by the layer count.
 
 With `--fp8` the weights are e4m3 with a float32 scale per output row (`engine.fp8`): the skinny
-matmul reads them with bf16 activations (W8A16), against `torch._scaled_mm` (cuBLASLt FP8, row-wise
-scales) on activations already quantized per token (its quantization not counted); the floor is
-then one byte a weight.
+matmul reads them with bf16 activations (W8A16) or, for tiles with `quantize_x` (`--quantize-x yes`),
+quantizes the activations per row to e4m3 and runs FP8 tensor cores (W8A8; the quantization is
+counted), against `torch._scaled_mm` (cuBLASLt FP8, row-wise scales) on activations already
+quantized per token (its quantization not counted); the floor is then one byte a weight.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main() -> None:
                         "block_n being its gate columns; cuBLAS's figure then includes the SiLU·mul kernel")
     p.add_argument("--fp8", action="store_true",
                    help="e4m3 weights with row scales, against torch._scaled_mm (row-wise scales)")
+    p.add_argument("--quantize-x", nargs="+", choices=["no", "yes"], default=["no"],
+                   help="with --fp8 and --sweep: tiles with bf16 activations (no), e4m3 ones (yes), or both")
     p.add_argument("--json", default=None)
     p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
@@ -82,12 +85,13 @@ def main() -> None:
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
-    narrow = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in  # the 16-row tile's candidates
+    x_modes = [q == "yes" for q in args.quantize_x] if args.fp8 else [False]
+    narrow = [GemvConfig(n, k, w, s, split, q) for n, k, w, s, split, q in  # the 16-row tile's candidates
               itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
-                                args.narrow_splits)]
-    wide = [GemvConfig(n, k, w, s, split) for n, k, w, s, split in    # the 64-row tile's
+                                args.narrow_splits, x_modes)]
+    wide = [GemvConfig(n, k, w, s, split, q) for n, k, w, s, split, q in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
-                              args.wide_splits)]
+                              args.wide_splits, x_modes)]
     rows_out = []
     sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
     for name in args.shapes:

@@ -21,7 +21,7 @@ multiply the sums before the bias and the rounding (W8A16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -30,9 +30,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
+from engine.kernels.fp8_quant import quantize_rows
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
+
+# how the kernel takes x (`_gemv_kernel`'s X_MODE)
+X_16BIT = tl.constexpr(0)
+X_E4M3 = tl.constexpr(1)
+X_QUANTIZE = tl.constexpr(2)
+FP8_MAX = tl.constexpr(448.0)
+FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: an all-zero row's scale
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 6
     split_k: int = 1  # programs along K per column strip
+    quantize_x: bool = False  # e4m3 weights: x to e4m3 per row too, for FP8 tensor cores (W8A8)
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -82,6 +92,8 @@ FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
     "deep": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),  # down
 }
 
+FP8_WIDE_ROW_TILES: dict[str, GemvConfig] = {}
+
 
 def _shape_class(n: int, k: int) -> str:
     if n >= 16 * k:  # a vocabulary (the lm_head: 42 x the hidden size for Qwen2.5-7B; gate/up is 5-11 x)
@@ -89,28 +101,32 @@ def _shape_class(n: int, k: int) -> str:
     return "wide" if n >= 4 * k else "tall" if n > k else "square" if n == k else "deep"
 
 
-def config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
-    """The tile for `weight` at `rows` rows; None where cuBLAS does it better (or rows > WIDE_ROWS)."""
+def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
+    """The tile for `weight` at `rows` rows; None where cuBLAS does it better (or rows > WIDE_ROWS).
+    `static_x`: x was quantized with an FP8 checkpoint's static input scale, so is not again."""
     if rows > WIDE_ROWS:
         return None
     n, k = weight.shape
     if weight.dtype == torch.float8_e4m3fn:
-        tiles = FP8_NARROW_ROW_TILES if rows <= MAX_ROWS else {}
+        tiles = FP8_NARROW_ROW_TILES if rows <= MAX_ROWS else FP8_WIDE_ROW_TILES
     else:
         tiles = NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES
     cfg = tiles.get(_shape_class(n, k))
     if cfg is None:
         return None
     if not cfg.fits(k):  # too short to split: one program per strip
-        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-    return cfg
+        cfg = replace(cfg, split_k=1)
+    return replace(cfg, quantize_x=False) if static_x else cfg
 
 
 @triton.jit
-def _gemv_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
+def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 SPLIT_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
+    float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
+    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded."""
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     strip = tl.program_id(0)
@@ -126,15 +142,26 @@ def _gemv_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, 
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
     x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    x_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if X_MODE == X_E4M3:
+        x_scale = tl.load(X_SCALE + offs_m, mask=m_ok, other=1.0)
+    if X_MODE == X_QUANTIZE:  # each row's largest magnitude over the whole of K (x is small and in L2)
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)),
+                                           axis=1))
+        x_scale = tl.maximum(amax / FP8_MAX, FLOAT32_TINY)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        if X_MODE == X_QUANTIZE:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc)  # FP8 weights converted in registers
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(x, tl.trans(w_up.to(X.dtype.element_ty)), acc_up)
+            acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -151,17 +178,17 @@ def _gemv_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, 
                 acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
     if last:
-        if HAS_SCALE:  # FP8 weights: each output row's scale, on the float32 sums
-            acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_SCALE:  # FP8 weights: each output row's scale (and e4m3 x's row scales), on the float32 sums
+            acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :] * x_scale[:, None]
             if GATED:
-                acc_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)[None, :]
+                acc_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)[None, :] * x_scale[:, None]
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(X.dtype.element_ty)  # rounded to the model dtype even where OUT is float32 (logits)
+        out = acc.to(ROUND)  # rounded to the model dtype even where OUT is float32 (logits)
         if GATED:  # SiLU(gate) * up, rounded where the unfused path rounds (each projection, then SiLU)
             gate = out.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
-            out = (silu * acc_up.to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
+            out = (silu * acc_up.to(ROUND).to(tl.float32)).to(ROUND)
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
         tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
         if ARGMAX:  # each row's largest value in the strip and its first column, for `_argmax_kernel`
@@ -235,12 +262,12 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
     return _launch(x, weight, None, cfg, gated=True, scale=scale)[0]
 
 
-def gated_config_for(weight: torch.Tensor, rows: int = 1) -> GemvConfig | None:
+def gated_config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
     """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
-    cfg = config_for(weight, rows)
+    cfg = config_for(weight, rows, static_x)
     if cfg is None or cfg.split_k > 1 or weight.shape[0] % 2:
         return None
-    return GemvConfig(cfg.block_n // 2, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return replace(cfg, block_n=cfg.block_n // 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
@@ -251,6 +278,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "e4m3 weights come with their row scales"
     assert scale is None or (scale.dtype == torch.float32 and scale.shape == (weight.shape[0],))
     assert m <= WIDE_ROWS, f"{m} rows: the skinny matmul takes at most {WIDE_ROWS}"
+    assert not cfg.quantize_x or scale is not None, "x is quantized for e4m3 weights only"
     n, k = weight.shape
     if gated:
         n //= 2
@@ -269,11 +297,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
         if tokens is None:
             tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    # e4m3 x: quantized in the kernel at 1-16 rows; above, by one kernel first (each program would
+    # otherwise read all 64 rows of x for their scales)
+    x_mode, x_in, x_scale = X_16BIT, x, out
+    if cfg.quantize_x:
+        x_mode = X_QUANTIZE if m <= MAX_ROWS else X_E4M3
+        if x_mode == X_E4M3:
+            x_in, x_scale = quantize_rows(x)
     _gemv_kernel[(strips, cfg.split_k)](
-        x, weight, scale if scale is not None else out, bias if bias is not None else weight, out, partial, counts,
-        best, best_col, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
+        partial, counts, best, best_col, m, n, k,
+        x_in.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
+        X_MODE=x_mode, ROUND=_ROUND[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
