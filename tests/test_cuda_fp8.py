@@ -29,23 +29,33 @@ def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
     return q, scale, q.float() * scale[:, None]
 
 
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 per row (largest magnitude to 448) and back, in float32: what a W8A8 tile sees."""
+    from engine.fp8 import FP8, FP8_MAX
+
+    x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+    return (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
-    """Every layer shape at 1-16 rows: within bf16 rounding of x @ dequantized W^T in float32, and a
-    row's result the same whatever rides along in its tile. At 17-64 rows `torch._scaled_mm` takes
-    e4m3 weights (faster there, bench/results/gemv-fp8-sweep-h200.json)."""
-    from engine.kernels.gemv import MAX_ROWS, config_for, gemv
+    """Every layer shape on the engine's tile at 1-16 and at 17-64 rows (where it has one; else
+    `torch._scaled_mm` runs): within bf16 rounding of x (quantized per row where the tile quantizes
+    it) @ dequantized W^T in float32, and a row's result the same whatever rides along in its tile."""
+    from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, config_for, gemv
 
     n, k, has_bias = SHAPES[shape]
     q, scale, ref_w = fp8_weight(n, k, seed=1)
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
     x = torch.randn(64, k, dtype=torch.bfloat16, device="cuda")
-    assert config_for(q, 17) is None and config_for(q, 64) is None
-    for rows in (MAX_ROWS,):
-        assert config_for(q, rows) is not None, (shape, rows)
+    assert config_for(q, MAX_ROWS) is not None
+    for rows in (MAX_ROWS, WIDE_ROWS):
+        cfg = config_for(q, rows)
+        if cfg is None:
+            continue
         full = gemv(x[:rows], q, bias, scale=scale)
-        ref = F.linear(x[:rows].float(), ref_w, None if bias is None else bias.float())
-        assert rel_err(full, ref) < 1e-2, (shape, rows)
+        x_ref = quantized_rows(x[:rows]) if cfg.quantize_x else x[:rows].float()
+        assert rel_err(full, F.linear(x_ref, ref_w, None if bias is None else bias.float())) < 1e-2, (shape, rows)
         for m in ((1, 5, 15) if rows == MAX_ROWS else (17, 40, 63)):
             assert torch.equal(gemv(x[:m], q, bias, scale=scale), full[:m])
     logits = gemv(x[:4], q, bias, scale=scale, out_dtype=torch.float32)
@@ -54,15 +64,16 @@ def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
 
 def test_fp8_gated_and_argmax_epilogues() -> None:
     """SiLU·mul in the gate/up epilogue with each half's own scales; the lm_head's argmax over its
-    FP8 logits is torch.argmax's (at 1-16 rows: above, e4m3 layers take torch._scaled_mm)."""
+    FP8 logits is torch.argmax's (at 1-16 rows; at 17-64 an e4m3 lm_head takes torch._scaled_mm)."""
     from engine.kernels.gemv import gated_config_for, gemv, gemv_argmax, gemv_silu
     from engine.ops import silu_mul
 
     q, scale, ref_w = fp8_weight(37888, 3584, seed=2)
-    assert gated_config_for(q, 17) is None
-    for m in (1, 8, 16):
+    for m in (1, 8, 16, 17, 64):
+        cfg = gated_config_for(q, m)
+        assert cfg is not None, m
         x = torch.randn(m, 3584, dtype=torch.bfloat16, device="cuda")
-        want = silu_mul(F.linear(x.float(), ref_w).to(torch.bfloat16))
+        want = silu_mul(F.linear(quantized_rows(x) if cfg.quantize_x else x.float(), ref_w).to(torch.bfloat16))
         assert rel_err(gemv_silu(x, q, scale=scale), want) < 2e-2, m
     q, scale, ref_w = fp8_weight(152064, 3584, seed=3)
     for m in (1, 8, 16):
@@ -78,7 +89,6 @@ def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
     """Tiles with `quantize_x` (x to e4m3 per row in the kernel at 1-16 rows, by `quantize_rows` first
     at 17-64; FP8 tensor cores): plain, split-K and gated, against x quantized per row and the
     dequantized weights in float32; a row's result the same whatever rides along in its tile."""
-    from engine.fp8 import FP8, FP8_MAX
     from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
     from engine.ops import silu_mul
 
@@ -90,8 +100,7 @@ def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
         q, scale, ref_w = fp8_weight(n, k, seed=5)
         bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
-        xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale
+        xq = quantized_rows(x)
         cfg = GemvConfig(block_n, 256 if rows <= 16 else 128, 4, 3, split, quantize_x=True)
         if shape == "gate_up":
             got = gemv_silu(x, q, GemvConfig(block_n // 2, cfg.block_k, 4, 3, 1, quantize_x=True), scale=scale)
