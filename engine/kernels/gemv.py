@@ -16,7 +16,13 @@ other rows ride along (tested).
 FP8 weights (e4m3 with one float32 scale per output row, `engine.fp8`) stream at half the bytes:
 each tile is converted to the activations' 16-bit type in registers (exact: every e4m3 value is a
 bf16 and an fp16 value), the MMA accumulates in float32 as for 16-bit weights, and the row scales
-multiply the sums before the bias and the rounding (W8A16).
+multiply the sums before the bias and the rounding (W8A16). A tile with `quantize_x` instead takes
+x to e4m3 with one scale a row (largest magnitude to 448, as `fp8_quant.quantize_rows`), so the MMA
+runs on FP8 tensor cores with no conversion of the weights, and both scales multiply the sums (W8A8,
+as `torch._scaled_mm` with row-wise scales). At 1-16 rows each program quantizes x itself (a pass
+over x for the rows' largest magnitudes, then each tile as it is read): one launch, and a row's
+result still independent of the others; at 17-64 rows a kernel quantizes x first, since 64 rows of
+x read by every program would cost more than the weights.
 """
 
 from __future__ import annotations
