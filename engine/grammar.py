@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from engine.logprobs import device_tensor
 from engine.tokenizer import Tokenizer
 
 CompiledGrammar = xgr.CompiledGrammar
@@ -83,17 +84,24 @@ class GrammarState:
 def apply(logits: torch.Tensor, states: list[GrammarState | None]) -> list[int]:
     """Masks, in place, the rows of `logits` that have a grammar to the tokens that can continue it;
     returns those rows. The mask is filled on the host from the matchers (which have taken every
-    token so far) and copied to the device without a wait."""
+    token so far) and copied to the device without a wait, the rows' indices too: given as a list,
+    xgrammar copies them from pageable memory, which waits for the stream, the step's forward
+    queued just before among its work."""
     rows = [i for i, s in enumerate(states) if s is not None and not s.matcher.is_terminated()]
     if not rows:
         return []
     vocab = logits.shape[-1]
-    mask = xgr.allocate_token_bitmask(len(states), vocab)
+    cuda = logits.device.type == "cuda"
+    # xgr.allocate_token_bitmask's mask, pinned from the start on CUDA (not copied into pinned memory)
+    mask = torch.full(xgr.get_bitmask_shape(len(states), vocab), -1, dtype=xgr.bitmask_dtype, pin_memory=cuda)
     for row in rows:
         state = states[row]
         assert state is not None
         state.matcher.fill_next_token_bitmask(mask, row)
-    if logits.device.type == "cuda":
-        mask = mask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+    if cuda:
+        index = device_tensor(rows, torch.int32, logits.device)  # typed a list; its CUDA kernels take a tensor
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), vocab_size=vocab,
+                                        indices=index)  # type: ignore[arg-type]
+    else:
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
     return rows
