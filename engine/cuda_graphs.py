@@ -24,6 +24,7 @@ import torch
 from engine.attention import DecodeMeta
 from engine.decode_batch import DecodeSeq, TableRows, sources, table_width, write_meta
 from engine.kv_cache import KVPool
+from engine.logprobs import device_tensor
 from engine.model import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -144,12 +145,14 @@ class DecodeGraphs:
     def _feedable(self, rows: np.ndarray, previous: torch.Tensor | None, tokens: torch.Tensor) -> np.ndarray:
         """The rows of `tokens` (the other side's buffer, which the graph feeds from) holding each
         row's source token. `previous` is usually that buffer already (the last step's greedy
-        tokens); sampled tokens, or an eager step's, are first gathered into it on the compute stream."""
+        tokens); sampled tokens (a grammar's or a penalty's rows, or sampled ones), or an eager step's,
+        are first gathered into it on the compute stream, their index uploaded from pinned memory: from
+        pageable memory the copy may wait for the stream, the step before still on it."""
         assert previous is not None, "a row takes its token from the previous step: pass that step's tokens"
         if previous.data_ptr() == tokens.data_ptr():
             return rows
         fed = rows >= 0
-        index = torch.from_numpy(rows[fed]).to(tokens.device, non_blocking=True)
+        index = device_tensor(rows[fed], torch.long, tokens.device)
         tokens[:len(index)] = previous[index]
         compact = np.full_like(rows, -1)
         compact[fed] = np.arange(len(index))

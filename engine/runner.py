@@ -19,6 +19,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
+from engine.logprobs import device_tensor
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class ModelRunner:
         feed = None
         if rows is not None:
             assert previous is not None, "a row takes its token from the previous step: pass that step's tokens"
-            feed = (torch.from_numpy(rows).to(self.device, non_blocking=True), previous)
+            feed = (device_tensor(rows, torch.long, self.device), previous)  # pinned: queued behind the step before
         max_context = max(s.position for s in seqs) + 1
         meta = DecodeMeta(slots, tables, lens, max_context, use_kernel=self.use_kernel)
         return self.model.decode_forward(ids, positions, self.pool, meta, feed=feed)
