@@ -126,7 +126,7 @@ class RequestSequence:
     def append(self, token: int, step_s: float, now: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
         self.tokens.append(token)
-        state = self.grammar_on()
+        state = self.grammar_on() if self.grammar is not None else None
         if state is not None:  # its stop tokens are the end tokens: a grammar ends with "eos"
             state.accept(token)
         if len(self.tokens) == 1:
