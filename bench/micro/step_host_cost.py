@@ -1,28 +1,32 @@
 """`python -m bench.micro.step_host_cost`: the engine thread's host time per decode step, by part, the
-model's own forward left out, on the CPU.
+model's own forward left out; on the CPU (or a GPU: `--device cuda:0`).
 
 The decode server's scheduler and overlapped steps (`BatchScheduler`, `DecodeSteps`) run --batch
 sequences of the tiny preset (its byte-level tokenizer), --grammar-rows of them under the JSON
 schema that bench.e2e.grammar_rows sends (compiled by xgrammar, as a request's would be), greedy
-as the load sends them; then the same batch with no grammar. Each part's time is its own (the parts
-it calls are counted apart), summed over a step and given as the median over --steps steps:
+as the load sends them; then the same batch with no grammar; --rounds times in turn. A grammar row
+whose JSON is done is replaced by a fresh one; the steps that prefill it are not counted. Each
+part's time is its own (the parts it calls are counted apart), summed over a step; each figure is
+the median over the counted steps:
 
 - queue: runner.decode less the forward (the step's metadata), the rest of DecodeSteps._launch;
 - sample_rows less the grammar's mask, and the mask (engine.grammar.apply);
 - read: DecodeSteps._read less the hand-out, the hand-out (the scheduler's append less the
   sequence's), RequestSequence.append less the matchers, the matchers taking the tokens;
 - the readers' wake-up, and the rest of the scheduler's step;
-- the model's forward, timed apart and left out of the host total. On a GPU it is a CUDA graph's
-  launch; here, by default (`--forward table`), a stand-in that gives each row the logits of a fixed
-  random table's row picked by its input token and position (a few tensor ops, so a step's host
-  parts are not timed among the tiny model's own), or the tiny model eagerly (`--forward model`).
+- left out of the host's total: the model's forward and the wait for the step's tokens
+  (TokenReader.take). On the CPU the forward is by default (`--forward table`) a stand-in that gives
+  each row the logits of a fixed random table's row picked by its input token and position (a few
+  tensor ops, so that a step's host parts are not timed among the tiny model's own), or the tiny
+  model eagerly (`--forward model`). On a GPU a step replays a CUDA graph, whose launch is in
+  runner.decode; any wait for the device inside a part is in that part.
 
 The CPU runs the eager path: its metadata is built as fresh tensors, where a GPU writes it into
 the CUDA graphs' pinned buffers (`engine.cuda_graphs`); the rest is the same code. `--profile N`
 prints cProfile's N costliest functions of the grammar batch's steps (by own time).
 
-    python -m bench.micro.step_host_cost                  # 64 rows, 8 under the grammar, 3 x 200 steps each
-    python -m bench.micro.step_host_cost --json bench/results/step-host-cost-cpu.json
+    python -m bench.micro.step_host_cost          # 64 rows, 8 under the grammar, 3 rounds of 200 steps each
+    python -m bench.micro.step_host_cost --device cuda:0 --preset qwen2.5-7b --kv-gb 16 --json step-host-cost.json
 """
 
 from __future__ import annotations
