@@ -200,7 +200,8 @@ def engine_h200(file: str = "engine-h200.json") -> str:
 
 
 def engine_fp8_h200() -> str:
-    """The FP8 preset (e4m3 weights; the skinny matmul's W8A16 or W8A8 tiles at 1-64 rows, torch._scaled_mm in prefill)."""
+    """The FP8 preset (e4m3 weights; the skinny matmul's W8A16 or W8A8 tiles at 1-64 rows, torch._scaled_mm
+    in prefill)."""
     return engine_h200("engine-fp8-h200.json")
 
 
