@@ -87,14 +87,14 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 
 
 # e4m3 weights (`python -m bench.micro.gemv --fp8 --gated --sweep`, bench/results/gemv-fp8-sweep-h200.json and
-# gemv-fp8-w8a8-sweep-h200.json). At 1-16 rows the 16-bit tiles but for three shapes: down 47.8 -> 30.0 us and
-# qkv 11.4 -> 10.4 us on FP8 tiles with bf16 x (W8A16); gate/up (gated: half the tile's columns a strip)
-# 50.6 -> 48.0 us with x quantized to e4m3 in the kernel (W8A8). At 17-64 rows every shape W8A8, beside
+# gemv-fp8-w8a8-sweep-h200.json). At 1-16 rows the 16-bit tiles but for two shapes: down 47.8 -> 30.0 us and
+# qkv 11.4 -> 10.4 us on FP8 tiles with bf16 x (W8A16); W8A8 won only for gate/up there (50.6 -> 48.0 us, a
+# batch-1 step 0.05 ms shorter) and is not taken: a row's x would round to e4m3 in every decode step, for
+# 0.05 ms (bench/NOTES.md). At 17-64 rows every shape W8A8, beside
 # `torch._scaled_mm` at 64 rows (its own x quantization not counted): qkv 10.7 against 15.7 us, o_proj 10.2
 # against 12.3, gate/up with SiLU·mul 41.3 against 54.4, down 34.1 against 46.7.
 FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
     **NARROW_ROW_TILES,
-    "wide": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, quantize_x=True),  # gate_up, gated
     "tall": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=4),  # qkv
     "deep": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),  # down
 }
