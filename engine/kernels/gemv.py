@@ -89,8 +89,8 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 # e4m3 weights (`python -m bench.micro.gemv --fp8 --gated --sweep`, bench/results/gemv-fp8-sweep-h200.json and
 # gemv-fp8-w8a8-sweep-h200.json). At 1-16 rows the 16-bit tiles but for two shapes: down 47.8 -> 30.0 us and
 # qkv 11.4 -> 10.4 us on FP8 tiles with bf16 x (W8A16); W8A8 won only for gate/up there (50.6 -> 48.0 us, a
-# batch-1 step 0.05 ms shorter) and is not taken: a row's x would round to e4m3 in every decode step, for
-# 0.05 ms (bench/NOTES.md). At 17-64 rows every shape W8A8, beside
+# batch-1 step 0.05 ms shorter, but batch 8 0.09 ms longer: each program reads every row of x for its
+# scales) and is not taken (bench/NOTES.md). At 17-64 rows every shape W8A8, beside
 # `torch._scaled_mm` at 64 rows (its own x quantization not counted): qkv 10.7 against 15.7 us, o_proj 10.2
 # against 12.3, gate/up with SiLU·mul 41.3 against 54.4, down 34.1 against 46.7.
 FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
