@@ -108,10 +108,11 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     64-row tile runs (batches of 17-64: a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
             and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
-        x_in, scale, static_x = _kernel_operands(x, layer)
+        static_x = isinstance(layer, Fp8Linear) and layer.input_scale is not None
         cfg = _gemv.config_for(layer.weight, x.shape[0], static_x)
         if cfg is not None and cfg.split_k == 1:
-            return _gemv.gemv_argmax(x_in, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale)
+            x, scale, _ = _kernel_operands(x, layer)
+            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale)
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
     if tokens is None:
         return logits, logits.argmax(dim=-1)

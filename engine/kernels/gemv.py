@@ -34,9 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import launch
+from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
-from engine.kernels.fp8_quant import quantize_rows
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -45,8 +44,8 @@ WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TIL
 X_16BIT = tl.constexpr(0)
 X_E4M3 = tl.constexpr(1)
 X_QUANTIZE = tl.constexpr(2)
-FP8_MAX = tl.constexpr(448.0)
-FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: an all-zero row's scale
+FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # quantized as `quantize_rows` quantizes
+FLOAT32_TINY = tl.constexpr(fp8_quant.FLOAT32_TINY)
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -314,7 +313,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     if cfg.quantize_x:
         x_mode = X_QUANTIZE if m <= MAX_ROWS else X_E4M3
         if x_mode == X_E4M3:
-            x_in, x_scale = quantize_rows(x)
+            x_in, x_scale = fp8_quant.quantize_rows(x)
     _gemv_kernel[(strips, cfg.split_k)](
         x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
         partial, counts, best, best_col, m, n, k,
