@@ -39,10 +39,10 @@ import pstats
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -95,19 +95,6 @@ class Parts:
     def take(self) -> dict[str, float]:
         times, self.times = dict(self.times), defaultdict(float)
         return times
-
-
-@contextmanager
-def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if old is None:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, old)
 
 
 def table_forward(vocab: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -190,17 +177,17 @@ def run_batch(runner: ModelRunner, loop: asyncio.AbstractEventLoop, args: argpar
     finished = 0  # grammar rows that ended (their JSON done) and were replaced by a fresh one
     forward = (table_forward(runner.config.vocab_size) if args.forward == "table" and runner.graphs is None
                else runner.model.decode_forward)  # a CUDA graph's replay calls no forward: it is in the launch
-    with (patched(runner.model, "decode_forward", wrap(FORWARD, forward)),
-          patched(TokenReader, "take", wrap(WAIT, TokenReader.take)),
-          patched(runner, "decode", wrap(PARTS[0], runner.decode)),
-          patched(s.decode, "_launch", wrap(PARTS[1], s.decode._launch)),
-          patched(decode_steps, "sample_rows", wrap(PARTS[2], decode_steps.sample_rows)),
-          patched(grammar, "apply", wrap(PARTS[3], grammar.apply)),
-          patched(s.decode, "_read", wrap(PARTS[4], s.decode._read)),
-          patched(s, "append", wrap(PARTS[5], s.append)),
-          patched(RequestSequence, "append", wrap(PARTS[6], RequestSequence.append)),
-          patched(GrammarState, "accept", wrap(PARTS[7], GrammarState.accept)),
-          patched(s, "_wake_readers", wrap(PARTS[8], s._wake_readers))):
+    with (patch.object(runner.model, "decode_forward", wrap(FORWARD, forward)),
+          patch.object(TokenReader, "take", wrap(WAIT, TokenReader.take)),
+          patch.object(runner, "decode", wrap(PARTS[0], runner.decode)),
+          patch.object(s.decode, "_launch", wrap(PARTS[1], s.decode._launch)),
+          patch.object(decode_steps, "sample_rows", wrap(PARTS[2], decode_steps.sample_rows)),
+          patch.object(grammar, "apply", wrap(PARTS[3], grammar.apply)),
+          patch.object(s.decode, "_read", wrap(PARTS[4], s.decode._read)),
+          patch.object(s, "append", wrap(PARTS[5], s.append)),
+          patch.object(RequestSequence, "append", wrap(PARTS[6], RequestSequence.append)),
+          patch.object(GrammarState, "accept", wrap(PARTS[7], GrammarState.accept)),
+          patch.object(s, "_wake_readers", wrap(PARTS[8], s._wake_readers))):
         step = wrap(PARTS[9], s.step)
         while len(per_step) < args.steps:
             prefill = bool(s.local.prefilling or s.ready or s.num_waiting)  # a replacement's: not counted
