@@ -140,7 +140,11 @@ class OpenAIApi:
         """A prompt's or a chat's ids, as a generation of it would have them (openai_tokenize.py)."""
         try:
             tokenizer = self._tokenizer_for(request.path)
-            req = read_tokenize(await self._json(request), self.max_model_len)
+            raw = await read_body(request, self.max_body_bytes)
+            data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+            # a long prompt's checks (its text's UTF-8, say) off the event loop, as a generation's
+            req = (await asyncio.to_thread(read_tokenize, data, self.max_model_len) if len(raw) > PARSE_IN_THREAD_BYTES
+                   else read_tokenize(data, self.max_model_len))
             self._check_model(req.model)
             ids = await self._token_ids(req)
             return web.json_response(tokenize_reply(ids, tokenizer, self.max_model_len, req.token_strs))
