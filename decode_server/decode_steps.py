@@ -25,8 +25,6 @@ from decode_server.admission import Admission
 from decode_server.row_sampling import sample_rows
 from decode_server.sequence import RequestSequence
 from decode_server.step_trace import StepMarks, StepTrace
-from engine import grammar
-from engine.grammar import GrammarState
 from engine.host_read import TokenReader
 from engine.logprobs import StepLogprobs, TokenLogprobs
 from engine.runner import DecodeSeq, ModelRunner
@@ -58,7 +56,6 @@ class StepInFlight:
     reader: TokenReader
     started: float
     marks: StepMarks | None  # --step-trace
-    constrained: bool        # a row has a grammar
     tokens: torch.Tensor | None = None     # its sampled tokens on the device, once sampled: the next step's inputs
     logprobs: StepLogprobs | None = None   # of the rows that asked for them
     rows: dict[int, int] = field(init=False)                            # id(seq) -> row
@@ -106,13 +103,11 @@ class DecodeSteps:
         Returns the ids of the sequences that finished on the tokens read."""
         previous, self.in_flight = self.in_flight, None
         if not self.overlap:
-            constrained = any(s.grammar is not None for s in running)
-            return self._read(self._launch(running, None, constrained), running) if running else set()
+            return self._read(self._launch(running, None), running) if running else set()
         # a sequence whose length ends it with the previous step's token has no next step
         seqs = [s for s in running
                 if previous is None or id(s) not in previous.rows or len(s.tokens) + 1 < s.max_new_tokens]
-        constrained = any(s.grammar is not None for s in seqs)
-        if previous is not None and constrained:
+        if previous is not None and any(s.grammar is not None for s in seqs):
             # a grammar's mask needs the previous token taken by its matcher: read it between the
             # forward and the sampling
             finished: set[int] = set()
@@ -120,13 +115,13 @@ class DecodeSteps:
             def read_previous() -> None:
                 finished.update(self._read(previous, running))
 
-            self._launch(seqs, previous, constrained, read_previous)
+            self._launch(seqs, previous, read_previous)
             return finished
         if seqs:
-            self._launch(seqs, previous, constrained)
+            self._launch(seqs, previous)
         return self._read(previous, running) if previous is not None else set()
 
-    def _launch(self, seqs: list[RequestSequence], previous: StepInFlight | None, constrained: bool,
+    def _launch(self, seqs: list[RequestSequence], previous: StepInFlight | None,
                 before_sampling: Callable[[], None] | None = None) -> StepInFlight:
         """Queue a decode step of `seqs` and the read-back of its tokens; a sequence in `previous`
         takes its input token from that step's tokens, still on the device. `before_sampling` runs
@@ -145,8 +140,7 @@ class DecodeSteps:
         logits, greedy = self.runner.decode(batch, previous.sampled() if previous is not None else None)
         self._launched += 1
         reader = self.readers[self._launched % 2]  # the other may hold the step before
-        # in flight from here: a row that leaves keeps its blocks
-        step = StepInFlight(seqs, reader, t0, marks, constrained)
+        step = StepInFlight(seqs, reader, t0, marks)  # in flight from here: a row that leaves keeps its blocks
         if self.overlap:
             self.in_flight = step
         if before_sampling is not None:
@@ -175,14 +169,6 @@ class DecodeSteps:
         for seq in step.release_after:
             self.admission.release(seq)
         live = {id(s) for s in running}
-        if step.constrained:  # the matchers take their tokens in one call, not one a row in the hand-out
-            states: list[GrammarState] = []
-            taken: list[int] = []
-            for seq, token in zip(step.seqs, tokens, strict=True):
-                if seq.grammar_state is not None and id(seq) in live:
-                    states.append(seq.grammar_state)
-                    taken.append(token)
-            grammar.take(states, taken)
         logprobs = step.logprobs.read(len(tokens)) if step.logprobs is not None else [None] * len(tokens)
         return {id(seq) for seq, token, lp in zip(step.seqs, tokens, logprobs, strict=True)
                 if id(seq) in live and self.sink.append(seq, token, elapsed, now, lp)}

@@ -1,7 +1,7 @@
 """Each row's next token from the logits the model gave: its penalties and filters, then its grammar's
-mask (the penalties on a copy; the mask in place, on a copy where a row wants log probabilities),
-then sampling. The log probabilities a row asks for are of the raw logits, as vLLM returns them. A
-decode step and a local prefill's first token both sample here."""
+mask (both on a copy: `engine.penalties`, `engine.grammar`), then sampling. The log probabilities a row
+asks for are of the raw logits, as vLLM returns them. A decode step and a local prefill's first token
+both sample here."""
 
 from __future__ import annotations
 
@@ -23,17 +23,13 @@ def sample_rows(logits: torch.Tensor, seqs: list[RequestSequence], produced: lis
     penalised = any(state is not None for state in states)
     adjusted, changed = (penalties.apply(logits, states, [s.params.temperature for s in seqs], produced)
                          if penalised else (logits, []))
+    grammars = [s.grammar_on() if s.grammar is not None else None for s in seqs]
+    if any(g is not None for g in grammars):  # masks a copy: the log probabilities are of the raw logits
+        adjusted = adjusted if changed else adjusted.clone()
+        changed = sorted(set(changed) | set(grammar.apply(adjusted, grammars)))
     if changed and greedy is not None:  # the fused argmax is of the logits before the penalties and masks
         rows = device_tensor(changed, torch.long, greedy.device)
         greedy = greedy.index_copy(0, rows, adjusted.index_select(0, rows).argmax(dim=-1).to(greedy.dtype))
-    grammars = [s.grammar_on() if s.grammar is not None else None for s in seqs]
-    if any(g is not None for g in grammars):
-        if adjusted is logits and any(s.logprobs is not None for s in seqs):
-            adjusted = logits.clone()  # the log probabilities are of the raw logits
-        masked = grammar.apply(adjusted, grammars)
-        if masked is not None and greedy is not None:
-            best = adjusted.argmax(dim=-1)
-            greedy = torch.where(masked, best if best.dtype == greedy.dtype else best.to(greedy.dtype), greedy)
     tokens = sample(adjusted, [s.params for s in seqs], produced, greedy)
     if penalised:
         penalties.count(states, tokens)

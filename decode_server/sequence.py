@@ -131,8 +131,8 @@ class RequestSequence:
         """Record a sampled token and decide whether it ends the sequence (on the scheduler's thread)."""
         self.tokens.append(token)
         state = self.grammar_on() if self.grammar is not None else None
-        if state is not None and state.taken < len(self.tokens):  # unless a step's batch took it (grammar.take)
-            state.accept(token)  # its stop tokens are the end tokens: a grammar ends with "eos"
+        if state is not None:  # its stop tokens are the end tokens: a grammar ends with "eos"
+            state.accept(token)
         if len(self.tokens) == 1:
             self.timing.first_token = now
         if token in self.eos_ids:

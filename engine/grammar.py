@@ -2,7 +2,7 @@
 choice of strings or an EBNF grammar) is compiled once per distinct grammar (xgrammar's compiler caches
 them) off the event loop; each sequence with one holds a matcher, which masks the tokens that can't
 continue it. The mask is applied to a step's logits of the rows that have a grammar, on the device,
-and the matchers take a step's tokens once they are read back, on the engine's thread. A step where no row
+and the matcher takes each token once it is read back, on the engine's thread. A step where no row
 has a grammar does nothing here."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from engine.logprobs import device_tensor
 from engine.tokenizer import Tokenizer
 
 CompiledGrammar = xgr.CompiledGrammar
@@ -68,58 +69,39 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One sequence's matcher (engine thread only); `taken`: how many of its tokens it has taken."""
+    """One sequence's matcher (engine thread only)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: list[int]) -> None:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
-        self.taken = 0
 
     def accept(self, token: int) -> bool:
         """Advances with a sampled token; True once the grammar has ended (its stop token taken)."""
         if not self.matcher.is_terminated():
             self.matcher.accept_token(token)
-        self.taken += 1
         return bool(self.matcher.is_terminated())
 
 
-def take(states: list[GrammarState], tokens: list[int]) -> None:
-    """Each matcher takes its row's token, all in one call into xgrammar: each call gives the GIL up,
-    and while the event loop streams tokens, getting it back can cost up to a switch interval."""
-    live = [(s.matcher, t) for s, t in zip(states, tokens, strict=True) if not s.matcher.is_terminated()]
-    if live:
-        xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in live], [t for _, t in live])
-    for state in states:
-        state.taken += 1
-
-
-def apply(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor | None:
-    """Masks, in place, the rows of `logits` whose grammar has not ended to the tokens that can
-    continue it; returns a [B] bool tensor on the logits' device that marks them (None: no such row).
-
-    The matchers (which have taken every token so far) fill the masks on the host, in one buffer with
-    the rows' indices and flags, which goes to the device in one copy: every call into torch gives
-    the GIL up (see `take`). On CUDA the buffer is pinned, so the copy is queued behind the step's
-    forward without waiting for it, and torch's pinned allocator hands the buffer out again only
-    once that copy is done. Rows without a grammar are left unfilled: the kernel reads the listed
-    rows only."""
+def apply(logits: torch.Tensor, states: list[GrammarState | None]) -> list[int]:
+    """Masks, in place, the rows of `logits` that have a grammar to the tokens that can continue it;
+    returns those rows. The mask is filled on the host from the matchers (which have taken every
+    token so far) and copied to the device without a wait, the rows' indices too: given as a list,
+    xgrammar copies them from pageable memory, which waits for the stream, the step's forward
+    queued just before among its work."""
     rows = [i for i, s in enumerate(states) if s is not None and not s.matcher.is_terminated()]
     if not rows:
-        return None
-    batch, vocab = len(states), logits.shape[-1]
-    words = xgr.get_bitmask_shape(1, vocab)[1]
-    size = batch * words
-    host = torch.empty(size + batch + len(rows), dtype=xgr.bitmask_dtype, pin_memory=logits.device.type == "cuda")
-    buf = host.numpy()
-    masks = buf[:size].reshape(batch, words)
+        return []
+    vocab = logits.shape[-1]
+    cuda = logits.device.type == "cuda"
+    # xgr.allocate_token_bitmask's mask, pinned from the start on CUDA (not copied into pinned memory)
+    mask = torch.full(xgr.get_bitmask_shape(len(states), vocab), -1, dtype=xgr.bitmask_dtype, pin_memory=cuda)
     for row in rows:
         state = states[row]
         assert state is not None
-        state.matcher.fill_next_token_bitmask(masks, row)
-    flags, index = buf[size:size + batch], buf[size + batch:]
-    flags[:] = 0
-    flags[rows] = 1
-    index[:] = rows
-    device = host.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, device[:size].view(batch, words), vocab_size=vocab,
-                                    indices=device[size + batch:])  # type: ignore[arg-type]
-    return device[size:size + batch].bool()
+        state.matcher.fill_next_token_bitmask(mask, row)
+    if cuda:
+        index = device_tensor(rows, torch.int32, logits.device)  # typed a list; its CUDA kernels take a tensor
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), vocab_size=vocab,
+                                        indices=index)  # type: ignore[arg-type]
+    else:
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+    return rows

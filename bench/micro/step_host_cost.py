@@ -23,10 +23,7 @@ the median over the counted steps:
 
 The CPU runs the eager path: its metadata is built as fresh tensors, where a GPU writes it into
 the CUDA graphs' pinned buffers (`engine.cuda_graphs`); the rest is the same code. `--profile N`
-prints cProfile's N costliest functions of the grammar batch's steps (by own time). `--busy-thread-us`
-runs Python beside the engine thread, as the decode server's event loop does while it streams: each
-call the engine thread makes that gives the GIL up (every call into torch, and some into xgrammar)
-can then wait for the GIL to come back, which the parts' times include.
+prints cProfile's N costliest functions of the grammar batch's steps (by own time).
 
     python -m bench.micro.step_host_cost          # 64 rows, 8 under the grammar, 3 rounds of 200 steps each
     python -m bench.micro.step_host_cost --device cuda:0 --preset qwen2.5-7b --kv-gb 16 --json step-host-cost.json
@@ -40,8 +37,6 @@ import cProfile
 import json
 import pstats
 import statistics
-import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -120,28 +115,6 @@ def table_forward(vocab: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]
     return forward
 
 
-class BusyThread:
-    """Python work beside the engine thread, in slices of `slice_s` that each end in a call that gives
-    the GIL up (`time.sleep(0)`), as the decode server's event loop does at each socket write while it
-    streams tokens: every call the engine thread makes that gives the GIL up then waits for a slice's end."""
-
-    def __init__(self, slice_s: float) -> None:
-        self.slice_s, self._stopped = slice_s, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            end = time.perf_counter() + self.slice_s
-            while time.perf_counter() < end:
-                pass
-            time.sleep(0)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-
 def prompt(n: int, salt: int) -> list[int]:
     return [(i * 37 + salt * 11 + 5) % 256 for i in range(n)]
 
@@ -214,7 +187,6 @@ def run_batch(runner: ModelRunner, loop: asyncio.AbstractEventLoop, args: argpar
           patch.object(s, "append", wrap(PARTS[5], s.append)),
           patch.object(RequestSequence, "append", wrap(PARTS[6], RequestSequence.append)),
           patch.object(GrammarState, "accept", wrap(PARTS[7], GrammarState.accept)),
-          patch.object(grammar, "take", wrap(PARTS[7], grammar.take)),
           patch.object(s, "_wake_readers", wrap(PARTS[8], s._wake_readers))):
         step = wrap(PARTS[9], s.step)
         while len(per_step) < args.steps:
@@ -254,10 +226,6 @@ def main() -> None:
     p.add_argument("--forward", choices=("table", "model"), default="table",
                    help="the decode step's forward: a table's rows (default) or the tiny model")
     p.add_argument("--threads", type=int, default=1, help="torch's CPU threads (default 1: the host's own cost)")
-    p.add_argument("--busy-thread-us", type=float, default=0.0,
-                   help="run a thread beside that holds the GIL this many us at a time, giving it up in between "
-                        "as an event loop streaming tokens does at each socket write (default 0: none)")
-    p.add_argument("--gil-switch-ms", type=float, default=5.0, help="the switch interval (default 5, the servers')")
     p.add_argument("--profile", type=int, default=0, help="print cProfile's N costliest functions (grammar batch)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -269,15 +237,11 @@ def main() -> None:
                          kv_gb=args.kv_gb, max_batch_size=args.batch, cuda_graphs=cuda,
                          max_model_len=args.prompt_len + args.steps + 2 * args.batch + 128)
     loop = asyncio.new_event_loop()
-    sys.setswitchinterval(args.gil_switch_ms / 1e3)
-    busy = BusyThread(args.busy_thread_us / 1e6) if args.busy_thread_us else None
     profile = cProfile.Profile() if args.profile else None
     runs = {"unconstrained": (0, Steps()), **({"grammar": (args.grammar_rows, Steps())} if args.grammar_rows else {})}
     for _ in range(args.rounds):  # in turn, so that a slow spell of a shared machine falls on both
         for rows, steps in runs.values():
             steps.add(run_batch(runner, loop, args, rows, profile if rows else None))
-    if busy is not None:
-        busy.stop()
     batches = {name: {"grammar_rows": rows, **steps.summary()} for name, (rows, steps) in runs.items()}
     print(f"{'part (median ms a step)':56s}" + "".join(f"{name:>15s}" for name in batches))
     for label in (*PARTS, *LEFT_OUT):
@@ -290,7 +254,6 @@ def main() -> None:
         write_json(args.json, {**metadata(), "preset": args.preset, "device": args.device, "batch": args.batch,
                                "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
                                "forward": "cuda graph" if cuda else args.forward, "threads": args.threads,
-                               "busy_thread_us": args.busy_thread_us, "gil_switch_ms": args.gil_switch_ms,
                                "batches": batches})
 
 
