@@ -72,14 +72,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 Linear = nn.Linear | Fp8Linear
 
 
-def _kernel_operands(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(x, the weight's row scales or None, whether x is quantized already) as the skinny matmul takes
-    them: an FP8 layer's static input scale applied to x first."""
+def _static_x(layer: Linear) -> bool:
+    """An FP8 layer with a static input scale: `_kernel_operands` gives x quantized already."""
+    return isinstance(layer, Fp8Linear) and layer.input_scale is not None
+
+
+def _kernel_operands(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, the weight's row scales or None) as the skinny matmul takes them: an FP8 layer's static
+    input scale applied to x first."""
     if not isinstance(layer, Fp8Linear):
-        return x, None, False
+        return x, None
     if layer.input_scale is None:
-        return x, layer.weight_scale, False
-    return fake_quantize(x, layer.input_scale), layer.weight_scale, True
+        return x, layer.weight_scale
+    return fake_quantize(x, layer.input_scale), layer.weight_scale
 
 
 def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
@@ -88,13 +93,13 @@ def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     by the skinny matmul's store where it runs (no conversion kernel). FP8 layers: the skinny matmul
     (W8A16) at decode sizes, `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
     if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
-        x, scale, static_x = _kernel_operands(x, layer)
+        x, scale = _kernel_operands(x, layer)
         return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale,
-                          cfg=_gemv.config_for(layer.weight, x.shape[0], static_x))
+                          cfg=_gemv.config_for(layer.weight, x.shape[0], _static_x(layer)))
     if isinstance(layer, Fp8Linear) and scaled_mm_supports(x, layer):
         out = scaled_matmul(x, layer)
     elif isinstance(layer, Fp8Linear):
-        x, _, _ = _kernel_operands(x, layer)
+        x, _ = _kernel_operands(x, layer)
         out = F.linear(x, layer.dequantized(), layer.bias)
     else:
         out = F.linear(x, layer.weight, layer.bias)
@@ -108,10 +113,9 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     64-row tile runs (batches of 17-64: a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
             and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
-        static_x = isinstance(layer, Fp8Linear) and layer.input_scale is not None
-        cfg = _gemv.config_for(layer.weight, x.shape[0], static_x)
+        cfg = _gemv.config_for(layer.weight, x.shape[0], _static_x(layer))
         if cfg is not None and cfg.split_k == 1:
-            x, scale, _ = _kernel_operands(x, layer)
+            x, scale = _kernel_operands(x, layer)
             return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale)
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
     if tokens is None:
@@ -127,8 +131,8 @@ def gate_up_silu(x: torch.Tensor, layer: Linear, kernels: KernelOptions) -> torc
         return _gate_up.gate_up_silu(x, layer.weight)
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight)
             and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
-        x, scale, static_x = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue
-        cfg = _gemv.gated_config_for(layer.weight, x.shape[0], static_x)
+        x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue
+        cfg = _gemv.gated_config_for(layer.weight, x.shape[0], _static_x(layer))
         return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=cfg)
     return silu_mul(linear(x, layer, kernels))
 
