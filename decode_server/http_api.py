@@ -140,8 +140,7 @@ class OpenAIApi:
         """A prompt's or a chat's ids, as a generation of it would have them (openai_tokenize.py)."""
         try:
             tokenizer = self._tokenizer_for(request.path)
-            raw = await read_body(request, self.max_body_bytes)
-            data = await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+            raw, data = await self._body(request)
             # a long prompt's checks (its text's UTF-8, say) off the event loop, as a generation's
             req = (await asyncio.to_thread(read_tokenize, data, self.max_model_len) if len(raw) > PARSE_IN_THREAD_BYTES
                    else read_tokenize(data, self.max_model_len))
@@ -170,9 +169,18 @@ class OpenAIApi:
                            "invalid_request_error", "no_tokenizer", None, grpc.StatusCode.FAILED_PRECONDITION)
         return self.tokenizer
 
-    async def _json(self, request: web.Request) -> Any:
+    @property
+    def _max_values(self) -> int:
+        """The JSON values a body may hold: as many as a prompt that fills the context needs."""
+        return MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE
+
+    async def _body(self, request: web.Request) -> tuple[bytes, Any]:
+        """The body as read (its size decides what runs off the event loop) and parsed."""
         raw = await read_body(request, self.max_body_bytes)
-        return await parse_body(raw, MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE)
+        return raw, await parse_body(raw, self._max_values)
+
+    async def _json(self, request: web.Request) -> Any:
+        return (await self._body(request))[1]
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -309,12 +317,11 @@ class OpenAIApi:
         """The body into an ApiRequest; a large one is parsed and checked off the event loop, a large
         chat (or Responses API request) in the render pool's process."""
         raw = await read_body(request, self.max_body_bytes)
-        max_values = MAX_VALUES_PER_TOKEN * self.max_model_len + MAX_VALUES_ELSE
         if chat and self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
-            api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, max_values,
+            api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, self._max_values,
                                                             self.ignore_unknown_fields, responses)
         else:
-            data = await parse_body(raw, max_values)
+            data = await parse_body(raw, self._max_values)
 
             def read() -> tuple[ApiRequest, list[str]]:
                 if responses:
