@@ -53,7 +53,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                  STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, F16_MMA: tl.constexpr,
+                  PDL: tl.constexpr):
     # The step's metadata and the rope tables are written before the step starts and by no kernel in
     # it: read while the kernel before drains, then wait for it (engine.kernels.launch) to read q.
     b = tl.program_id(0)
@@ -93,6 +94,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
             tl.debug_barrier()  # this program's loads below see them
     else:
         q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if F16_MMA:  # e4m3 K and V to float16 take one conversion a pair of values, to bfloat16 three
+        q = q.to(tl.float16)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -203,6 +206,9 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, ROPE=rope is not None,
         STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
+        # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
+        # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
+        F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=4, num_stages=2, **launch.options())
     if splits > 1:
         _merge_kernel[(batch, heads)](
