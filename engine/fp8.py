@@ -248,8 +248,15 @@ def scaled_matmul(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
         else:
             x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return scaled_matmul_quantized(xq, x_scale, layer, x.dtype)
+
+
+def scaled_matmul_quantized(xq: torch.Tensor, x_scale: torch.Tensor, layer: Fp8Linear,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """`scaled_matmul` of x quantized already: e4m3 [T, K] with float32 scales [T, 1]."""
+    assert layer.weight_scale is not None
     out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.reshape(1, -1),
-                           out_dtype=x.dtype)
+                           out_dtype=out_dtype)
     return out if layer.bias is None else out + layer.bias
 
 

@@ -211,6 +211,30 @@ def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:
     assert torch.equal(q[7].float(), torch.zeros(18944, device="cuda"))
 
 
+def test_silu_mul_quantization_is_silu_mul_then_quantization() -> None:
+    """The FP8 prefill's down-projection input: SiLU·mul and its per-token quantization in one
+    kernel give the bits of the two kernels in turn; the layer's MLP through it, the unfused path's."""
+    from engine import ops
+    from engine.fp8 import Fp8Linear, quantize_per_channel
+    from engine.kernels.fp8_quant import quantize_rows, silu_mul_quantize_rows
+    from engine.kernels.fused import silu_mul
+
+    gu = torch.randn(300, 2 * 18944, dtype=torch.bfloat16, device="cuda") * 4
+    gu[5] = 0
+    q, scale = silu_mul_quantize_rows(gu)
+    want_q, want_scale = quantize_rows(silu_mul(gu))
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    layers = []
+    for n, k in ((2 * 1024, 512), (512, 1024)):
+        layer = Fp8Linear(k, n, bias=False, dtype=torch.bfloat16, device=torch.device("cuda"), keep_fp8=True,
+                          static_input=False)
+        layer.set_rows(slice(None), *quantize_per_channel(torch.randn(n, k, device="cuda") * k**-0.5))
+        layers.append(layer)
+    x = torch.randn(200, 512, dtype=torch.bfloat16, device="cuda")
+    unfused = ops.linear(ops.gate_up_silu(x, layers[0], ops.ALL_KERNELS), layers[1], ops.ALL_KERNELS)
+    assert torch.equal(ops.mlp(x, layers[0], layers[1], ops.ALL_KERNELS), unfused)
+
+
 def test_fp8_kv_paged_kernel_reads_what_the_gather_path_reads() -> None:
     """An e4m3 pool on CUDA: the Triton paged decode kernel (which writes the new token's K and V
     rounded, then reads the pool) gives the gather path's logits; CUDA graphs give eager's tokens."""

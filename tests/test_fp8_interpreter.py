@@ -1,6 +1,7 @@
 """The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
-argmax) and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
+argmax, either operand order), SiLU·mul with its per-token quantization (against the two kernels in
+turn), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
 installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
 The interpreter computes in NumPy, which has no bfloat16, so activations are float16 (the matmul)
@@ -64,6 +65,18 @@ def check_gemv() -> None:
         assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1, quantize_x=True), scale=scale), want) < 2e-3
 
 
+def check_silu_mul_quantize() -> None:
+    from engine.kernels.fp8_quant import quantize_rows, silu_mul_quantize_rows
+    from engine.kernels.fused import silu_mul
+
+    torch.manual_seed(2)
+    gu = torch.randn(3, 2 * 1500, dtype=torch.float16) * 4
+    gu[1] = 0
+    q, scale = silu_mul_quantize_rows(gu)
+    want_q, want_scale = quantize_rows(silu_mul(gu))  # the interpreter's e4m3 cast on both sides
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def check_paged_decode() -> None:
     from engine.kernels.paged_decode import paged_decode_attention
 
@@ -85,5 +98,6 @@ def check_paged_decode() -> None:
 
 if __name__ == "__main__":
     check_gemv()
+    check_silu_mul_quantize()
     check_paged_decode()
     print("fp8 kernels ok")

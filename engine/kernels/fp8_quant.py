@@ -1,7 +1,9 @@
 """Per-token FP8 quantization of a prefill's activations for `torch._scaled_mm`: each row scaled so
 its largest magnitude is e4m3's largest, in one kernel that reads x once (its second pass over the
 row comes from L2) and writes the e4m3 rows and a float32 scale a row. The same in PyTorch ops is
-about six passes over a float32 copy: at a 32k-token prefill's MLP input, milliseconds a layer."""
+about six passes over a float32 copy: at a 32k-token prefill's MLP input, milliseconds a layer.
+`silu_mul_quantize_rows` does the same for the down projection's input straight from the gate/up
+projection's output, so SiLU·mul's 16-bit result is never written and read back."""
 
 from __future__ import annotations
 
@@ -41,4 +43,43 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FP8_MAX=FP8_MAX,
                                     TINY=FLOAT32_TINY, num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def _silu_mul(GU, row, inter, offs, mask):
+    """SiLU(gate) * up of one row's slice, rounded to the model dtype where `fused.silu_mul` rounds."""
+    g = tl.load(GU + row * 2 * inter + offs, mask=mask, other=0.0)
+    u = tl.load(GU + row * 2 * inter + inter + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                              TINY: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK):
+        amax = tl.maximum(amax, tl.abs(_silu_mul(GU, row, INTER, k0 + offs, k0 + offs < INTER)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
+    tl.store(SCALE + row, scale)
+    for k0 in range(0, INTER, BLOCK):  # the row again, from L2
+        mask = k0 + offs < INTER
+        q = tl.minimum(tl.maximum(_silu_mul(GU, row, INTER, k0 + offs, mask) / scale, -FP8_MAX), FP8_MAX)
+        tl.store(Q + row * s_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
+
+
+def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] = [gate | up] (16-bit, contiguous) -> `quantize_rows(silu_mul(gate_up))`, the
+    same bits, in one kernel."""
+    assert gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
+    if m:
+        _silu_mul_quantize_kernel[(m,)](gate_up, q, scale, inter, q.stride(0), BLOCK=BLOCK, FP8_MAX=FP8_MAX,
+                                        TINY=FLOAT32_TINY, num_warps=4)
     return q, scale

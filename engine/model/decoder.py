@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
         else:
             attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
         h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
-        return x, ops.linear(ops.gate_up_silu(h, self.gate_up, kernels), self.down, kernels)
+        return x, ops.mlp(h, self.gate_up, self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
                            pool: KVPool, layer: int, meta: PrefillMeta,
