@@ -43,13 +43,11 @@ def check_gemv() -> None:
     bias = torch.randn(n, dtype=torch.float16)
     for m in (1, 3):
         x = torch.randn(m, k, dtype=torch.float16)
-        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2),  # whole K, split in two
-                    GemvConfig(32, 64, 4, 2, 2, swap_ab=True)):  # the weights the MMA's first operand
-            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3, cfg
+        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2)):  # whole K, split in two
+            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3
         gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
         want = (F.silu(gate.float()).half().float() * up.float()).half()
-        for cfg in (GemvConfig(16, 128, 4, 2, 1), GemvConfig(16, 128, 4, 2, 1, swap_ab=True)):
-            assert rel(gemv_silu(x, w, cfg, scale=scale), want) < 2e-3, cfg
+        assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1), scale=scale), want) < 2e-3
         logits, tokens = gemv_argmax(x, w, torch.float32, GemvConfig(32, 128, 4, 2, 1), scale=scale)
         assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
     for m in (1, 3, 20):  # W8A8: x quantized per row, in the kernel (1-16 rows) or by a kernel first (17-64)

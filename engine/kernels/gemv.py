@@ -57,7 +57,6 @@ class GemvConfig:
     num_stages: int = 6
     split_k: int = 1  # programs along K per column strip
     quantize_x: bool = False  # e4m3 weights: x to e4m3 per row too, for FP8 tensor cores (W8A8)
-    swap_ab: bool = False  # the weight tile as the MMA's first operand (out^T = W x^T), see `_gemv_kernel`
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -133,14 +132,11 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
 @triton.jit
 def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr, SWAP_AB: tl.constexpr,
+                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
-    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded.
-    SWAP_AB: the tile's sums as W x^T, the weights the MMA's first operand. Hopper's wgmma takes that
-    one from registers, where an e4m3 tile is converted; as the second operand the converted tile
-    goes back through shared memory, and a 16-row x is too few rows for wgmma's first."""
+    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded."""
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     strip = tl.program_id(0)
@@ -167,26 +163,15 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         x_scale = tl.maximum(amax / FP8_MAX, FLOAT32_TINY)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # SWAP_AB: the sums transposed
-    acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         if X_MODE == X_QUANTIZE:
             x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        if SWAP_AB:
-            acc_t = tl.dot(w.to(x.dtype), tl.trans(x), acc_t)
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            if SWAP_AB:
-                acc_up_t = tl.dot(w_up.to(x.dtype), tl.trans(x), acc_up_t)
-            else:
-                acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
-        acc_up = tl.trans(acc_up_t)
+            acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -334,7 +319,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         partial, counts, best, best_col, m, n, k,
         x_in.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
-        X_MODE=x_mode, ROUND=_ROUND[x.dtype], SWAP_AB=cfg.swap_ab,
+        X_MODE=x_mode, ROUND=_ROUND[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
