@@ -1,6 +1,6 @@
 """The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
-argmax, either operand order), SiLU·mul with its per-token quantization (against the two kernels in
+argmax), SiLU·mul with its per-token quantization (against the two kernels in
 turn), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
 installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
