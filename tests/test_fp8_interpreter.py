@@ -43,11 +43,17 @@ def check_gemv() -> None:
     bias = torch.randn(n, dtype=torch.float16)
     for m in (1, 3):
         x = torch.randn(m, k, dtype=torch.float16)
-        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2)):  # whole K, split in two
-            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3
+        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2),  # whole K, split in two
+                    GemvConfig(32, 64, 4, 2, 2, f16_mma=True)):
+            assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3, cfg
         gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
         want = (F.silu(gate.float()).half().float() * up.float()).half()
-        assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1), scale=scale), want) < 2e-3
+        for cfg in (GemvConfig(16, 128, 4, 2, 1), GemvConfig(16, 128, 4, 2, 1, f16_mma=True)):
+            assert rel(gemv_silu(x, w, cfg, scale=scale), want) < 2e-3, cfg
+        big = x * 16384  # rows past F16_SAFE: halved in the tile until they fit, their sums doubled back
+        assert big.abs().max() > 32768
+        cfg = GemvConfig(32, 64, 4, 2, 1, f16_mma=True)
+        assert rel(gemv(big, w, None, cfg, scale=scale, out_dtype=torch.float32), F.linear(big.float(), deq)) < 2e-3
         logits, tokens = gemv_argmax(x, w, torch.float32, GemvConfig(32, 128, 4, 2, 1), scale=scale)
         assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
     for m in (1, 3, 20):  # W8A8: x quantized per row, in the kernel (1-16 rows) or by a kernel first (17-64)

@@ -69,6 +69,8 @@ def main() -> None:
                    help="e4m3 weights with row scales, against torch._scaled_mm (row-wise scales)")
     p.add_argument("--quantize-x", nargs="+", choices=["no", "yes"], default=["no"],
                    help="with --fp8 and --sweep: tiles with bf16 activations (no), e4m3 ones (yes), or both")
+    p.add_argument("--f16-mma", nargs="+", choices=["no", "yes"], default=["no"],
+                   help="with --fp8 and --sweep: tiles whose products are float16 (yes), bf16 (no), or both")
     p.add_argument("--json", default=None)
     p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
@@ -86,12 +88,13 @@ def main() -> None:
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     x_modes = [q == "yes" for q in args.quantize_x] if args.fp8 else [False]
-    narrow = [GemvConfig(n, k, w, s, split, q) for n, k, w, s, split, q in  # the 16-row tile's candidates
+    f16 = [f == "yes" for f in args.f16_mma] if args.fp8 else [False]
+    narrow = [GemvConfig(*c) for c in  # the 16-row tile's candidates
               itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
-                                args.narrow_splits, x_modes)]
-    wide = [GemvConfig(n, k, w, s, split, q) for n, k, w, s, split, q in    # the 64-row tile's
+                                args.narrow_splits, x_modes, f16) if not (c[5] and c[6])]
+    wide = [GemvConfig(*c) for c in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
-                              args.wide_splits, x_modes)]
+                              args.wide_splits, x_modes, f16) if not (c[5] and c[6])]
     rows_out = []
     sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
     for name in args.shapes:

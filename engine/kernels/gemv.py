@@ -44,6 +44,8 @@ WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TIL
 X_16BIT = tl.constexpr(0)
 X_E4M3 = tl.constexpr(1)
 X_QUANTIZE = tl.constexpr(2)
+X_F16 = tl.constexpr(3)
+F16_SAFE = tl.constexpr(32768.0)  # a tile's x is halved until its largest magnitude is at most this
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # quantized as `quantize_rows` quantizes
 FLOAT32_TINY = tl.constexpr(fp8_quant.FLOAT32_TINY)
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -57,6 +59,7 @@ class GemvConfig:
     num_stages: int = 6
     split_k: int = 1  # programs along K per column strip
     quantize_x: bool = False  # e4m3 weights: x to e4m3 per row too, for FP8 tensor cores (W8A8)
+    f16_mma: bool = False  # e4m3 weights, 16-bit x: the products in float16 (`_gemv_kernel`'s X_F16)
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -136,7 +139,11 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
-    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded."""
+    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded.
+    X_F16: bfloat16 x and e4m3 weights multiplied in float16, which holds every e4m3 value and every
+    bfloat16 one from 2^-14 to 65504 exactly, and takes e4m3 in one conversion a pair of values where
+    bfloat16 takes three; a row of a tile whose x passes F16_SAFE is scaled by a power of two (exact)
+    and its products by the inverse."""
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     strip = tl.program_id(0)
@@ -168,10 +175,20 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         if X_MODE == X_QUANTIZE:
             x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
-        if GATED:
-            w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
+        if X_MODE == X_F16:
+            big = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+            pow2 = tl.exp2(tl.maximum(tl.ceil(tl.log2(big / F16_SAFE)), 0.0))  # 1 unless the row passes F16_SAFE
+            x16 = (x.to(tl.float32) / pow2[:, None]).to(tl.float16)
+            acc += tl.dot(x16, tl.trans(w.to(tl.float16))) * pow2[:, None]
+            if GATED:
+                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                acc_up += tl.dot(x16, tl.trans(w_up.to(tl.float16))) * pow2[:, None]
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
+            if GATED:
+                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0,
+                               eviction_policy="evict_first")
+                acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -309,7 +326,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
             tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     # e4m3 x: quantized in the kernel at 1-16 rows; above, by one kernel first (each program would
     # otherwise read all 64 rows of x for their scales)
-    x_mode, x_in, x_scale = X_16BIT, x, out
+    x_mode, x_in, x_scale = X_F16 if cfg.f16_mma else X_16BIT, x, out
+    assert not cfg.f16_mma or (scale is not None and not cfg.quantize_x), "float16 products are for e4m3 weights"
     if cfg.quantize_x:
         x_mode = X_QUANTIZE if m <= MAX_ROWS else X_E4M3
         if x_mode == X_E4M3:
