@@ -53,8 +53,9 @@ MAX_FUSED_INTER = 32768  # `silu_mul_quantize_rows` holds a whole row in registe
 def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
                               TINY: tl.constexpr):
     """One row whole, read once: SiLU(gate) * up rounded where `fused.silu_mul` rounds, its largest
-    magnitude, then the e4m3 values. (Two passes, the second from L2, read the row twice from HBM:
-    at a prefill's thousand rows in flight their 75 KB each do not stay in L2.)"""
+    magnitude, then the e4m3 values. (Two passes, the second meant to come from L2, measured no
+    faster than the two kernels: a prefill's thousand rows in flight at 75 KB each are more than L2
+    holds, bench/NOTES.md.)"""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < INTER
