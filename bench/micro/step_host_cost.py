@@ -21,6 +21,10 @@ the median over the counted steps:
   model eagerly (`--forward model`). On a GPU a step replays a CUDA graph, whose launch is in
   runner.decode; any wait for the device inside a part is in that part.
 
+A grammar's mask costs in proportion to the vocabulary: the tiny preset's 320 tokens make it about
+sixty times cheaper than a 152,064-token model's (bench/NOTES.md), so `--preset qwen2.5-7b` is the
+figure for a real model's masks.
+
 The CPU runs the eager path: its metadata is built as fresh tensors, where a GPU writes it into
 the CUDA graphs' pinned buffers (`engine.cuda_graphs`); the rest is the same code. `--profile N`
 prints cProfile's N costliest functions of the grammar batch's steps (by own time).
