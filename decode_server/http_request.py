@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from aiohttp import web
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ async def parse_body(raw: bytes, max_values: int) -> Any:
     counts them exactly, and the body is refused unparsed here when they are too many."""
     if len(raw) <= PARSE_IN_THREAD_BYTES:
         return parse_json(raw)
-    if 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{") > max_values:
+    if await asyncio.to_thread(value_bound, raw) > max_values:
         async with _gates:
             verdict = await asyncio.to_thread(gate_verdict, raw, max_values)
         if "error" in verdict:
@@ -174,6 +175,14 @@ async def parse_body(raw: bytes, max_values: int) -> Any:
         if verdict["values"] > max_values:
             raise too_complex(max_values)
     return await asyncio.to_thread(parse_json, raw)
+
+
+def value_bound(raw: bytes) -> int:
+    """At most how many JSON values `raw` holds: 1 + its commas + its opening brackets. Counted with
+    numpy, which lets the GIL go while it scans; `bytes.count` keeps it (3-5 ms for a 2.4 MB body on
+    a 2-core CPU, and every decode step waits for the GIL between its operations)."""
+    scanned = np.frombuffer(raw, np.uint8)
+    return 1 + sum(int(np.count_nonzero(scanned == byte)) for byte in b",[{")
 
 
 def too_complex(max_values: int) -> ApiError:

@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from decode_server.http_request import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, default_max_body_bytes
+from decode_server.http_request import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, default_max_body_bytes, value_bound
 from tests.test_http_api import post as http_post
 from tests.test_http_fixtures import HttpServer
 from tests.test_reliability_fixtures import prompt, wait_kv_idle
@@ -218,6 +218,12 @@ def stream_gaps(server: HttpServer, gaps: list[tuple[float, float]], stop: threa
             gaps.append((now - last, now))
             last = now
     conn.close()
+
+
+@pytest.mark.parametrize("body", [b"", b"1", b'{"prompt": "a, [b] {c}"}', b"[[],[1,2],{},{\"a\":[3]}]",
+                                  b'{"prompt": [' + b"1," * 1000 + b"1]}"])
+def test_value_bound_counts_commas_and_opening_brackets(body: bytes) -> None:
+    assert value_bound(body) == 1 + body.count(b",") + body.count(b"[") + body.count(b"{")
 
 
 @pytest.mark.parametrize("case", ["over_the_limit", "messages", "ids", "stop_token_ids"])
