@@ -114,6 +114,34 @@ def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
                 assert torch.equal(gemv(x[:m], q, bias, cfg, scale=scale), got[:m]), (shape, m)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp8_float16_tiles_are_the_dequantized_matmul(rows: int) -> None:
+    """Tiles with `f16_mma` (bf16 x and e4m3 weights multiplied in float16), on the tiles the sweep
+    measured fastest: within bf16 rounding of x @ the dequantized W^T in float32, a row's result the
+    same whatever rides along, and rows past float16's range scaled back to their bf16 result."""
+    from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
+    from engine.ops import silu_mul
+
+    for shape, cfg in (("down", GemvConfig(64, 256, 4, 4, 4, f16_mma=True)),
+                       ("gate_up", GemvConfig(64, 128, 4, 3, 1, f16_mma=True))):
+        n, k, _ = SHAPES[shape]
+        q, scale, ref_w = fp8_weight(n, k, seed=7)
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        for factor in (1.0, 2.0**14):  # 2^14: past 65504 in float16 for |x| > 4
+            xs = x * factor
+            if shape == "gate_up":
+                got = gemv_silu(xs, q, cfg, scale=scale)
+                want = silu_mul(F.linear(xs.float(), ref_w).to(torch.bfloat16))
+            else:
+                got = gemv(xs, q, None, cfg, scale=scale)
+                want = F.linear(xs.float(), ref_w)
+            assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2, (shape, factor)
+        if shape == "down" and rows == 16:
+            full = gemv(x, q, None, cfg, scale=scale)
+            for m in (1, 5):
+                assert torch.equal(gemv(x[:m], q, None, cfg, scale=scale), full[:m])
+
+
 @pytest.mark.parametrize("rows", [17, 64, 65, 512, 4096])
 def test_scaled_mm_prefill_is_the_per_token_quantized_matmul(rows: int) -> None:
     """Prefill's `torch._scaled_mm` path: x quantized per token, e4m3 weights, float32 sums; against the
