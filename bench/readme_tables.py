@@ -205,6 +205,25 @@ def engine_fp8_h200() -> str:
     return engine_h200("engine-fp8-h200.json")
 
 
+def grammar_rows_h200() -> str:
+    """bench.e2e.grammar_rows, each run in the file newest first: the batch's ITL without grammars, then
+    with some of its rows under a JSON schema (the others' ITL is what the grammar rows cost them)."""
+    doc = load("grammar-rows-h200.json")
+    def p50_mean(itl: Doc) -> str:
+        return f"{ms(itl['p50'], 2)} / {ms(itl['mean'], 2)}"
+
+    rows = [[run["commit"], p50_mean(run["itl_ms"]["unconstrained_batch"]),
+             p50_mean(run["itl_ms"]["mixed_unconstrained_rows"]), ms(run["itl_ms"]["mixed_grammar_rows"]["p50"], 2),
+             f"{run['mixed_over_unconstrained']['mean']:.3f}"] for run in runs(doc)]
+    header = ["commit", f"{doc['users']} rows, no grammar: ITL p50 / mean",
+              f"{doc['grammar_users']} under a grammar: the others' p50 / mean", "the grammar rows' p50",
+              f"ratio of means (target <= {doc['target_ratio']})"]
+    about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             "[`grammar-rows-h200.json`](../bench/results/grammar-rows-h200.json) (the earlier runs under "
+             "`previous`); the mean includes the steps that wait for new requests' prefills.*")
+    return about + "\n\n" + table(header, rows)
+
+
 # --- KV over NIXL -------------------------------------------------------------------------------
 def kv_nixl_h200() -> str:
     """bench.e2e.kv_transfer's nixl rows, each run's median: the endpoints (two processes' pools) and the
@@ -291,7 +310,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scenario-2xh200": scenario_2xh200, "scenario-h200": scenario_h200, "load-h200": load_h200,
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
     "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200, "hostile-bodies-cpu": hostile_bodies,
-    "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"),
+    "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"), "grammar-rows-h200": grammar_rows_h200,
 }
 
 
