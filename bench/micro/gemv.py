@@ -89,6 +89,7 @@ def main() -> None:
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     x_modes = [q == "yes" for q in args.quantize_x] if args.fp8 else [False]
     f16 = [f == "yes" for f in args.f16_mma] if args.fp8 else [False]
+    # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6]
     narrow = [GemvConfig(*c) for c in  # the 16-row tile's candidates
               itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
                                 args.narrow_splits, x_modes, f16) if not (c[5] and c[6])]

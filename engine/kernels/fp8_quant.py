@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.fused import silu_mul_rounded
+
 BLOCK = 1024
 FP8_MAX = 448.0
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: an all-zero row's scale
@@ -52,7 +54,7 @@ MAX_FUSED_INTER = 32768  # `silu_mul_quantize_rows` holds a whole row in registe
 @triton.jit
 def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
                               TINY: tl.constexpr):
-    """One row whole, read once: SiLU(gate) * up rounded where `fused.silu_mul` rounds, its largest
+    """One row whole, read once: SiLU(gate) * up as `fused.silu_mul` computes it, its largest
     magnitude, then the e4m3 values. (Two passes, the second meant to come from L2, measured no
     faster than the two kernels: a prefill's thousand rows in flight at 75 KB each are more than L2
     holds, bench/NOTES.md.)"""
@@ -61,9 +63,7 @@ def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8
     mask = offs < INTER
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    h = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    h = silu_mul_rounded(g, u).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, TINY)
     tl.store(SCALE + row, scale)
     q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)

@@ -43,6 +43,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
 
 
 @triton.jit
+def silu_mul_rounded(g, u):
+    """SiLU(g) * u for 16-bit g and u, rounded to their dtype where PyTorch's SiLU and product round."""
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(GU, OUT, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
@@ -52,9 +60,7 @@ def _silu_mul_kernel(GU, OUT, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr):
     mask = offs < INTER
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(OUT + row * INTER + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(OUT + row * INTER + offs, silu_mul_rounded(g, u), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
