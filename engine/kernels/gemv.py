@@ -95,10 +95,13 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 # scales) and is not taken (bench/NOTES.md). At 17-64 rows every shape W8A8, beside
 # `torch._scaled_mm` at 64 rows (its own x quantization not counted): qkv 10.7 against 15.7 us, o_proj 10.2
 # against 12.3, gate/up with SiLU·mul 41.3 against 54.4, down 34.1 against 46.7.
+# gate/up and down then multiply in float16 (`f16_mma`, bench/results/gemv-fp8-f16-sweep-h200.json):
+# gate/up with SiLU·mul 53.7 -> 42.6 us, down 30.1 -> 28.9 us at one row.
 FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
     **NARROW_ROW_TILES,
+    "wide": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, f16_mma=True),  # gate_up (gated: 64)
     "tall": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=4),  # qkv
-    "deep": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),  # down
+    "deep": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4, f16_mma=True),  # down
 }
 FP8_WIDE_ROW_TILES: dict[str, GemvConfig] = {
     "wide": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, quantize_x=True),  # gate_up, gated
