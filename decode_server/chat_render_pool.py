@@ -1,4 +1,5 @@
-"""Large chats read, rendered by their template and tokenized in a separate process.
+"""Large bodies parsed, and large chats read, rendered by their template and tokenized, in a separate
+process.
 
 Every value parsed, every message checked and every line of a chat template rendered (jinja is pure
 Python) holds the GIL, in slices of the switch interval; every decode step gives the GIL up and
@@ -8,7 +9,9 @@ POOL_BODY_BYTES is handed as bytes to a worker process with its own copy of the 
 parses, checks, renders and tokenizes it; one with more than POOL_MESSAGES messages in a smaller body
 is rendered and tokenized there. This process only copies the bytes or pickles the messages over,
 and takes the prompt's ids back as one packed protobuf field, which it reads in C in one pass (as
-both servers hold a prompt, `serving/token_ids.py`). The worker starts with the first such chat (it
+both servers hold a prompt, `serving/token_ids.py`). Any other body past POOL_BODY_BYTES is parsed
+there too, and pickled back: unpickling a 2 MB prompt holds the GIL about 1 ms, where `json.loads`
+holds it 5-7 ms (it gives the GIL up nowhere, not even on a worker thread). The worker starts with the first such chat (it
 waits one to four seconds for it), not with the server."""
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # Rendering takes about 10 us a message and parsing a chat about 1 ms a 100 KiB: below these a chat
 # costs the decode steps a few ms at most, and skips the trip to the worker.
-POOL_BODY_BYTES = 256 << 10  # chat bodies past this are read in the worker
+POOL_BODY_BYTES = 256 << 10  # bodies past this are parsed (a chat also read) in the worker
 POOL_MESSAGES = 256          # chats of more messages than this are rendered there
 WORKERS = 1
 
@@ -92,6 +95,17 @@ def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
     return "ok", (replace(api, messages=[]), unknown, packed)
 
 
+def _parse(raw: bytes, max_values: int) -> tuple[str, Any]:
+    """Any body, as `parse_body` would read it."""
+    try:
+        data = parse_json(raw)
+        if count_values(data, max_values) > max_values:
+            raise too_complex(max_values)
+    except ApiError as e:
+        return "api", (e.status, str(e), e.code)
+    return "ok", data
+
+
 def _render(messages: list[dict[str, Any]], tools: Tools | None, options: ChatOptions, max_model_len: int,
             truncate: int) -> tuple[str, Any]:
     assert _tokenizer is not None
@@ -114,6 +128,10 @@ class ChatRenderPool:
         api, unknown, packed = await self._call(_read_chat, raw, request_id, max_model_len, max_values,
                                                 ignore_unknown, responses)
         return replace(api, fields=_with_ids(api.fields, packed)), unknown
+
+    async def parse(self, raw: bytes, max_values: int) -> Any:
+        """A body past POOL_BODY_BYTES as JSON, refused as `parse_body` refuses it."""
+        return await self._call(_parse, raw, max_values)
 
     async def render(self, fields: RequestFields, messages: list[dict[str, Any]], tools: Tools | None,
                      options: ChatOptions, max_model_len: int) -> RequestFields:

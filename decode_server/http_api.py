@@ -177,7 +177,13 @@ class OpenAIApi:
     async def _body(self, request: web.Request) -> tuple[bytes, Any]:
         """The body as read (its size decides what runs off the event loop) and parsed."""
         raw = await read_body(request, self.max_body_bytes)
-        return raw, await parse_body(raw, self._max_values)
+        return raw, await self._parse(raw)
+
+    async def _parse(self, raw: bytes) -> Any:
+        """A large body is parsed in the render pool's process; the rest as `parse_body` does."""
+        if self.render_pool is not None and len(raw) > POOL_BODY_BYTES:
+            return await self.render_pool.parse(raw, self._max_values)
+        return await parse_body(raw, self._max_values)
 
     async def _json(self, request: web.Request) -> Any:
         return (await self._body(request))[1]
@@ -321,7 +327,7 @@ class OpenAIApi:
             api, unknown = await self.render_pool.read_chat(raw, request_id, self.max_model_len, self._max_values,
                                                             self.ignore_unknown_fields, responses)
         else:
-            data = await parse_body(raw, self._max_values)
+            data = await self._parse(raw)
 
             def read() -> tuple[ApiRequest, list[str]]:
                 if responses:

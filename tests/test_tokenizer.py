@@ -189,3 +189,29 @@ def test_encode_tail_is_the_encodings_last_tokens(tokenizer: Tokenizer, keep: in
         for _ in range(5):
             text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 20_000)))
             assert tok.encode_tail(text, keep) == tok.encode(text)[-keep:]
+
+
+def bos_tokenizer(folder: Path) -> Tokenizer:
+    """The trained BPE tokenizer with a post-processor that puts a BOS first, as Llama's does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    backend = hf.backend_tokenizer
+    bos = "<|endoftext|>"
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, hf.convert_tokens_to_ids(bos))])
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="<|im_end|>"))
+
+
+@pytest.mark.parametrize("which", ["trained BPE", "with a BOS", "tiny preset bytes"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_is_transformers_encode(which: str, add_special_tokens: bool, tokenizer: Tokenizer,
+                                       folder: Path) -> None:
+    """`encode` reads the backend tokenizer directly (it lets the GIL go); its ids stay transformers'."""
+    tok = {"trained BPE": tokenizer, "with a BOS": bos_tokenizer(folder), "tiny preset bytes": byte_tokenizer()}[which]
+    texts = ["", " ", MULTIBYTE, "Hello <|im_start|>user\nhi<|im_end|> there", "a  b\t\n\nc " * 50, "<|endoftext|>x"]
+    for text in texts:
+        want = tok.hf.encode(text, add_special_tokens=add_special_tokens)
+        assert tok.encode(text, add_special_tokens) == want, text
+    if which == "with a BOS":
+        assert tok.encode("x", True)[0] == tok.hf.convert_tokens_to_ids("<|endoftext|>")
