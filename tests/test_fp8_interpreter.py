@@ -82,7 +82,7 @@ def check_silu_mul_quantize() -> None:
 
 
 def check_paged_decode() -> None:
-    from engine.kernels.paged_decode import paged_decode_attention
+    from engine.kernels.paged_decode import DecodeTile, paged_decode_attention
 
     torch.manual_seed(1)
     heads, kv_heads, dim, block = 4, 2, 16, 16
@@ -90,8 +90,8 @@ def check_paged_decode() -> None:
     q = torch.randn(2, heads, dim)
     tables = torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([40, 20], dtype=torch.int32)
-    for splits in (1, 2):
-        out = paged_decode_attention(q, pool, tables, lens, block, splits=splits)
+    for splits, tile in [(1, None), (2, None), (2, DecodeTile(16, 3)), (1, DecodeTile(128, 3))]:
+        out = paged_decode_attention(q, pool, tables, lens, block, splits=splits, tile=tile)
         for b in range(2):
             pos = torch.arange(int(lens[b]))
             slots = tables[b].long()[pos // block] * block + pos % block

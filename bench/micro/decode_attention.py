@@ -9,7 +9,10 @@ is 2 MB a layer: eight of them would fit in an H200's L2, 60 MiB as the driver r
 With `--long-context N` the first sequence of each batch holds N tokens and the rest the context:
 a step with one long history among short ones, where the layer lasts as long as the long history's
 programs. Recorded as `attention-long-history-*.json`, those rows price that part of the step in
-the simulator (planner.fits.fit_long_history)."""
+the simulator (planner.fits.fit_long_history).
+
+`--kv-dtype fp8` reads an e4m3 pool (one byte a value, the floor halved); `--block-n` and `--stages`
+sweep the kernel's tile (`DecodeTile`), the one the engine picks for the dtype marked."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 
 from bench.common import measure_hbm_gbps, metadata, write_json
 from bench.micro.gemv import graph_us
-from engine.kernels.paged_decode import num_splits_for, paged_decode_attention
+from engine.kernels.paged_decode import DecodeTile, decode_tile, num_splits_for, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 
@@ -32,8 +35,16 @@ def main() -> None:
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--layers", type=int, default=8, help="KV layers cycled through, at least (more if L2 holds them)")
     p.add_argument("--long-context", type=int, default=0, help="the first sequence's tokens (0: as the rest)")
+    p.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--block-n", type=int, nargs="+", default=None, help="context tokens a step (default: the engine's)")
+    p.add_argument("--stages", type=int, nargs="+", default=None, help="pipeline stages (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    engine_tile = decode_tile(kv_dtype)
+    tiles = [DecodeTile(n, st) for n in args.block_n or [engine_tile.block_n]
+             for st in args.stages or [engine_tile.num_stages]]
+    width = kv_dtype.itemsize
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     l2_bytes = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -44,25 +55,28 @@ def main() -> None:
             longest = max(ctx, args.long_context)
             blocks = -(-longest // BLOCK)
             slots = batch * blocks * BLOCK + BLOCK
-            count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * 2)))
-            layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * width)))
+            layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev).to(kv_dtype)
                       for _ in range(count)]
             tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             lens[0] = longest
             tokens = int(lens.sum())
             q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * 2 / (hbm * 1e9) * 1e6
+            floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * width / (hbm * 1e9) * 1e6
             chosen = num_splits_for(batch, KV_HEADS)
             long = {"long_context": longest} if args.long_context else {}
-            for splits in args.splits:
-                us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits)
-                               for kv in layers])
-                mark = " <- engine" if splits == chosen else ""
-                print(f"ctx {ctx:>6} batch {batch:>3} splits {splits:>3}: {us:8.1f} us  floor {floor_us:7.1f} "
-                      f"({floor_us / us:4.0%}){mark}", flush=True)
-                rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
-                             "floor_us": round(floor_us, 2), "engine_choice": splits == chosen})
+            for tile in tiles:
+                for splits in args.splits:
+                    us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
+                                   for kv in layers])
+                    ours = splits == chosen and tile == engine_tile
+                    print(f"ctx {ctx:>6} batch {batch:>3} tile {tile.block_n:>3}x{tile.num_stages} splits {splits:>3}: "
+                          f"{us:8.1f} us  floor {floor_us:7.1f} ({floor_us / us:4.0%}){' <- engine' if ours else ''}",
+                          flush=True)
+                    rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
+                                 "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
+                                 "block_n": tile.block_n, "num_stages": tile.num_stages})
             del layers
             torch.cuda.empty_cache()
     if args.json:

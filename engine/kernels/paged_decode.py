@@ -14,6 +14,8 @@ Pool layer layout: [2 (K, V), num_slots, num_kv_heads, head_dim]; slot = block *
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,23 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 
-BLOCK_N = 64      # context tokens per inner step
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """Context tokens per inner step, and the loads a program keeps in flight (`num_stages` - 1)."""
+
+    block_n: int = 64
+    num_stages: int = 2
+
+
+# per pool dtype: an e4m3 tile holds half the bytes of a 16-bit one, so fewer are in flight at once
+DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 2)}
+
+
+def decode_tile(kv_dtype: torch.dtype) -> DecodeTile:
+    return DECODE_TILES.get(kv_dtype, DecodeTile())
+
+
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
 # (1k tokens) and 18% (4k), at batch 32 four beat two by 4% and 15% (`python -m bench.micro.decode_attention`)
 TARGET_PROGRAMS = 528
@@ -159,12 +177,14 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
-                           table_stride: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                           table_stride: torch.Tensor | None = None, splits: int | None = None,
+                           tile: DecodeTile | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
     stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
-    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks. Shapes
-    only, no host sync: safe inside a CUDA graph."""
-    return _attend(q, q.shape[1], None, kv_layer, block_tables, context_lens, block_size, table_stride, splits)
+    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks, `tile` the
+    one `decode_tile` picks. Shapes only, no host sync: safe inside a CUDA graph."""
+    return _attend(q, q.shape[1], None, kv_layer, block_tables, context_lens, block_size, table_stride, splits,
+                   tile)
 
 
 def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
@@ -177,13 +197,14 @@ def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: to
     of its context_lens), cos and sin the float32 tables [positions, D]. Returns [B, H, D]."""
     assert qkv.stride(1) == 1 and cos.stride() == sin.stride()
     return _attend(qkv, num_heads, (positions, cos, sin, slots), kv_layer, block_tables, context_lens, block_size,
-                   table_stride, splits)
+                   table_stride, splits, None)
 
 
 def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, kv_layer: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-            table_stride: torch.Tensor | None, splits: int | None) -> torch.Tensor:
+            table_stride: torch.Tensor | None, splits: int | None, tile: DecodeTile | None) -> torch.Tensor:
     batch, dim = q.shape[0], kv_layer.shape[3]
+    tile = tile or decode_tile(kv_layer.dtype)
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
     splits = splits or num_splits_for(batch, kv_heads)
@@ -203,15 +224,15 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         kv_layer.stride(2), block_tables.stride(0), *s_part, *s_ml, out.stride(0), out.stride(1),
         cos.stride(0) if rope is not None else 0, scale_log2,
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, ROPE=rope is not None,
+        HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=splits, ROPE=rope is not None,
         STRIDE_ON_DEVICE=table_stride is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
         F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2, **launch.options())
+        num_warps=4, num_stages=tile.num_stages, **launch.options())
     if splits > 1:
         _merge_kernel[(batch, heads)](
             partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,
-            BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, **launch.options())
+            BLOCK_N=tile.block_n, NUM_SPLITS=splits, num_warps=4, **launch.options())
     return out
