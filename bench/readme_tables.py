@@ -115,12 +115,12 @@ def scenario_2xh200() -> str:
     return provenance(doc, "scenario-2xh200.json") + "\n\n" + table(SCENARIO_HEADER, rows)
 
 
-def scenario_h200() -> str:
+def scenario_h200(file: str = "scenario-h200.json") -> str:
     order = [("alone", None, None), ("colocated", None, None), ("chunked", 512, None), ("chunked", 2048, None),
              ("layered", None, None), ("partitioned", 72, None), ("disaggregated", None, "cuda-ipc"),
              ("disaggregated", None, "nixl")]
-    doc, rows = scenario_rows("scenario-h200.json", 32768, order)
-    return provenance(doc, "scenario-h200.json") + "\n\n" + table(SCENARIO_HEADER, rows)
+    doc, rows = scenario_rows(file, 32768, order)
+    return provenance(doc, file) + "\n\n" + table(SCENARIO_HEADER, rows)
 
 
 # --- many users ---------------------------------------------------------------------------------
@@ -132,8 +132,7 @@ def slo_text(params: Doc) -> str:
     return text
 
 
-def load_h200() -> str:
-    file = "load-h200.json"
+def load_h200(file: str = "load-h200.json") -> str:
     doc = load(file)
     per_token = doc["params"].get("slo_itl_p99_ms") is not None
     header = ["mode", "goodput (TPOT SLO)", *(["goodput (per-token SLO)"] if per_token else []), "ITL p99",
@@ -219,7 +218,7 @@ def grammar_rows_h200() -> str:
               f"{doc['grammar_users']} under a grammar: the others' p50 / mean", "the grammar rows' p50",
               f"ratio of means (target <= {doc['target_ratio']})"]
     about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
-             "[`grammar-rows-h200.json`](../bench/results/grammar-rows-h200.json) (the earlier runs under "
+             "[`grammar-rows-h200.json`](bench/results/grammar-rows-h200.json) (the earlier runs under "
              "`previous`); the mean includes the steps that wait for new requests' prefills.*")
     return about + "\n\n" + table(header, rows)
 
@@ -270,7 +269,7 @@ def plan_network() -> str:
         flip = f"{c['flip_nic_gbps']:g} Gb/s" if c["flip_nic_gbps"] is not None else "never in the sweep"
         rows.append([str(c["gpus"]), c["mix"], per_node, *cells, flip])
     about = (f"*simulated on the CPU, costs fitted to H200 runs, {doc['date'][:10]}, commit {doc['commit']}, "
-             f"`{doc['command']}`, [`{file}`](../bench/results/{file}); {net['gpus_per_node']} GPUs a node, "
+             f"`{doc['command']}`, [`{file}`](bench/results/{file}); {net['gpus_per_node']} GPUs a node, "
              f"NIC latency {net['nic_latency_us']:g} µs; split-nodes cells: the same split's goodput (req/s) with "
              "the pools on nodes of their own, and against the per-node best.*")
     return about + "\n\n" + table(header, rows)
@@ -300,7 +299,7 @@ def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
         rows.append([name, ", ".join(status), f"{answered:.2f} s", *stalls])
     idle = [t["idle_longest_gap_ms"] for s in doc["gil_switch_ms"].values() for ts in s["cases"].values() for t in ts]
     about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
-             f"[`{file}`](../bench/results/{file}); a stall is the stream's longest token gap while the body was "
+             f"[`{file}`](bench/results/{file}); a stall is the stream's longest token gap while the body was "
              f"answered less the longest of the idle second before (those idle gaps: {min(idle):.0f}-{max(idle):.0f} "
              f"ms); target {doc['target_stall_ms']:g} ms.*")
     return about + "\n\n" + table(header, rows)
@@ -314,13 +313,16 @@ TABLES: dict[str, Callable[[], str]] = {
 }
 
 
-def render(text: str) -> str:
-    """`text` with every marked table rendered anew from its JSON."""
+def render(text: str, document: Path = Path("README.md")) -> str:
+    """`text` with every marked table rendered anew from its JSON. The tables link their files from
+    the repository's root; in a document inside a folder, those links climb out of it first."""
+    up = "../" * (len(document.parts) - 1)
+
     def fill(m: re.Match[str]) -> str:
         name = m["name"]
         if name not in TABLES:
             raise KeyError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
-        return f"{m[1]}{TABLES[name]()}\n{m[4]}"
+        return f"{m[1]}{TABLES[name]().replace('](bench/results/', f']({up}bench/results/')}\n{m[4]}"
     return BLOCK.sub(fill, text)
 
 
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     stale = []
     for path in DOCUMENTS:
         old = path.read_text()
-        new = render(old)
+        new = render(old, path)
         if new != old:
             stale.append(str(path))
             if not args.check:

@@ -4,6 +4,7 @@ never typed by hand (bench.readme_tables)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,14 @@ def at_root(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tables_are_what_their_files_render(document: Path) -> None:
     text = document.read_text()
     assert readme_tables.BLOCK.search(text), f"{document} has no rendered table"
-    assert readme_tables.render(text) == text, f"run python -m bench.readme_tables: {document} differs"
+    assert readme_tables.render(text, document) == text, f"run python -m bench.readme_tables: {document} differs"
+
+
+@pytest.mark.parametrize("document", readme_tables.DOCUMENTS, ids=str)
+def test_tables_link_files_that_exist_from_their_document(document: Path) -> None:
+    for block in readme_tables.BLOCK.finditer(document.read_text()):
+        for link in re.findall(r"\]\(([^)]+\.json)\)", block["body"]):
+            assert (document.parent / link).is_file(), f"{document}: table {block['name']} links {link}, not there"
 
 
 def test_every_table_is_in_a_document() -> None:
