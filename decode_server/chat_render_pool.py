@@ -11,8 +11,8 @@ is rendered and tokenized there. This process only copies the bytes or pickles t
 and takes the prompt's ids back as one packed protobuf field, which it reads in C in one pass (as
 both servers hold a prompt, `serving/token_ids.py`). Any other body past POOL_BODY_BYTES is parsed
 there too, and pickled back: unpickling a 2 MB prompt holds the GIL about 1 ms, where `json.loads`
-holds it 5-7 ms (it gives the GIL up nowhere, not even on a worker thread). The worker starts with the first such chat (it
-waits one to four seconds for it), not with the server."""
+holds it 5-7 ms (it gives the GIL up nowhere, not even on a worker thread). The worker starts
+with the first such body (it waits one to four seconds for it), not with the server."""
 
 from __future__ import annotations
 

@@ -199,7 +199,8 @@ def bos_tokenizer(folder: Path) -> Tokenizer:
     hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     backend = hf.backend_tokenizer
     bos = "<|endoftext|>"
-    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, hf.convert_tokens_to_ids(bos))])
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, hf.convert_tokens_to_ids(bos))])
     return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="<|im_end|>"))
 
 
