@@ -12,7 +12,8 @@ and takes the prompt's ids back as one packed protobuf field, which it reads in 
 both servers hold a prompt, `serving/token_ids.py`). Any other body past POOL_BODY_BYTES is parsed
 there too, and pickled back: unpickling a 2 MB prompt holds the GIL about 1 ms, where `json.loads`
 holds it 5-7 ms (it gives the GIL up nowhere, not even on a worker thread). The worker starts
-with the first such body (it waits one to four seconds for it), not with the server."""
+with the HTTP server, beside it: its imports take seconds (4-11 s measured), which no request
+should wait for, and starting it pickles the tokenizer over, which holds the event loop."""
 
 from __future__ import annotations
 
@@ -106,6 +107,10 @@ def _parse(raw: bytes, max_values: int) -> tuple[str, Any]:
     return "ok", data
 
 
+def _ready() -> bool:
+    return _tokenizer is not None
+
+
 def _render(messages: list[dict[str, Any]], tools: Tools | None, options: ChatOptions, max_model_len: int,
             truncate: int) -> tuple[str, Any]:
     assert _tokenizer is not None
@@ -120,6 +125,11 @@ class ChatRenderPool:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._pool: ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """The worker process, started now and left to import in the background; one that fails
+        to start is replaced by the first call that needs it."""
+        self._executor().submit(_ready)
 
     async def read_chat(self, raw: bytes, request_id: str, max_model_len: int, max_values: int,
                         ignore_unknown: bool, responses: bool = False) -> tuple[ApiRequest, list[str]]:

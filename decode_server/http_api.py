@@ -107,6 +107,8 @@ class OpenAIApi:
             await self._runner.cleanup()
             raise StartupError(f"can't serve HTTP on {host}:{port} ({e.strerror}); stop the other process or pass "
                                "another --http-port (0 turns HTTP off)") from e
+        if self.render_pool is not None:
+            self.render_pool.start()
 
     async def stop(self) -> None:
         if self._runner is not None:

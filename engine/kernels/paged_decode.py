@@ -34,8 +34,10 @@ class DecodeTile:
     num_warps: int = 4
 
 
-# per pool dtype: an e4m3 tile holds half the bytes of a 16-bit one, so fewer are in flight at once
-DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 2)}
+# per pool dtype: an e4m3 tile of 64 tokens holds half the bytes of a 16-bit one, so half as many are
+# in flight; 128 tokens a step take one layer of batch 64 at a 1k context from 47.8 to 37.2 us on an
+# H200 (bench/results/decode-attention-fp8-tiles-h200.json; bf16's 64-token tile: 43.8 us)
+DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(128, 3)}
 
 
 def decode_tile(kv_dtype: torch.dtype) -> DecodeTile:
