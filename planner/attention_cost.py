@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-# The model's shape and the kernel's constants (checked against the engine's in tests/test_simulate.py)
+# The model's shape and the kernel's constants (checked against the engine's in tests/test_planner.py)
 LAYERS = 28
 KV_HEADS = 4
 HEAD_BYTES_PER_TOKEN = 512       # K and V of one KV head of one layer: 2 x 128 x 2 bytes
