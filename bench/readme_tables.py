@@ -278,25 +278,33 @@ def plan_network() -> str:
 # --- hostile HTTP bodies (python -m bench.e2e.hostile_bodies) ---------------------------------------
 def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
     """Per case: how it was answered, and the stall it caused at each GIL switch interval measured,
-    beside the run it replaced (`previous`) where there is one."""
+    beside the newest earlier run (under `previous`) that sent it, at the default switch."""
     doc = load(file)
-    runs_ = [(f"switch {k} ms", doc, k) for k in doc["gil_switch_ms"]]
-    before = doc.get("previous")
-    if before:
-        runs_.append((f"at {before['commit']}, switch 5 ms", before, "5"))
-    cases: dict[str, list[Doc]] = {}  # every case of every run, each answered as in the first run that sent it
-    for _, d, k in runs_:
-        for name, trials in d["gil_switch_ms"][k]["cases"].items():
+    switches = list(doc["gil_switch_ms"])
+    earlier = list(runs(doc))[1:]
+    cases: dict[str, list[Doc]] = {}  # every case of the file's own run, as it was answered
+    for k in switches:
+        for name, trials in doc["gil_switch_ms"][k]["cases"].items():
             cases.setdefault(name, trials)
+
+    def before(name: str) -> str:
+        for run in earlier:
+            setting = run["gil_switch_ms"].get("5", {})
+            if name in setting.get("worst_stall_ms", {}):
+                return (f"{ms(setting['worst_stall_ms'][name])} / {ms(setting['median_stall_ms'][name])} "
+                        f"({run['commit']})")
+        return "-"
+
     header = ["body", "answer", "answered in (median)",
-              *[f"stall, worst / median of {d['trials']} ({label})" for label, d, _ in runs_]]
+              *[f"stall, worst / median of {doc['trials']} (switch {k} ms)" for k in switches],
+              *(["before: the newest earlier run that sent it (switch 5 ms)"] if earlier else [])]
     rows = []
     for name, trials in cases.items():
         status = sorted({str(t["status"]) for t in trials})
         answered = sorted(t["answered_s"] for t in trials)[len(trials) // 2]
-        stalls = [f"{ms(d['gil_switch_ms'][k]['worst_stall_ms'].get(name))} / "
-                  f"{ms(d['gil_switch_ms'][k]['median_stall_ms'].get(name))}" for _, d, k in runs_]
-        rows.append([name, ", ".join(status), f"{answered:.2f} s", *stalls])
+        stalls = [f"{ms(doc['gil_switch_ms'][k]['worst_stall_ms'].get(name))} / "
+                  f"{ms(doc['gil_switch_ms'][k]['median_stall_ms'].get(name))}" for k in switches]
+        rows.append([name, ", ".join(status), f"{answered:.2f} s", *stalls, *([before(name)] if earlier else [])])
     idle = [t["idle_longest_gap_ms"] for s in doc["gil_switch_ms"].values() for ts in s["cases"].values() for t in ts]
     about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
              f"[`{file}`](bench/results/{file}); a stall is the stream's longest token gap while the body was "
@@ -310,6 +318,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
     "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200, "hostile-bodies-cpu": hostile_bodies,
     "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"), "grammar-rows-h200": grammar_rows_h200,
+    "scenario-fp8-h200": lambda: scenario_h200("scenario-fp8-h200.json"),
 }
 
 
