@@ -66,18 +66,24 @@ def test_decode_attention_reads_the_fp8_pool(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.e2e
-def test_fp8_kv_served_disaggregated_over_grpc(server_logs: object) -> None:
-    """A prefill and a decode server both with --kv-cache-dtype fp8: the KV crosses the grpc stream
-    as e4m3 and the tokens are the colocated e4m3 run's; a bf16-KV peer is refused at pairing."""
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+def test_fp8_kv_served_disaggregated(transport: str, server_logs: object) -> None:
+    """A prefill and a decode server both with --kv-cache-dtype fp8: the KV crosses the transport
+    (grpc's stream, or NIXL's WRITEs over UCX) as e4m3 and the tokens are the colocated e4m3 run's;
+    a bf16-KV peer is refused at pairing."""
     from pathlib import Path
 
+    from engine.transport.nixl import nixl_available
+
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
     assert isinstance(server_logs, Path)
     want = generate(make_runner(preset="tiny", kv_dtype=FP8), PROMPTS, STEPS)
-    fp8 = ["--kv-cache-dtype", "fp8", "--kv-transport", "grpc"]
+    fp8 = ["--kv-cache-dtype", "fp8", "--kv-transport", transport]
     prefill = ServerProcess("prefill_server", fp8, server_logs).start()
     try:
         decode = ServerProcess("decode_server", [*fp8, "--prefill-addr", prefill.address], server_logs).start()
-        mismatched = ServerProcess("decode_server", ["--kv-transport", "grpc", "--prefill-addr", prefill.address],
+        mismatched = ServerProcess("decode_server", ["--kv-transport", transport, "--prefill-addr", prefill.address],
                                    server_logs).start()
         try:
             assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
