@@ -318,7 +318,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "load-2xh200": load_2xh200, "engine-h200": engine_h200, "simulate-plan-network": plan_network,
     "engine-fp8-h200": engine_fp8_h200, "kv-nixl-h200": kv_nixl_h200, "hostile-bodies-cpu": hostile_bodies,
     "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"), "grammar-rows-h200": grammar_rows_h200,
-    "scenario-fp8-h200": lambda: scenario_h200("scenario-fp8-h200.json"),
+    "scenario-fp8-h200": lambda: scenario_h200("scenario-fp8-h200.json"), "load-fp8-h200": lambda: load_h200(
+        "load-fp8-h200.json"),
 }
 
 
