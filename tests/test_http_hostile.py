@@ -229,7 +229,7 @@ def test_value_bound_counts_commas_and_opening_brackets(body: bytes) -> None:
 @pytest.mark.parametrize("case", ["over_the_limit", "messages", "ids", "stop_token_ids"])
 def test_huge_bodies_are_refused_without_freezing_other_streams(http_server: HttpServer, case: str) -> None:
     """A body past the limit is refused by its Content-Length, unread (413); one at the limit made of
-    a million small JSON values is counted in another process and refused unparsed (400). Either
+    a million small JSON values is parsed and counted in the render worker's process and refused (400). Either
     way the other streams keep their pace: the bound is loose for a loaded 2-core CI machine, where
     parsing such bodies here held them for seconds; `python -m bench.e2e.hostile_bodies` measures."""
     limit = default_max_body_bytes(40960)
