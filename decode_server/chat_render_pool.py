@@ -75,16 +75,24 @@ def _start_worker(tokenizer: Tokenizer) -> None:
     _tokenizer = tokenizer
 
 
-def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
-               ignore_unknown: bool, responses: bool) -> tuple[str, Any]:
-    """A chat's body (or a Responses API request's, read as the chat it becomes)."""
-    assert _tokenizer is not None
+def _parse(raw: bytes, max_values: int) -> tuple[str, Any]:
+    """Any body, as `parse_body` would read it."""
     try:
         data = parse_json(raw)
         if count_values(data, max_values) > max_values:
             raise too_complex(max_values)
     except ApiError as e:  # the refusals a body parsed in the server gets
         return "api", (e.status, str(e), e.code)
+    return "ok", data
+
+
+def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
+               ignore_unknown: bool, responses: bool) -> tuple[str, Any]:
+    """A chat's body (or a Responses API request's, read as the chat it becomes)."""
+    assert _tokenizer is not None
+    kind, data = _parse(raw, max_values)
+    if kind != "ok":
+        return kind, data
     try:
         api, unknown = (read_responses_request(data, request_id, max_model_len, ignore_unknown) if responses
                         else read_request(data, True, request_id, max_model_len, ignore_unknown))
@@ -94,17 +102,6 @@ def _read_chat(raw: bytes, request_id: str, max_model_len: int, max_values: int,
         e = responses_refusal(e) if responses else e
         return "invalid", (str(e), e.param)
     return "ok", (replace(api, messages=[]), unknown, packed)
-
-
-def _parse(raw: bytes, max_values: int) -> tuple[str, Any]:
-    """Any body, as `parse_body` would read it."""
-    try:
-        data = parse_json(raw)
-        if count_values(data, max_values) > max_values:
-            raise too_complex(max_values)
-    except ApiError as e:
-        return "api", (e.status, str(e), e.code)
-    return "ok", data
 
 
 def _ready() -> bool:
