@@ -10,6 +10,7 @@ and the CPU path.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from engine import attention_fp8
 from engine.kv_cache import KVPool, as_bytes
 from engine.ops import expand_kv, rope_and_store
 
@@ -70,7 +72,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: K
     (cuDNN's fastest layout at this shape, `bench.micro.attention --new-lengths`); a chunk after a cached
     prefix reads the prefix from the pool."""
     if meta.whole_prompt:
-        return whole_prompt_attention(q, k, v)[:meta.new_slots.numel()]
+        return whole_prompt_attention(q, k, v, fp8=fp8_prefill(pool, q.device))[:meta.new_slots.numel()]
     k, v = _with_prefix(k, v, pool, layer, meta)
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)                       # [1, H, T, D]
@@ -103,8 +105,22 @@ def last_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: 
     return out.squeeze(0).transpose(0, 1)
 
 
-def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]."""
+def fp8_prefill(pool: KVPool, device: torch.device) -> bool:
+    """Whether whole prompts attend on FP8 tensor cores: an e4m3 pool on a GPU that has them
+    (`engine.attention_fp8`)."""
+    return pool.layout.torch_dtype == torch.float8_e4m3fn and _fp8_available(device)
+
+
+@functools.cache
+def _fp8_available(device: torch.device) -> bool:
+    return attention_fp8.available(device)
+
+
+def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+    """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]; with `fp8`
+    (16-bit q, k, v on a GPU with FP8 tensor cores), in e4m3 through `attention_fp8`."""
+    if fp8 and q.dtype in (torch.bfloat16, torch.float16):
+        return attention_fp8.fp8_causal_attention(q, k, v)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views of [T, H, D]
     if qh.is_cuda and qh.dtype == torch.float32:
         # cuDNN and flash take 16-bit only, and the memory-efficient kernel no grouped heads; left
@@ -119,16 +135,17 @@ def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                          device: torch.device, max_tokens: int) -> int:
+                          device: torch.device, max_tokens: int, fp8: bool = False) -> int:
     """Build cuDNN's plan for every whole-prompt length bucket up to `max_tokens` on this thread
-    (PyTorch caches cuDNN plans per thread); returns how many."""
+    (PyTorch caches cuDNN plans per thread, `attention_fp8` too); returns how many. `fp8`: the plans of
+    FP8 attention (`fp8_prefill`)."""
     if device.type != "cuda":
         return 0
     buckets = sorted({attention_rows(n, device) for n in range(1, max_tokens + 1)})
     for rows in buckets:
         q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
-        whole_prompt_attention(q, kv, kv)
+        whole_prompt_attention(q, kv, kv, fp8=fp8)
     torch.cuda.synchronize(device)
     return len(buckets)
 

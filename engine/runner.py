@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine import ops
-from engine.attention import DecodeMeta, PrefillMeta, prepare_prefill_plans
+from engine.attention import DecodeMeta, PrefillMeta, fp8_prefill, prepare_prefill_plans
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
@@ -87,7 +87,7 @@ class ModelRunner:
         cfg = self.config
         started = time.perf_counter()
         n = prepare_prefill_plans(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-                                  self.max_model_len)
+                                  self.max_model_len, fp8=fp8_prefill(self.pool, self.device))
         log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
                  self.max_model_len, time.perf_counter() - started)
 

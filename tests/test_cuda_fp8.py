@@ -349,3 +349,54 @@ def test_fp8_kv_stores_round_as_pytorch_does() -> None:
         paged_decode_attention_rope(qkv[:1], heads, positions[-1:] + 1, rope.cos, rope.sin, new, pool, tables, lens, 16)
     want = to_kv_dtype(pools[torch.bfloat16][:, new], torch.float8_e4m3fn)
     assert torch.equal(pools[torch.float8_e4m3fn][:, new].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(300, 28, 4, 128), (1000, 8, 8, 64)])
+def test_fp8_prefill_attention_is_the_e4m3_attention(tokens: int, heads: int, kv_heads: int, dim: int) -> None:
+    """cuDNN's FP8 attention (an e4m3 pool's whole-prompt prefill) against float32 attention over the
+    e4m3 values it is given (q with its scale, k and v as the pool rounds them), and near the bf16
+    route; zero rows after the prompt (the padded length bucket) leave the prompt's rows unchanged."""
+    from engine.attention import attention_rows, whole_prompt_attention
+    from engine.attention_fp8 import fp8_causal_attention, quantize_q
+    from engine.kv_cache import to_kv_dtype
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k, v = (torch.randn(tokens, h, dim, device="cuda", generator=g).mul(3).to(torch.bfloat16)
+               for h in (heads, kv_heads, kv_heads))
+    k[:, :, 0] += 600  # past e4m3's 448: the pool saturates such values, and so must this
+    got = fp8_causal_attention(q, k, v)
+    q8, descale = quantize_q(q)
+    e4m3 = [q8.float() * descale.flatten()] + [to_kv_dtype(t, torch.float8_e4m3fn).float() for t in (k, v)]
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in e4m3)
+    want = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    assert rel_err(got.float(), want) < 4e-2  # the probabilities' own e4m3 rounding
+    assert rel_err(got.float(), whole_prompt_attention(q, k.clamp(-448, 448), v).float()) < 8e-2
+    rows = attention_rows(tokens + 1, q.device) + 16
+    padded = [torch.cat((t, t.new_zeros(rows - tokens, *t.shape[1:]))) for t in (q, k, v)]
+    assert torch.equal(fp8_causal_attention(*padded)[:tokens], got)
+
+
+def test_fp8_pool_prefills_through_fp8_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An e4m3 pool on a Hopper GPU sends whole prompts through FP8 attention; a prompt's logits stay
+    near those of the same pool with 16-bit attention."""
+    from engine import attention, attention_fp8
+    from engine.offline import make_runner
+
+    if not attention_fp8.available(torch.device("cuda:0")):
+        pytest.skip("FP8 attention needs Hopper and cudnn-frontend")
+    runner = make_runner(preset="tiny", device="cuda:0", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                         max_batch_size=8, max_model_len=1024)
+    prompt = [(i * 7 + 3) % 256 for i in range(300)]
+    table = runner.pool.allocator.allocate(runner.pool.blocks_needed(len(prompt)))
+    calls: list[int] = []
+    real = attention_fp8.fp8_causal_attention
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(attention_fp8, "fp8_causal_attention", counted)
+    fp8 = runner.prefill(prompt, table, 0)
+    assert calls
+    monkeypatch.setattr(attention, "fp8_prefill", lambda pool, device: False)
+    assert rel_err(fp8, runner.prefill(prompt, table, 0)) < 3e-2

@@ -3,7 +3,12 @@ each SDPA route, against the bf16 matrix rate, to choose the prefill path.
 
 --new-lengths: what a prompt length never seen before costs each layout (cuDNN builds an execution
 plan per shape unless TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 sends it down its ragged path), and the
-steady rate of each at the longest length."""
+steady rate of each at the longest length.
+
+--fp8: cuDNN's FP8 attention (`engine.attention_fp8`, what a server with an e4m3 KV pool runs) against
+the bf16 route the engine takes otherwise, on the same q, k, v: time with and without taking q, k, v
+to e4m3, the rate against the bf16 matrix rate, the output's error against the bf16 route's, and
+with --json each length's figures."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.common import measure_bf16_tflops, time_cuda
+from bench.common import measure_bf16_tflops, metadata, time_cuda, write_json
 
 
 def main() -> None:
@@ -23,9 +28,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--new-lengths", type=int, nargs="+", default=None,
                    help="time the first call at each of these lengths (then --tokens' last, steady)")
+    p.add_argument("--fp8", action="store_true", help="cuDNN's FP8 attention against the bf16 route")
+    p.add_argument("--json", default=None, help="with --fp8: write the figures here")
     args = p.parse_args()
     dev = torch.device("cuda:0")
     peak = measure_bf16_tflops(dev)
+    if args.fp8:
+        rows = [measure_fp8(n, peak, dev) for n in args.tokens]
+        if args.json:
+            write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev),
+                                   "bf16_tflops_measured": round(peak), "rows": rows})
+        return
     if args.new_lengths:
         first_calls(args.new_lengths, args.tokens[-1], peak, dev)
         return
@@ -102,6 +115,34 @@ def measure(n: int, peak: float, dev: torch.device) -> None:
                       f"({flops / ms / 1e9 / peak:.0%} of {peak:.0f})", flush=True)
             except RuntimeError as e:
                 print(f"{n:>6} {backend.name:<20} {name:<30} unavailable: {str(e).splitlines()[0][:60]}")
+
+
+def measure_fp8(n: int, peak: float, dev: torch.device) -> dict[str, float]:
+    """One layer at Qwen2.5-7B's shape (q of unit variance, k and v as a pool holds them): the bf16 route,
+    FP8 attention alone (q, k, v already e4m3) and with the conversions, and its error."""
+    from engine.attention import whole_prompt_attention
+    from engine.attention_fp8 import fp8_causal_attention, quantize_q
+    from engine.kv_cache import to_kv_dtype
+
+    heads, kv_heads, dim = 28, 4, 128
+    gen = torch.Generator(device=dev).manual_seed(n)
+    q, k, v = (torch.randn(n, h, dim, generator=gen, device=dev).to(torch.bfloat16)
+               for h in (heads, kv_heads, kv_heads))
+    flops = 2 * n * n * heads * dim  # QK^T and PV over the causal half
+    want = whole_prompt_attention(q, k, v)
+    got = fp8_causal_attention(q, k, v)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    bf16_ms = time_cuda(lambda: whole_prompt_attention(q, k, v), iters=5, warmup=2)
+    fp8_ms = time_cuda(lambda: fp8_causal_attention(q, k, v), iters=5, warmup=2)
+    convert_ms = time_cuda(lambda: (quantize_q(q), to_kv_dtype(k, torch.float8_e4m3fn),
+                                    to_kv_dtype(v, torch.float8_e4m3fn)), iters=5, warmup=2)
+    row = {"tokens": n, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "fp8_conversions_ms": convert_ms,
+           "bf16_tflops": flops / bf16_ms / 1e9, "fp8_tflops_kernel": flops / (fp8_ms - convert_ms) / 1e9,
+           "relative_error": err}
+    print(f"{n:>6} bf16 {bf16_ms:7.2f} ms {row['bf16_tflops']:5.0f} TFLOP/s ({row['bf16_tflops'] / peak:.0%} of "
+          f"{peak:.0f}) | fp8 {fp8_ms:7.2f} ms, of which q/k/v to e4m3 {convert_ms:.2f} ms, attention "
+          f"{row['fp8_tflops_kernel']:5.0f} TFLOP/s | output's error against bf16 {err:.4f}", flush=True)
+    return row
 
 
 if __name__ == "__main__":
