@@ -1,20 +1,25 @@
 """Whole-prompt causal attention on FP8 tensor cores, for servers whose KV pool is e4m3.
 
 With `--kv-cache-dtype fp8` on Hopper, a whole prompt's attention runs through cuDNN's FP8 attention
-(cudnn-frontend's `sdpa_fp8`), as vLLM and SGLang run FlashAttention-3's FP8 path over an FP8 cache:
+(cudnn-frontend's `sdpa_fp8`, the kernel behind TransformerEngine's FP8 attention):
 
 - k and v are rounded as the pool stores them (`kv_cache.to_kv_dtype`: scale 1.0, saturating at
   448), so the prefill attends to the values every later decode step reads;
 - q is taken to e4m3 with one scale, its largest magnitude to 448, computed on the device (no sync);
 - the softmax probabilities are multiplied by 448 before cuDNN rounds them to e4m3 for the P·V
-  product and divided after; O comes out in the model's dtype.
+  product, and divided after;
+- O comes out in e4m3 (on Hopper cuDNN writes FP8 attention's output in FP8 only), scaled by the
+  power of two that takes v's largest magnitude (O's bound) nearest below 448, then back to the
+  model's dtype exactly.
 
 cuDNN builds an execution plan per shape; `attention.attention_rows` bounds the shapes, and plans
-(with their cuDNN handle) are cached per thread, as PyTorch caches its own cuDNN plans.
+(with their cuDNN handle) are cached per thread, as PyTorch caches its own cuDNN plans. A shape cuDNN
+has no FP8 plan for is answered by the 16-bit route (`supports`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +27,8 @@ from typing import Any
 import torch
 
 from engine.kv_cache import FP8_KV_MAX, to_kv_dtype
+
+log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 _TINY = 1e-12     # an all-zero q keeps a finite scale
@@ -54,7 +61,7 @@ class _Plan:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.handles: dict[int, int] = {}
-        self.plans: dict[tuple[int, ...], _Plan] = {}
+        self.plans: dict[tuple[int, ...], _Plan | None] = {}  # None: cuDNN has no FP8 plan for the shape
         self.constants: dict[int, torch.Tensor] = {}  # a device's [1, 1/448, 448] as float32
 
 
@@ -77,25 +84,32 @@ def _handle(device: torch.device) -> int:
     return handle
 
 
-def _plan(rows: int, heads: int, kv_heads: int, dim: int, out_dtype: torch.dtype, device: torch.device) -> _Plan:
+def supports(rows: int, heads: int, kv_heads: int, dim: int, device: torch.device) -> bool:
+    """Whether cuDNN has an FP8 plan for this shape here (built now if not yet, then kept)."""
+    return _plan(rows, heads, kv_heads, dim, device) is not None
+
+
+def _plan(rows: int, heads: int, kv_heads: int, dim: int, device: torch.device) -> _Plan | None:
     import cudnn
 
-    key = (device.index or 0, rows, heads, kv_heads, dim, int(out_dtype == torch.float16))
-    plan = _state.plans.get(key)
-    if plan is None:
-        try:
-            plan = _build(rows, heads, kv_heads, dim, out_dtype, device)
-        except cudnn.cudnnGraphNotSupportedError:  # no grouped heads here: K and V expanded to the query's
-            plan = _build(rows, heads, heads, dim, out_dtype, device)
+    key = (device.index or 0, rows, heads, kv_heads, dim)
+    if key not in _state.plans:
+        plan = None
+        for plan_kv_heads in dict.fromkeys((kv_heads, heads)):  # else K and V expanded to the query's heads
+            try:
+                plan = _build(rows, heads, plan_kv_heads, dim, device)
+                break
+            except cudnn.cudnnGraphNotSupportedError as e:
+                log.warning("cuDNN has no FP8 attention plan for %d rows, %d/%d heads of %d: %s", rows, heads,
+                            plan_kv_heads, dim, str(e).splitlines()[0])
         _state.plans[key] = plan
-    return plan
+    return _state.plans[key]
 
 
-def _build(rows: int, heads: int, kv_heads: int, dim: int, out_dtype: torch.dtype, device: torch.device) -> _Plan:
+def _build(rows: int, heads: int, kv_heads: int, dim: int, device: torch.device) -> _Plan:
     import cudnn
 
     fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-    out_type = cudnn.data_type.HALF if out_dtype == torch.float16 else cudnn.data_type.BFLOAT16
     graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32,
                           handle=_handle(device))
     q = graph.tensor(name="q", dim=_bshd(rows, heads, dim)[0], stride=_bshd(rows, heads, dim)[1], data_type=fp8)
@@ -107,7 +121,7 @@ def _build(rows: int, heads: int, kv_heads: int, dim: int, out_dtype: torch.dtyp
     o, _, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, **scales, generate_stats=False,
                                           attn_scale=dim ** -0.5, use_causal_mask=True)
     o.set_output(True).set_dim(_bshd(rows, heads, dim)[0]).set_stride(_bshd(rows, heads, dim)[1])
-    o.set_data_type(out_type)
+    o.set_data_type(fp8)
     for amax in (amax_s, amax_o):
         amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
     graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -137,16 +151,20 @@ def fp8_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     import cudnn
 
     rows, heads, dim = q.shape
-    plan = _plan(rows, heads, k.shape[1], dim, q.dtype, q.device)
+    plan = _plan(rows, heads, k.shape[1], dim, q.device)
+    if plan is None:
+        raise ValueError(f"cuDNN has no FP8 attention plan for q {tuple(q.shape)}, k {tuple(k.shape)}")
     q8, descale_q = quantize_q(q)
     k8, v8 = (to_kv_dtype(t, torch.float8_e4m3fn) for t in (k, v))
     if plan.kv_heads != k.shape[1]:
         k8, v8 = (t.view(torch.uint8).repeat_interleave(heads // k.shape[1], 1).view(t.dtype) for t in (k8, v8))
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
     const = _constants(q.device)
     one, inverse, full = const[0:1], const[1:2], const[2:3]
+    v_amax = torch.linalg.vector_norm(v, ord=float("inf"), dtype=torch.float32).clamp(_TINY, FP8_MAX)
+    scale_o = torch.exp2(torch.floor(torch.log2(FP8_MAX / v_amax))).reshape(1, 1, 1, 1)  # |O| <= max |v|
     values = {"descale_q": descale_q, "descale_k": one, "descale_v": one, "descale_s": inverse, "scale_s": full,
-              "scale_o": one}
+              "scale_o": scale_o}
     amax = torch.empty(2, dtype=torch.float32, device=q.device)
     workspace = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=q.device)
     handle = _handle(q.device)
@@ -155,7 +173,7 @@ def fp8_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
             plan.amax[0]: amax[0:].data_ptr(), plan.amax[1]: amax[1:].data_ptr(),
             **{plan.scales[name]: t.data_ptr() for name, t in values.items()}}
     plan.graph.execute(pack, workspace.data_ptr(), handle=handle)
-    return out
+    return out.to(q.dtype).mul_(scale_o.reciprocal().to(q.dtype).flatten())  # a power of two: exact
 
 
 assert FP8_KV_MAX == FP8_MAX  # k and v are rounded as the pool rounds them
