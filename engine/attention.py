@@ -118,10 +118,11 @@ def _fp8_available(device: torch.device) -> bool:
 
 def whole_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     """Causal attention over q [T, H, D], k/v [T, Hkv, D] from position 0 -> [T, H, D]; with `fp8`
-    (16-bit q, k, v on a GPU with FP8 tensor cores), in e4m3 through `attention_fp8`."""
+    (16-bit q, k, v on a GPU with FP8 tensor cores) and at least `attention_fp8.MIN_ROWS` rows, in e4m3
+    through `attention_fp8`."""
     rows, heads, dim = q.shape
-    if fp8 and q.dtype in (torch.bfloat16, torch.float16) and attention_fp8.supports(rows, heads, k.shape[1], dim,
-                                                                                    q.device):
+    if (fp8 and rows >= attention_fp8.MIN_ROWS and q.dtype in (torch.bfloat16, torch.float16)
+            and attention_fp8.supports(rows, heads, k.shape[1], dim, q.device)):
         return attention_fp8.fp8_causal_attention(q, k, v)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views of [T, H, D]
     if qh.is_cuda and qh.dtype == torch.float32:

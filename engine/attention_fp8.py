@@ -31,6 +31,9 @@ from engine.kv_cache import FP8_KV_MAX, to_kv_dtype
 log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # e4m3's largest finite value
+# Prompts shorter than this attend in 16 bits: below it FP8 attention measured slower than the bf16 route
+# (`python -m bench.micro.attention --fp8`, bench/results/attention-fp8-h200.json)
+MIN_ROWS = 8192
 _TINY = 1e-12     # an all-zero q keeps a finite scale
 
 

@@ -354,8 +354,9 @@ def test_fp8_kv_stores_round_as_pytorch_does() -> None:
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(300, 28, 4, 128), (1000, 8, 8, 64)])
 def test_fp8_prefill_attention_is_the_e4m3_attention(tokens: int, heads: int, kv_heads: int, dim: int) -> None:
     """cuDNN's FP8 attention (an e4m3 pool's whole-prompt prefill) against float32 attention over the
-    e4m3 values it is given (q with its scale, k and v as the pool rounds them), and near the bf16
-    route; zero rows after the prompt (the padded length bucket) leave the prompt's rows as they were."""
+    e4m3 values it is given (q with its scale, k and v as the pool rounds them: saturated past 448), and
+    near the bf16 route; zero rows after the prompt (the padded length bucket) leave the prompt's rows
+    as they were."""
     from engine.attention import attention_rows, whole_prompt_attention
     from engine.attention_fp8 import fp8_causal_attention, quantize_q
     from engine.kv_cache import to_kv_dtype
@@ -363,7 +364,10 @@ def test_fp8_prefill_attention_is_the_e4m3_attention(tokens: int, heads: int, kv
     g = torch.Generator(device="cuda").manual_seed(tokens)
     q, k, v = (torch.randn(tokens, h, dim, device="cuda", generator=g).mul(3).to(torch.bfloat16)
                for h in (heads, kv_heads, kv_heads))
-    k[:, :, 0] += 600  # past e4m3's 448: the pool saturates such values, and so must this
+    got = fp8_causal_attention(q, k, v)
+    err = rel_err(got.float(), whole_prompt_attention(q, k, v).float())
+    assert err < 8e-2, err  # 5.5% measured on an H200 at Qwen2.5-7B's shape: q, k, v, P and O in e4m3
+    k[:, :, 0] += 600
     got = fp8_causal_attention(q, k, v)
     q8, descale = quantize_q(q)
     e4m3 = [q8.float() * descale.flatten()] + [to_kv_dtype(t, torch.float8_e4m3fn).float() for t in (k, v)]
@@ -371,8 +375,6 @@ def test_fp8_prefill_attention_is_the_e4m3_attention(tokens: int, heads: int, kv
     want = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     err = rel_err(got.float(), want)
     assert err < 6e-2, err  # the probabilities' and the output's own e4m3 rounding
-    err = rel_err(got.float(), whole_prompt_attention(q, k.clamp(-448, 448), v).float())
-    assert err < 8e-2, err
     rows = attention_rows(tokens + 1, q.device) + 16
     padded = [torch.cat((t, t.new_zeros(rows - tokens, *t.shape[1:]))) for t in (q, k, v)]
     err = rel_err(fp8_causal_attention(*padded)[:tokens].float(), got.float())
@@ -380,13 +382,14 @@ def test_fp8_prefill_attention_is_the_e4m3_attention(tokens: int, heads: int, kv
 
 
 def test_fp8_pool_prefills_through_fp8_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An e4m3 pool on a Hopper GPU sends whole prompts through FP8 attention; a prompt's logits stay
-    near those of the same pool with 16-bit attention."""
+    """An e4m3 pool on a Hopper GPU sends whole prompts of at least `MIN_ROWS` rows through FP8 attention
+    (here every prompt); a prompt's logits stay near those of the same pool with 16-bit attention."""
     from engine import attention, attention_fp8
     from engine.offline import make_runner
 
     if not attention_fp8.available(torch.device("cuda:0")):
         pytest.skip("FP8 attention needs Hopper and cudnn-frontend")
+    monkeypatch.setattr(attention_fp8, "MIN_ROWS", 0)
     runner = make_runner(preset="tiny", device="cuda:0", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
                          max_batch_size=8, max_model_len=1024)
     prompt = [(i * 7 + 3) % 256 for i in range(300)]
