@@ -204,6 +204,21 @@ def engine_fp8_h200() -> str:
     return engine_h200("engine-fp8-h200.json")
 
 
+def attention_fp8_h200(file: str = "attention-fp8-h200.json") -> str:
+    """One layer's causal prefill attention at Qwen2.5-7B's shape: the bf16 route against cuDNN's FP8
+    attention (an e4m3 pool's), with the conversions of q, k and v to e4m3 counted."""
+    doc = load(file)
+    rows = [[f"{r['tokens']:,}", ms(r["bf16_ms"], 2), f"{r['bf16_tflops']:,.0f}", ms(r["fp8_ms"], 2),
+             ms(r["fp8_conversions_ms"], 2), f"{r['fp8_tflops_kernel']:,.0f}", f"{r['bf16_ms'] / r['fp8_ms']:.2f}x",
+             f"{r['relative_error']:.1%}"] for r in doc["rows"]]
+    header = ["prompt tokens", "bf16 (cuDNN)", "its TFLOP/s", "FP8 (cuDNN)", "of which to e4m3", "its TFLOP/s",
+              "speed-up", "output's error"]
+    about = (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             f"[`{file}`](bench/results/{file}); the card's bf16 matmul measured {doc['bf16_tflops_measured']:,} "
+             "TFLOP/s in this run; the error is the FP8 output's against the bf16 route's (q, k, v of unit variance).*")
+    return about + "\n\n" + table(header, rows)
+
+
 def grammar_rows_h200() -> str:
     """bench.e2e.grammar_rows, each run in the file newest first: the batch's ITL without grammars, then
     with some of its rows under a JSON schema (the others' ITL is what the grammar rows cost them)."""
@@ -320,6 +335,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "hostile-bodies-h200": lambda: hostile_bodies("hostile-bodies-h200.json"), "grammar-rows-h200": grammar_rows_h200,
     "scenario-fp8-h200": lambda: scenario_h200("scenario-fp8-h200.json"), "load-fp8-h200": lambda: load_h200(
         "load-fp8-h200.json"),
+    "engine-fp8-kv-fp8-h200": lambda: engine_h200("engine-fp8-kv-fp8-h200.json"),
+    "scenario-fp8-kv-fp8-h200": lambda: scenario_h200("scenario-fp8-kv-fp8-h200.json"),
+    "attention-fp8-h200": attention_fp8_h200,
 }
 
 
