@@ -155,7 +155,15 @@ def load_h200(file: str = "load-h200.json") -> str:
     else:
         verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} serves the most requests; under the per-token SLO, "
                    f"{by_token}.")
-    return provenance(doc, file, "; " + slo_text(doc["params"])) + "\n\n" + table(header, rows) + verdict
+    added = {}  # runs merged in later (`--merge`), by their own run's provenance
+    for name, run in local.items():
+        if run.get("recorded"):
+            added.setdefault((run["recorded"]["commit"], run["recorded"]["date"][:10],
+                              run["recorded"]["command"]), []).append(f"`{name}`")
+    later = "".join(f"\n\n*{', '.join(names)}: added {date}, commit {commit}, `{command}`.*"
+                    for (commit, date, command), names in added.items())
+    return (provenance(doc, file, "; " + slo_text(doc["params"])) + later + "\n\n" + table(header, rows)
+            + verdict)
 
 
 def best(runs: dict[str, Doc], key: str) -> str:
