@@ -56,8 +56,8 @@ def test_paddedwhole_prompt_attention_matches_unpadded() -> None:
 
     torch.manual_seed(3)
     q, k, v = torch.randn(37, 4, 16), torch.randn(37, 2, 16), torch.randn(37, 2, 16)
-    pad = [torch.cat((t, torch.zeros(11, *t.shape[1:]))) for t in (q, k, v)]
-    assert torch.allclose(whole_prompt_attention(*pad)[:37], whole_prompt_attention(q, k, v), atol=1e-6)
+    pq, pk, pv = (torch.cat((t, torch.zeros(11, *t.shape[1:]))) for t in (q, k, v))
+    assert torch.allclose(whole_prompt_attention(pq, pk, pv)[:37], whole_prompt_attention(q, k, v), atol=1e-6)
 
 
 def test_last_row_attention_is_the_last_row_of_causal_attention() -> None:
