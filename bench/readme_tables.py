@@ -155,7 +155,7 @@ def load_h200(file: str = "load-h200.json") -> str:
     else:
         verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} serves the most requests; under the per-token SLO, "
                    f"{by_token}.")
-    added = {}  # runs merged in later (`--merge`), by their own run's provenance
+    added: dict[tuple[str, str, str], list[str]] = {}  # runs merged in later (`--merge`), by their own run's provenance
     for name, run in local.items():
         if run.get("recorded"):
             added.setdefault((run["recorded"]["commit"], run["recorded"]["date"][:10],
