@@ -71,6 +71,9 @@ def main() -> None:
                    help="with --fp8 and --sweep: tiles with bf16 activations (no), e4m3 ones (yes), or both")
     p.add_argument("--f16-mma", nargs="+", choices=["no", "yes"], default=["no"],
                    help="with --fp8 and --sweep: tiles whose products are float16 (yes), bf16 (no), or both")
+    p.add_argument("--columns", type=int, nargs="+", default=None,
+                   help="output columns to measure each shape at instead of its own (how the count of programs "
+                        "against the 132 SMs moves the rate; gated gate_up: both halves)")
     p.add_argument("--json", default=None)
     p.add_argument("--wide-block-n", type=int, nargs="+", default=[64, 128], help="the 64-row tile's sweep")
     p.add_argument("--wide-block-k", type=int, nargs="+", default=[64, 128])
@@ -98,8 +101,10 @@ def main() -> None:
                               args.wide_splits, x_modes, f16) if not (c[5] and c[6])]
     rows_out = []
     sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
-    for name in args.shapes:
-        n, k, has_bias = SHAPES[name]
+    measured = [(shape, columns) for shape in args.shapes for columns in (args.columns or [SHAPES[shape][0]])]
+    for name, n in measured:
+        _, k, has_bias = SHAPES[name]
+        label = name if args.columns is None else f"{name}:{n}"
         copies = 4 if name == "lm_head" else args.layers
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(copies)]
         biases = [torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None for _ in range(copies)]
@@ -137,7 +142,7 @@ def main() -> None:
             elif engine_cfg is None:
                 configs = []
             if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
-                print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
+                print(f"{label:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
                       f"({floor_us / cublas:4.0%})", flush=True)
                 rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                                  "cublas_us": round(cublas, 2), "gemv_us": None, "gemv_config": None})
@@ -170,7 +175,7 @@ def main() -> None:
             assert best is not None
             chosen = best[1] or engine_cfg
             assert chosen is not None
-            print(f"{name:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
+            print(f"{label:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
                   f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                              "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
