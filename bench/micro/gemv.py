@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
     p.add_argument("--narrow-block-n", type=int, nargs="+", default=[32, 64])
     p.add_argument("--narrow-block-k", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--narrow-warps", type=int, nargs="+", default=[4])
     p.add_argument("--narrow-stages", type=int, nargs="+", default=[3, 4],
                    help="pipeline stages: one program an SM streams (stages - 1) tiles ahead")
     args = p.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
     f16 = [f == "yes" for f in args.f16_mma] if args.fp8 else [False]
     # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6]
     narrow = [GemvConfig(*c) for c in  # the 16-row tile's candidates
-              itertools.product(args.narrow_block_n, args.narrow_block_k, (4,), args.narrow_stages,
+              itertools.product(args.narrow_block_n, args.narrow_block_k, args.narrow_warps, args.narrow_stages,
                                 args.narrow_splits, x_modes, f16) if not (c[5] and c[6])]
     wide = [GemvConfig(*c) for c in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
