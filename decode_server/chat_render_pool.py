@@ -32,7 +32,7 @@ from decode_server.http_request import ApiError, count_values, parse_json, too_c
 from decode_server.openai_responses import responses_refusal
 from decode_server.openai_schema import ApiRequest, read_request, read_responses_request
 from decode_server.openai_tools import Tools, family_of
-from decode_server.request_parser import RequestFields, check_text_fits, encode_prompt
+from decode_server.request_fields import RequestFields, check_text_fits, encode_prompt
 from engine.tokenizer import ChatOptions, ChatTemplateError, Tokenizer
 from serving.validation import InvalidRequest
 

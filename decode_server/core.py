@@ -30,7 +30,7 @@ from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import Rejected, RequestSequence, TokenOutput
 from decode_server.timing import Timing
 from engine.grammar import CompiledGrammar
-from engine.penalties import Penalties
+from engine.penalty_spec import Penalties
 from engine.sampling import SamplingParams
 from serving.gc_freeze import GcPauses
 from serving.loop_lag import LoopLagProbe

@@ -53,7 +53,8 @@ from decode_server.openai_schema import (
 )
 from decode_server.openai_tokenize import TokenizeRequest, read_detokenize, read_tokenize, tokenize_reply
 from decode_server.openai_tools import Tools
-from decode_server.request_parser import RequestFields, RequestParser
+from decode_server.request_fields import RequestFields
+from decode_server.request_parser import RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import ChatOptions, Tokenizer
 from serving.grpc_common import FATAL_GRACE_S, StartupError

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.grammar import GrammarSpec
+from engine.grammar_spec import GrammarSpec
 from serving.validation import InvalidRequest
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")

@@ -24,9 +24,8 @@ from decode_server.openai_options import (
 from decode_server.openai_prompt import check_text, read_messages, read_prompt
 from decode_server.openai_responses import ResponsesFields, chat_body, responses_refusal
 from decode_server.openai_tools import Tools, read_tools
-from decode_server.request_parser import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
-from engine.logprobs import MAX_TOP_LOGPROBS
-from engine.penalties import Penalties
+from decode_server.request_fields import MAX_STOP_TOKEN_IDS, FieldNames, RequestFields
+from engine.penalty_spec import Penalties
 from engine.tokenizer import ChatOptions
 from serving.validation import InvalidRequest
 
@@ -42,6 +41,7 @@ MAX_STOP_CHARS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_CHOICES = 16          # n: each choice reserves the KV of its whole answer
 MAX_LOGIT_BIAS = 1024     # tokens a request may bias (vLLM has no limit; OpenAI takes 300)
+MAX_TOP_LOGPROBS = 20     # OpenAI's limit on top_logprobs
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 # Fields this server honours: read below (`user` only names the end user in OpenAI's monitoring, and
 # `cache_salt` belongs to the prefix cache).

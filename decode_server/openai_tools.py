@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.grammar import GrammarSpec
+from engine.grammar_spec import GrammarSpec
 from serving.validation import InvalidRequest
 
 LLAMA_PYTHON_TAG = "<|python_tag|>"

@@ -15,7 +15,8 @@ from decode_server.config import PrefillMode
 from decode_server.timing import Timing
 from engine.grammar import CompiledGrammar, GrammarState
 from engine.logprobs import TokenLogprobs
-from engine.penalties import Penalties, PenaltyState
+from engine.penalties import PenaltyState
+from engine.penalty_spec import Penalties
 from engine.sampling import SamplingParams
 from serving.grpc_common import StatusError
 from serving.token_ids import TokenIds, as_array

@@ -22,7 +22,8 @@ from google.protobuf.message import DecodeError
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from decode_server.core import DecodeCore, Generation
-from decode_server.request_parser import RequestFields, RequestParser
+from decode_server.request_fields import RequestFields
+from decode_server.request_parser import RequestParser
 from decode_server.sequence import Rejected
 from engine.tokenizer import StreamDetokenizer
 from serving.grpc_common import deadline_passed

@@ -8,40 +8,15 @@ has a grammar does nothing here."""
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
 
+from engine.grammar_spec import GrammarError, GrammarSpec
 from engine.logprobs import device_tensor
 from engine.tokenizer import Tokenizer
 
 CompiledGrammar = xgr.CompiledGrammar
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
-class GrammarError(ValueError):
-    """The grammar does not compile: a bad schema, regex or EBNF."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request asks its output to follow; `text`: the schema (JSON), regex, EBNF, or the
-    choices as a JSON array."""
-
-    kind: str
-    text: str = ""
-
-    @classmethod
-    def choice(cls, choices: list[str]) -> GrammarSpec:
-        return cls("choice", json.dumps(choices, ensure_ascii=False))
-
-    def ebnf(self) -> str:
-        """A choice's grammar: one string literal per choice (JSON escapes are EBNF's)."""
-        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.text))
-
-
 class GrammarCompiler:
     """The model's vocabulary as xgrammar sees it, and its compiled grammars (cached by xgrammar)."""
 

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
 
 def device_tensor(values: Sequence[float] | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values on the device without waiting for it: a copy from pageable memory would first wait

@@ -18,23 +18,8 @@ import numpy as np
 import torch
 
 from engine.logprobs import device_tensor
+from engine.penalty_spec import Penalties
 from engine.sampling import GREEDY_BELOW_TEMPERATURE
-
-
-@dataclass(frozen=True)
-class Penalties:
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    min_p: float = 0.0
-    allowed: tuple[int, ...] = ()  # empty: every token
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the answer may not end with
-
-    @property
-    def active(self) -> bool:
-        return self != Penalties()
 
 
 @dataclass

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from engine import penalties
-from engine.penalties import Penalties, PenaltyState
+from engine.penalties import PenaltyState
+from engine.penalty_spec import Penalties
 
 VOCAB = 16
 

@@ -26,7 +26,8 @@ import xgrammar as xgr
 from bench.common import metadata, write_json
 from bench.e2e.grammar_rows import SCHEMA
 from engine.byte_tokenizer import byte_tokenizer
-from engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, apply
+from engine.grammar import GrammarCompiler, GrammarState, apply
+from engine.grammar_spec import GrammarSpec
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:

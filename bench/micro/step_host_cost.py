@@ -59,7 +59,8 @@ from decode_server.scheduler import BatchScheduler
 from decode_server.sequence import RequestSequence
 from engine import grammar
 from engine.byte_tokenizer import byte_tokenizer
-from engine.grammar import GrammarCompiler, GrammarSpec, GrammarState
+from engine.grammar import GrammarCompiler, GrammarState
+from engine.grammar_spec import GrammarSpec
 from engine.host_read import TokenReader
 from engine.offline import make_runner
 from engine.runner import ModelRunner
