@@ -128,6 +128,12 @@ class ChatRenderPool:
         to start is replaced by the first call that needs it."""
         self._executor().submit(_ready)
 
+    def wait_started(self) -> list[int]:
+        """Block until the worker answers; its process ids (`bench.micro.render_worker`)."""
+        executor = self._executor()
+        executor.submit(_ready).result()
+        return list(executor._processes)
+
     async def read_chat(self, raw: bytes, request_id: str, max_model_len: int, max_values: int,
                         ignore_unknown: bool, responses: bool = False) -> tuple[ApiRequest, list[str]]:
         """A chat body read as `read_request` reads it (a Responses API body as `read_responses_request`

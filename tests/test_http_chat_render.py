@@ -88,3 +88,16 @@ def test_a_large_chat_that_is_not_json_is_400(http_server: HttpServer) -> None:
     status, reply = http_post(http_server, "/v1/chat/completions", body)
     assert status == 400 and reply["error"]["code"] == "invalid_json", reply
     assert "not valid JSON" in reply["error"]["message"]
+
+
+def test_the_render_worker_loads_no_torch(http_server: HttpServer) -> None:
+    """The server's render worker, once it has rendered a chat, has neither torch nor xgrammar loaded
+    (both took it from 1 s to 4 s to start, and from 88 MB to 447 MB)."""
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(300)]
+    http_server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert http_server.proc is not None
+    workers = [pid for pid, cmdline in children_pids(http_server.proc.pid) if "spawn_main" in cmdline]
+    assert workers
+    for pid in workers:
+        maps = (Path("/proc") / pid / "maps").read_text()
+        assert "libtorch" not in maps and "xgrammar" not in maps
