@@ -60,6 +60,31 @@ def test_paddedwhole_prompt_attention_matches_unpadded() -> None:
     assert torch.allclose(whole_prompt_attention(pq, pk, pv)[:37], whole_prompt_attention(q, k, v), atol=1e-6)
 
 
+def test_fp8_attention_takes_only_long_16bit_prompts_it_has_a_plan_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`whole_prompt_attention(fp8=True)` goes to cuDNN's FP8 attention (here stood in for) only for
+    16-bit q of at least `MIN_ROWS` rows whose shape has a plan; the rest take the 16-bit route."""
+    from engine import attention_fp8
+    from engine.attention import whole_prompt_attention
+
+    calls: list[int] = []
+    monkeypatch.setattr(attention_fp8, "MIN_ROWS", 32)
+    monkeypatch.setattr(attention_fp8, "supports", lambda rows, heads, kv_heads, dim, device: heads != 6)
+
+    def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention_fp8, "fp8_causal_attention", stand_in)
+    for rows, heads, dtype, fp8 in [(40, 4, torch.bfloat16, True), (31, 4, torch.bfloat16, False),
+                                    (40, 4, torch.float32, False), (40, 6, torch.bfloat16, False)]:
+        q, k, v = (torch.randn(rows, h, 16).to(dtype) for h in (heads, 2, 2))
+        before = len(calls)
+        out = whole_prompt_attention(q, k, v, fp8=True)
+        assert (len(calls) > before) == fp8
+        assert torch.equal(out, torch.zeros_like(q) if fp8 else whole_prompt_attention(q, k, v))
+    assert calls == [40]
+
+
 def test_last_row_attention_is_the_last_row_of_causal_attention() -> None:
     """A prefill's last layer attends with its last row only: the same values as that row of the
     whole causal attention, with and without a cached prefix in the pool."""
