@@ -92,7 +92,7 @@ def test_a_large_chat_that_is_not_json_is_400(http_server: HttpServer) -> None:
 
 def test_the_render_worker_loads_no_torch(http_server: HttpServer) -> None:
     """The server's render worker, once it has rendered a chat, has neither torch nor xgrammar loaded
-    (both took it from 1 s to 4 s to start, and from 88 MB to 447 MB)."""
+    (with them it took 3.2 s to start instead of 0.8, and 436 MB instead of 86)."""
     messages = [{"role": "user", "content": f"m{i}"} for i in range(300)]
     http_server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
     assert http_server.proc is not None
