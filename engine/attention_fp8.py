@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from engine.fp8 import FP8_MAX
 from engine.kv_cache import FP8_KV_MAX, to_kv_dtype
 
 log = logging.getLogger(__name__)
 
-FP8_MAX = 448.0  # e4m3's largest finite value
 # Shorter prompts attend in 16 bits: at Qwen2.5-7B's shape FP8 attention (with its conversions) measured
 # slower than the bf16 route up to 12k rows, level at 16k and 11-23% faster from 24k
 # (`python -m bench.micro.attention --fp8`, bench/results/attention-fp8-h200.json)
@@ -165,7 +165,8 @@ def fp8_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
     const = _constants(q.device)
     one, inverse, full = const[0:1], const[1:2], const[2:3]
-    v_amax = torch.linalg.vector_norm(v, ord=float("inf"), dtype=torch.float32).clamp(_TINY, FP8_MAX)
+    # v as the pool rounds it saturates at FP8_KV_MAX, so O's bound does too
+    v_amax = torch.linalg.vector_norm(v, ord=float("inf"), dtype=torch.float32).clamp(_TINY, FP8_KV_MAX)
     scale_o = torch.exp2(torch.floor(torch.log2(FP8_MAX / v_amax))).reshape(1, 1, 1, 1)  # |O| <= max |v|
     values = {"descale_q": descale_q, "descale_k": one, "descale_v": one, "descale_s": inverse, "scale_s": full,
               "scale_o": scale_o}
@@ -178,6 +179,3 @@ def fp8_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
             **{plan.scales[name]: t.data_ptr() for name, t in values.items()}}
     plan.graph.execute(pack, workspace.data_ptr(), handle=handle)
     return out.to(q.dtype).mul_(scale_o.reciprocal().to(q.dtype).flatten())  # a power of two: exact
-
-
-assert FP8_KV_MAX == FP8_MAX  # k and v are rounded as the pool rounds them
