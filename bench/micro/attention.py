@@ -118,8 +118,9 @@ def measure(n: int, peak: float, dev: torch.device) -> None:
 
 
 def measure_fp8(n: int, peak: float, dev: torch.device) -> dict[str, float]:
-    """One layer at Qwen2.5-7B's shape (q of unit variance, k and v as a pool holds them): the bf16 route,
-    FP8 attention alone (q, k, v already e4m3) and with the conversions, and its error."""
+    """One layer at Qwen2.5-7B's shape (q, k, v of unit variance): the bf16 route, FP8 attention with its
+    conversions, those of q, k and v alone (the kernel's rate counts the rest, O's way back included), and
+    the FP8 output's error against the bf16 route's."""
     from engine.attention import whole_prompt_attention
     from engine.attention_fp8 import fp8_causal_attention, quantize_q
     from engine.kv_cache import to_kv_dtype
