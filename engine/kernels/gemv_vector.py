@@ -1,0 +1,132 @@
+"""The skinny matmul on CUDA cores, for e4m3 weights at a few rows: out[M, N] = x[M, K] @ W[N, K]^T.
+
+At one row the MMA tiles of `engine.kernels.gemv` read bf16 weights near HBM bandwidth but e4m3 ones
+at about half of it: each e4m3 tile goes from shared memory to registers, is converted, and goes back
+through shared memory in the MMA's operand layout, and one program gets through about 10 GB/s
+(bench/NOTES.md). Here a tile goes from HBM straight to the registers that multiply it: each thread
+loads 16 contiguous weights, converts them to float32 and multiplies them into its own float32
+running sums with x; the sums are added across threads once, after the K loop. Nothing passes
+through shared memory, so a program's loads are limited by the registers in flight, and an SM holds
+many programs.
+
+Each program computes one row of x against a strip of output columns (the row is the grid's
+fastest axis, so a strip's rows run side by side and its weights come from L2 after the first): a
+row's result is the same bits at every M. A split of K writes float32 partial sums to a workspace
+and the strip's last split to arrive adds them in split order, as in `engine.kernels.gemv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels import launch
+from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
+
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class VectorConfig:
+    block_n: int = 16     # output columns a program
+    block_k: int = 512    # weights a row a K step (16 a thread at 32 threads along K)
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 1
+
+    def fits(self, k: int) -> bool:
+        return k % self.block_k == 0 and k // self.block_k >= self.split_k
+
+
+@triton.jit
+def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_om,
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, ROUND: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0)
+    strip = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_steps = K // BLOCK_K
+    k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
+    k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
+    x_ptrs = X + row * s_xm + offs_k
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x
+        if GATED:
+            w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            acc_up += w_up.to(tl.float32) * x
+    if PDL:
+        gdc_launch_dependents()
+    sums = tl.sum(acc, axis=1)
+    sums_up = tl.sum(acc_up, axis=1)
+    last = True
+    if SPLIT_K > 1:
+        rows = tl.num_programs(0)
+        part = PARTIAL + row * N + offs_n
+        tl.store(part + split * rows * N, sums, mask=n_ok)
+        tl.debug_barrier()
+        count = COUNTS + row * tl.num_programs(1) + strip
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        if last:
+            sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                sums += tl.load(part + i * rows * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count, 0)
+    if last:
+        sums *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            sums += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        out = sums.to(ROUND)
+        if GATED:
+            sums_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)
+            gate = out.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
+            out = (silu * sums_up.to(ROUND).to(tl.float32)).to(ROUND)
+        tl.store(OUT + row * s_om + offs_n, out, mask=n_ok)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, cfg: VectorConfig) -> bool:
+    k = weight.shape[1]
+    return (x.dim() == 2 and x.dtype in _ROUND and weight.dtype == torch.float8_e4m3fn and x.shape[1] == k
+            and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.shape[0] * triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
+
+
+def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: VectorConfig,
+                bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """x [M, K] 16-bit, weight [N, K] e4m3 with `scale` [N] float32 (one per output row) -> [M, N] in
+    x's dtype; `gated`: weight is [gate; up] and the result SiLU(gate) * up, [M, N / 2]."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert supports(x, weight, cfg), f"no vector tile {cfg} for {tuple(x.shape)} x {tuple(weight.shape)}"
+    assert scale.dtype == torch.float32 and scale.shape == (n,)
+    if gated:
+        n //= 2
+        assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    strips = triton.cdiv(n, cfg.block_n)
+    partial = counts = out
+    if cfg.split_k > 1:
+        partial = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        counts = arrival_counts(x.device)
+    _vector_kernel[(m, strips, cfg.split_k)](
+        x, weight, scale, bias if bias is not None else scale, out, partial, counts, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, ROUND=_ROUND[x.dtype],
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **launch.options())
+    return out
