@@ -19,11 +19,13 @@ try:
     from engine.kernels import fp8_quant as _fp8_quant
     from engine.kernels import fused as _fused
     from engine.kernels import gemv as _gemv
+    from engine.kernels import gemv_vector as _gemv_vector
     from engine.kernels import launch as _launch
 except ImportError:  # no Triton: CPU-only installs
     _fp8_quant = None  # type: ignore[assignment]
     _fused = None  # type: ignore[assignment]
     _gemv = None  # type: ignore[assignment]
+    _gemv_vector = None  # type: ignore[assignment]
     _launch = None  # type: ignore[assignment]
 try:
     from engine.kernels import gate_up_silu as _gate_up
@@ -93,7 +95,12 @@ def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,
     by the skinny matmul's store where it runs (no conversion kernel). FP8 layers: the skinny matmul
-    (W8A16) at decode sizes, `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
+    at decode sizes (on CUDA cores at 1-2 rows, `engine.kernels.gemv_vector`; MMA tiles to 64),
+    `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
+    if kernels.skinny_gemv and _fast(x) and (vector := _gemv_vector.config_for(x, layer.weight)) is not None:
+        x, scale = _kernel_operands(x, layer)
+        assert scale is not None
+        return _gemv_vector.gemv_vector(x, layer.weight, scale, vector, bias=layer.bias, out_dtype=out_dtype)
     if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
         x, scale = _kernel_operands(x, layer)
         return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale,
@@ -131,6 +138,11 @@ def gate_up_silu(x: torch.Tensor, layer: Linear, kernels: KernelOptions) -> torc
             and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
         return _gate_up.gate_up_silu(x, layer.weight)
+    if (kernels.skinny_gemv and _fast(x) and layer.bias is None
+            and (vector := _gemv_vector.config_for(x, layer.weight, gated=True)) is not None):
+        x, scale = _kernel_operands(x, layer)
+        assert scale is not None
+        return _gemv_vector.gemv_vector(x, layer.weight, scale, vector, gated=True)
     if (kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight)
             and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
         x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue

@@ -1,6 +1,7 @@
-"""FP8 weights on CUDA: the skinny matmul (plain, gated, argmax) and `torch._scaled_mm` against the
-same e4m3 weights dequantized through the float32 reference; the FP8 preset in CUDA graphs against
-eager and against bf16; an FP8 checkpoint against its CPU reference. Skipped where there is no GPU."""
+"""FP8 weights on CUDA: the skinny matmul (plain, gated, argmax; MMA and CUDA-core tiles) and
+`torch._scaled_mm` against the same e4m3 weights dequantized through the float32 reference; the FP8
+preset in CUDA graphs against eager and against bf16; an FP8 checkpoint against its CPU reference.
+Skipped where there is no GPU."""
 
 from __future__ import annotations
 
@@ -142,6 +143,33 @@ def test_fp8_float16_tiles_are_the_dequantized_matmul(rows: int) -> None:
                 assert torch.equal(gemv(x[:m], q, None, cfg, scale=scale), full[:m])
 
 
+def test_fp8_cuda_core_tiles_are_the_dequantized_matmul() -> None:
+    """The engine's CUDA-core tiles (1-2 rows, `engine.kernels.gemv_vector`) for every shape that has
+    one: within bf16 rounding of x @ the dequantized W^T in float32 (SiLU·mul for gate/up, float32
+    stores for logits), and a row's bits the same at 1 and 2 rows."""
+    from engine.kernels.gemv_vector import VECTOR_ROWS, config_for, gemv_vector
+    from engine.ops import silu_mul
+
+    assert VECTOR_ROWS == 2
+    for shape in ("qkv", "o_proj", "gate_up", "down"):
+        n, k, has_bias = SHAPES[shape]
+        q, scale, ref_w = fp8_weight(n, k, seed=11)
+        bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+        x = torch.randn(VECTOR_ROWS, k, dtype=torch.bfloat16, device="cuda")
+        gated = shape == "gate_up"
+        cfg = config_for(x, q, gated=gated)
+        assert cfg is not None and config_for(torch.cat([x, x[:1]]), q, gated=gated) is None, shape
+        both = gemv_vector(x, q, scale, cfg, bias=bias, gated=gated)
+        if gated:
+            want = silu_mul(F.linear(x.float(), ref_w).to(torch.bfloat16))
+        else:
+            want = F.linear(x.float(), ref_w, None if bias is None else bias.float())
+            logits = gemv_vector(x, q, scale, cfg, bias=bias, out_dtype=torch.float32)
+            assert logits.dtype == torch.float32 and torch.equal(logits, both.float()), shape
+        assert rel_err(both, want) < 1e-2, shape
+        assert torch.equal(gemv_vector(x[1:], q, scale, cfg, bias=bias, gated=gated), both[1:]), shape
+
+
 @pytest.mark.parametrize("rows", [17, 64, 65, 512, 4096])
 def test_scaled_mm_prefill_is_the_per_token_quantized_matmul(rows: int) -> None:
     """Prefill's `torch._scaled_mm` path: x quantized per token, e4m3 weights, float32 sums; against the
@@ -178,8 +206,10 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
     assert isinstance(runner.model.layers[0].qkv, Fp8Linear) and runner.model.layers[0].qkv.weight.dtype.itemsize == 1
     prompts = [[(i * 7 + j * 13) % 1000 for i in range(40 + 30 * j)] for j in range(20)]
     graphed = generate(runner, prompts, 12)
+    graphed_alone = generate(runner, prompts[:1], 12)  # one row: the CUDA-core tiles
     runner.graphs = None
     assert generate(runner, prompts, 12) == graphed
+    assert generate(runner, prompts[:1], 12) == graphed_alone
     prompt = [(i * 31 + 5) % 5000 for i in range(600)]
 
     def last_logits(r: object) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
-argmax), SiLU·mul with its per-token quantization (against the two kernels in
+argmax; its MMA tiles and its CUDA-core one), SiLU·mul with its per-token quantization (against the two kernels in
 turn), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
 installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
@@ -69,6 +69,26 @@ def check_gemv() -> None:
         assert rel(gemv_silu(x, w, GemvConfig(16, 128, 4, 2, 1, quantize_x=True), scale=scale), want) < 2e-3
 
 
+def check_gemv_vector() -> None:
+    """The CUDA-core tile: plain with a bias, split in three, gated; a row's bits the same at 1 and 2 rows."""
+    from engine.fp8 import quantize_per_channel
+    from engine.kernels.gemv_vector import VectorConfig, gemv_vector
+
+    torch.manual_seed(3)
+    n, k = 96, 768
+    w, scale = quantize_per_channel(torch.randn(n, k) * k**-0.5 * torch.rand(n, 1))
+    deq = w.float() * scale[:, None]
+    bias = torch.randn(n, dtype=torch.float16)
+    x = torch.randn(2, k, dtype=torch.float16)
+    for cfg in (VectorConfig(16, 256, 4, 1, 1), VectorConfig(8, 256, 4, 2, 3)):
+        both = gemv_vector(x, w, scale, cfg, bias=bias)
+        assert rel(both, F.linear(x.float(), deq, bias.float())) < 2e-3, cfg
+        assert torch.equal(gemv_vector(x[1:], w, scale, cfg, bias=bias), both[1:]), cfg
+    gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
+    want = (F.silu(gate.float()).half().float() * up.float()).half()
+    assert rel(gemv_vector(x, w, scale, VectorConfig(8, 256, 4, 1, 1), gated=True), want) < 2e-3
+
+
 def check_silu_mul_quantize() -> None:
     from engine.kernels.fp8_quant import quantize_rows, silu_mul_quantize_rows
     from engine.kernels.fused import silu_mul
@@ -102,6 +122,7 @@ def check_paged_decode() -> None:
 
 if __name__ == "__main__":
     check_gemv()
+    check_gemv_vector()
     check_silu_mul_quantize()
     check_paged_decode()
     print("fp8 kernels ok")

@@ -111,7 +111,8 @@ FP8_WIDE_ROW_TILES: dict[str, GemvConfig] = {
 }
 
 
-def _shape_class(n: int, k: int) -> str:
+def shape_class(n: int, k: int) -> str:
+    """The weight's class for tile choice: its output columns N against its input K."""
     if n >= 16 * k:  # a vocabulary (the lm_head: 42 x the hidden size for Qwen2.5-7B; gate/up is 5-11 x)
         return "vocab"
     return "wide" if n >= 4 * k else "tall" if n > k else "square" if n == k else "deep"
@@ -127,7 +128,7 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
         tiles = FP8_NARROW_ROW_TILES if rows <= MAX_ROWS else FP8_WIDE_ROW_TILES
     else:
         tiles = NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES
-    cfg = tiles.get(_shape_class(n, k))
+    cfg = tiles.get(shape_class(n, k))
     if cfg is None:
         return None
     if not cfg.fits(k):  # too short to split: one program per strip

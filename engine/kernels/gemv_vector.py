@@ -13,6 +13,11 @@ Each program computes one row of x against a strip of output columns (the row is
 fastest axis, so a strip's rows run side by side and its weights come from L2 after the first): a
 row's result is the same bits at every M. A split of K writes float32 partial sums to a workspace
 and the strip's last split to arrive adds them in split order, as in `engine.kernels.gemv`.
+
+The engine (`engine.ops`) runs e4m3 projections here at 1-2 rows (`VECTOR_ROWS`): from 4 rows the
+re-reads from L2 cost more than the MMA tile's conversions. So with FP8 weights a row's result is
+the same at batches of 1-2 and, separately, at 3-16 (the MMA tile's rows); `min_decode_bucket` of 4
+or more keeps every step on the MMA tile.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
+from engine.kernels.gemv import shape_class
 
+VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; from 3 the 16-row MMA tile is faster
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -40,6 +47,29 @@ class VectorConfig:
 
     def fits(self, k: int) -> bool:
         return k % self.block_k == 0 and k // self.block_k >= self.split_k
+
+
+# Tiles by the weight's shape class (`engine.kernels.gemv.shape_class`), from `python -m
+# bench.micro.gemv_vector` on an H200 at one row (bench/results/gemv-vector-*-h200.json): against the
+# MMA tile, down 29.0 -> 19.7 us, gate/up with SiLU·mul 42.9 -> 36.5, qkv 10.4 -> 6.4, o_proj 9.1 -> 5.6.
+# Splitting K paid for down only; the lm_head (a vocabulary) stays on the MMA tile, unmeasured here.
+TILES: dict[str, VectorConfig] = {
+    "wide": VectorConfig(block_n=8, block_k=256, num_stages=3),  # gate_up, gated
+    "tall": VectorConfig(block_n=8, block_k=512, num_stages=3),  # qkv
+    "square": VectorConfig(block_n=8, block_k=512, num_stages=3),  # o_proj
+    "deep": VectorConfig(block_n=8, block_k=512, num_stages=3, split_k=2),  # down
+}
+
+
+def config_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> VectorConfig | None:
+    """The tile for x @ weight^T, or None where the MMA tiles or cuBLAS do it (more than VECTOR_ROWS
+    rows, 16-bit weights, a shape without a tile, a K it does not divide)."""
+    if x.dim() != 2 or x.shape[0] > VECTOR_ROWS or weight.dtype != torch.float8_e4m3fn:
+        return None
+    cfg = TILES.get(shape_class(*weight.shape))
+    if cfg is None or (gated and cfg.split_k > 1) or not supports(x, weight, cfg):
+        return None
+    return cfg
 
 
 @triton.jit
@@ -100,16 +130,20 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, cfg: VectorConfig) -> bool:
+    """16-bit x [M, K] and e4m3 weight [N, K], both contiguous along K, K a whole number of the tile's
+    steps, and (split) an arrival count for every row's strip."""
     k = weight.shape[1]
     return (x.dim() == 2 and x.dtype in _ROUND and weight.dtype == torch.float8_e4m3fn and x.shape[1] == k
             and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
-            and x.shape[0] * triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
+            and (cfg.split_k == 1 or x.shape[0] * triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS))
 
 
 def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: VectorConfig,
-                bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, gated: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] 16-bit, weight [N, K] e4m3 with `scale` [N] float32 (one per output row) -> [M, N] in
-    x's dtype; `gated`: weight is [gate; up] and the result SiLU(gate) * up, [M, N / 2]."""
+    x's dtype, stored as `out_dtype` after that rounding where given; `gated`: weight is [gate; up]
+    and the result SiLU(gate) * up, [M, N / 2], rounded where the unfused path rounds."""
     m = x.shape[0]
     n, k = weight.shape
     assert supports(x, weight, cfg), f"no vector tile {cfg} for {tuple(x.shape)} x {tuple(weight.shape)}"
@@ -117,7 +151,7 @@ def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     if gated:
         n //= 2
         assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     strips = triton.cdiv(n, cfg.block_n)
     partial = counts = out
     if cfg.split_k > 1:
