@@ -51,13 +51,15 @@ class VectorConfig:
 
 # Tiles by the weight's shape class (`engine.kernels.gemv.shape_class`), from `python -m
 # bench.micro.gemv_vector` on an H200 at one row (bench/results/gemv-vector-*-h200.json): against the
-# MMA tile, down 29.0 -> 19.7 us, gate/up with SiLU·mul 42.9 -> 36.5, qkv 10.4 -> 6.4, o_proj 9.1 -> 5.6.
-# Splitting K paid for down only; the lm_head (a vocabulary) stays on the MMA tile, unmeasured here.
+# MMA tile, down 28.9 -> 18.7 us, gate/up with SiLU·mul 42.7 -> 35.8, qkv 10.4 -> 6.4, o_proj 9.1 -> 5.6.
+# Splitting K did not pay (its partial sums cost more than the programs it adds); 512 weights a row
+# a step beat 256 for the deep down projection (21.6-29.0 us at 256). The lm_head (a vocabulary)
+# stays on the MMA tile, unmeasured here.
 TILES: dict[str, VectorConfig] = {
-    "wide": VectorConfig(block_n=8, block_k=256, num_stages=3),  # gate_up, gated
+    "wide": VectorConfig(block_n=8, block_k=256, num_stages=4),  # gate_up, gated
     "tall": VectorConfig(block_n=8, block_k=512, num_stages=3),  # qkv
     "square": VectorConfig(block_n=8, block_k=512, num_stages=3),  # o_proj
-    "deep": VectorConfig(block_n=8, block_k=512, num_stages=3, split_k=2),  # down
+    "deep": VectorConfig(block_n=8, block_k=512, num_stages=4),  # down
 }
 
 
