@@ -49,8 +49,9 @@ def _cublas_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return silu_mul(F.linear(x, w))
 
 
-def _scaled_mm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               b: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     b: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """`torch._scaled_mm` with row-wise scales on x already in e4m3, then the bias and SiLU·mul (gated)."""
     out = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
     out = out if b is None else out + b
     return silu_mul(out) if gated else out
@@ -123,9 +124,9 @@ def main() -> None:
             if args.fp8:
                 x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
                 xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
-                ref = [_scaled_mm(xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
+                ref = [scaled_mm_linear(xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
                        for w, s, b in zip(weights, scales, biases, strict=True)]
-                cublas = graph_us([partial(_scaled_mm, xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
+                cublas = graph_us([partial(scaled_mm_linear, xq, x_scale, w, s[None, :], b, gated)  # type: ignore[index]
                                    for w, s, b in zip(weights, scales, biases, strict=True)])
                 engine_cfg = gated_config_for(weights[0], m) if gated else config_for(weights[0], m)
             elif gated:

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from bench.common import measure_hbm_gbps, metadata, write_json
-from bench.micro.gemv import SHAPES, _scaled_mm, graph_us
+from bench.micro.gemv import SHAPES, graph_us, scaled_mm_linear
 from engine.fp8 import FP8_MAX, quantize_per_channel
 from engine.kernels.gemv import config_for, gated_config_for, gemv, gemv_silu
 from engine.kernels.gemv_vector import VectorConfig, gemv_vector, supports
@@ -51,7 +51,7 @@ def main() -> None:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             x_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
             xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
-            scaled = graph_us([partial(_scaled_mm, xq, x_scale, w, s[None, :], b, gated)
+            scaled = graph_us([partial(scaled_mm_linear, xq, x_scale, w, s[None, :], b, gated)
                                for (w, s), b in zip(quantized, biases, strict=True)])
             w0, s0 = quantized[0]
             mma_cfg = gated_config_for(w0, m) if gated else config_for(w0, m)
