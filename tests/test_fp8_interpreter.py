@@ -32,15 +32,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def check_gemv() -> None:
+def fp8_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weights [N, K], their row scales, the float32 values they stand for, a float16 bias)."""
     from engine.fp8 import quantize_per_channel
+
+    torch.manual_seed(seed)
+    w, scale = quantize_per_channel(torch.randn(n, k) * k**-0.5 * torch.rand(n, 1))
+    return w, scale, w.float() * scale[:, None], torch.randn(n, dtype=torch.float16)
+
+
+def check_gemv() -> None:
     from engine.kernels.gemv import GemvConfig, gemv, gemv_argmax, gemv_silu
 
-    torch.manual_seed(0)
     n, k = 96, 256
-    w, scale = quantize_per_channel(torch.randn(n, k) * k**-0.5 * torch.rand(n, 1))
-    deq = w.float() * scale[:, None]
-    bias = torch.randn(n, dtype=torch.float16)
+    w, scale, deq, bias = fp8_matrix(n, k, seed=0)
     for m in (1, 3):
         x = torch.randn(m, k, dtype=torch.float16)
         for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2),  # whole K, split in two
@@ -71,14 +76,10 @@ def check_gemv() -> None:
 
 def check_gemv_vector() -> None:
     """The CUDA-core tile: plain with a bias, split in three, gated; a row's bits the same at 1 and 2 rows."""
-    from engine.fp8 import quantize_per_channel
     from engine.kernels.gemv_vector import VectorConfig, gemv_vector
 
-    torch.manual_seed(3)
-    n, k = 96, 768
-    w, scale = quantize_per_channel(torch.randn(n, k) * k**-0.5 * torch.rand(n, 1))
-    deq = w.float() * scale[:, None]
-    bias = torch.randn(n, dtype=torch.float16)
+    k = 768
+    w, scale, deq, bias = fp8_matrix(96, k, seed=3)
     x = torch.randn(2, k, dtype=torch.float16)
     for cfg in (VectorConfig(16, 256, 4, 1, 1), VectorConfig(8, 256, 4, 2, 3)):
         both = gemv_vector(x, w, scale, cfg, bias=bias)
