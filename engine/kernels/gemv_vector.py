@@ -33,12 +33,14 @@ from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 from engine.kernels.gemv import shape_class
 
-VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; from 3 the 16-row MMA tile is faster
+VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
 class VectorConfig:
+    """A program's output columns, its weights a row a K step, warps, pipelined loads and K splits."""
+
     block_n: int = 16     # output columns a program
     block_k: int = 512    # weights a row a K step (16 a thread at 32 threads along K)
     num_warps: int = 4
