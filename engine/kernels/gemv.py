@@ -48,7 +48,7 @@ X_F16 = tl.constexpr(3)
 F16_SAFE = tl.constexpr(32768.0)  # a tile's x is halved until its largest magnitude is at most this
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # quantized as `quantize_rows` quantizes
 FLOAT32_TINY = tl.constexpr(fp8_quant.FLOAT32_TINY)
-_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+ROUND_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the model dtype as the kernels round to it
 
 
 @dataclass(frozen=True)
@@ -216,10 +216,8 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND)  # rounded to the model dtype even where OUT is float32 (logits)
-        if GATED:  # SiLU(gate) * up, rounded where the unfused path rounds (each projection, then SiLU)
-            gate = out.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
-            out = (silu * acc_up.to(ROUND).to(tl.float32)).to(ROUND)
+        if GATED:
+            out = silu_mul_rounded(acc, acc_up, ROUND)
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
         tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
         if ARGMAX:  # each row's largest value in the strip and its first column, for `_argmax_kernel`
@@ -228,6 +226,15 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
             strips = tl.num_programs(0)
             tl.store(BEST + offs_m * strips + strip, best, mask=m_ok)
             tl.store(BEST_COL + offs_m * strips + strip, strip * BLOCK_N + col, mask=m_ok)
+
+
+@triton.jit
+def silu_mul_rounded(gate_sums, up_sums, ROUND: tl.constexpr):
+    """SiLU(gate) * up from the two projections' float32 sums, rounded where the unfused path rounds
+    (each projection, then SiLU, then the product) to the model dtype ROUND."""
+    gate = gate_sums.to(ROUND).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
+    return (silu * up_sums.to(ROUND).to(tl.float32)).to(ROUND)
 
 
 @triton.jit
@@ -341,7 +348,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         partial, counts, best, best_col, m, n, k,
         x_in.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
-        X_MODE=x_mode, ROUND=_ROUND[x.dtype],
+        X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())

@@ -31,10 +31,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
-from engine.kernels.gemv import shape_class
+from engine.kernels.gemv import ROUND_TYPES, shape_class, silu_mul_rounded
 
 VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
-_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
@@ -127,9 +126,7 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
         out = sums.to(ROUND)
         if GATED:
             sums_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)
-            gate = out.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
-            out = (silu * sums_up.to(ROUND).to(tl.float32)).to(ROUND)
+            out = silu_mul_rounded(sums, sums_up, ROUND)
         tl.store(OUT + row * s_om + offs_n, out, mask=n_ok)
 
 
@@ -137,7 +134,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, cfg: VectorConfig) -> bool:
     """16-bit x [M, K] and e4m3 weight [N, K], both contiguous along K, K a whole number of the tile's
     steps, and (split) an arrival count for every row's strip."""
     k = weight.shape[1]
-    return (x.dim() == 2 and x.dtype in _ROUND and weight.dtype == torch.float8_e4m3fn and x.shape[1] == k
+    return (x.dim() == 2 and x.dtype in ROUND_TYPES and weight.dtype == torch.float8_e4m3fn and x.shape[1] == k
             and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
             and (cfg.split_k == 1 or x.shape[0] * triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS))
 
@@ -164,7 +161,7 @@ def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     _vector_kernel[(m, strips, cfg.split_k)](
         x, weight, scale, bias if bias is not None else scale, out, partial, counts, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, ROUND=_ROUND[x.dtype],
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **launch.options())
     return out
