@@ -161,13 +161,13 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
     k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
     if PREFETCH > 0:  # the weights wait on no kernel (engine.kernels.prefetch)
-        width: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-        first = W + (strip * BLOCK_N).to(tl.int64) * s_wn + k_begin
-        nbytes = tl.minimum(PREFETCH, (k_end - k_begin) * width)
-        nrows = tl.minimum(BLOCK_N, N - strip * BLOCK_N)
-        prefetch.rows_to_l2(first, s_wn * width, nbytes, nrows)
+        gdc_launch_dependents()
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        share = (k_end - k_begin) * W.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.full((BLOCK_N,), 0, tl.int32) + tl.minimum(PREFETCH, share)
+        prefetch.rows_to_l2(W + rows * s_wn + k_begin, nbytes)
         if GATED:
-            prefetch.rows_to_l2(first + N * s_wn, s_wn * width, nbytes, nrows)
+            prefetch.rows_to_l2(W + (rows + N) * s_wn + k_begin, nbytes)
     if PDL:  # the kernel before has finished (engine.kernels.launch)
         gdc_wait()
     x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
@@ -202,7 +202,7 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
                 w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0,
                                eviction_policy="evict_first")
                 acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
-    if PDL:
+    if PDL and PREFETCH == 0:
         gdc_launch_dependents()
     last = True
     if SPLIT_K > 1:

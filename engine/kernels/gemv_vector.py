@@ -90,13 +90,12 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
     if PREFETCH > 0:  # the weights wait on no kernel (engine.kernels.prefetch)
-        width: tl.constexpr = 1
-        first = W + (strip * BLOCK_N).to(tl.int64) * s_wn + k_begin
-        nbytes = tl.minimum(PREFETCH, (k_end - k_begin) * width)
-        nrows = tl.where(row == 0, tl.minimum(BLOCK_N, N - strip * BLOCK_N), 0)  # x's other rows: from L2
-        prefetch.rows_to_l2(first, s_wn * width, nbytes, nrows)
+        gdc_launch_dependents()
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        nbytes = tl.full((BLOCK_N,), 0, tl.int32) + tl.minimum(PREFETCH, k_end - k_begin)
+        prefetch.rows_to_l2(W + rows * s_wn + k_begin, nbytes)
         if GATED:
-            prefetch.rows_to_l2(first + N * s_wn, s_wn * width, nbytes, nrows)
+            prefetch.rows_to_l2(W + (rows + N) * s_wn + k_begin, nbytes)
     if PDL:
         gdc_wait()
     x_ptrs = X + row * s_xm + offs_k
@@ -110,7 +109,7 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             acc_up += w_up.to(tl.float32) * x
-    if PDL:
+    if PDL and PREFETCH == 0:
         gdc_launch_dependents()
     sums = tl.sum(acc, axis=1)
     sums_up = tl.sum(acc_up, axis=1)

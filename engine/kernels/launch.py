@@ -60,7 +60,9 @@ def set_prefetch_bytes(nbytes: int) -> None:
 
 def prefetch_bytes(weight: torch.Tensor) -> int:
     """What a decode matmul over `weight` prefetches a row (its kernel's `PREFETCH` constexpr): none
-    without PDL (no earlier window to fill) or where a row does not start 16-byte aligned."""
+    without PDL (no earlier window to fill) or where a row does not start 16-byte aligned. A kernel
+    that prefetches also lets the next be scheduled as it starts, so that one's programs prefetch
+    during this one's last wave, not only after its main loops."""
     row_bytes = weight.stride(0) * weight.element_size()
     if not enabled() or row_bytes % 16 or weight.data_ptr() % 16:
         return 0

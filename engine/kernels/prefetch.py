@@ -15,17 +15,8 @@ import triton.language as tl
 
 
 @triton.jit
-def rows_to_l2(first, row_bytes, nbytes, nrows):
-    """Prefetch `nbytes` (a multiple of 16) from each of `nrows` rows `row_bytes` apart, the first at
-    `first` (16-byte aligned), into L2: one request a row, from the program's thread of that index."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .u32 t;
-        .reg .u64 a;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $4;
-        mad.wide.u32 a, t, $3, $1;
-        @p cp.async.bulk.prefetch.L2.global [a], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r,r,r", [first, nbytes, row_bytes, nrows], dtype=tl.int32, is_pure=False, pack=1)
+def rows_to_l2(rows, nbytes):
+    """Prefetch `nbytes` (an int32 tensor shaped as `rows`, multiples of 16) from each 16-byte-aligned
+    address in `rows` into L2. Copies of an element in a layout ask again: L2 answers them at once."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;", "=r,l,r",
+                              [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
