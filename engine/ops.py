@@ -46,18 +46,15 @@ class KernelOptions:
     skinny_gemv: bool = True     # decode-sized matmuls (up to 16 rows; 64 where tuned) through the Triton skinny kernel
     fused_gate_up: bool = True   # prefill-sized MLPs on Hopper: gate/up GEMM and SiLU·mul as one Gluon kernel
     pdl: bool = True             # our kernels with programmatic dependent launch on Hopper (engine.kernels.launch)
-    weight_prefetch: int = 1024  # bytes a weight row a decode matmul asks L2 for as the kernel before drains (PDL)
 
 
 ALL_KERNELS = KernelOptions()
 
 
 def apply_launch_options(kernels: KernelOptions) -> None:
-    """Launch options that hold for the process (one model in it): programmatic dependent launch and
-    the weights prefetched under it."""
+    """Launch options that hold for the process (one model in it): programmatic dependent launch."""
     if _launch is not None:
         _launch.set_enabled(kernels.pdl)
-        _launch.set_prefetch_bytes(kernels.weight_prefetch)
 
 
 def _fast(t: torch.Tensor) -> bool:

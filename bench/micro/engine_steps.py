@@ -185,9 +185,6 @@ def main() -> None:
                    help="read each step's tokens back before queuing the next (the decode server's --no-overlap-steps)")
     p.add_argument("--no-skinny-gemv", action="store_true", help="decode matmuls through cuBLAS only")
     p.add_argument("--no-pdl", action="store_true", help="our kernels without programmatic dependent launch")
-    p.add_argument("--weight-prefetch", type=int, default=KernelOptions.weight_prefetch, metavar="BYTES",
-                   help="bytes of each weight row a decode matmul prefetches into L2 before waiting on the kernel "
-                        "before it (0: none)")
     p.add_argument("--no-fused-gate-up", action="store_true",
                    help="prefill MLPs as cuBLAS gate/up then the SiLU·mul kernel, not one Gluon GEMM")
     p.add_argument("--json", default=None,
@@ -208,7 +205,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: an e4m3 KV pool")
     args = p.parse_args()
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
-                            pdl=not args.no_pdl, weight_prefetch=args.weight_prefetch)
+                            pdl=not args.no_pdl)
     if args.later_turns:
         later_turns_main(args, kernels)
         return
@@ -233,7 +230,6 @@ def main() -> None:
            "min_decode_bucket": args.min_decode_bucket,
            "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
-           "weight_prefetch": kernels.weight_prefetch,
            "decode_ms": {}, "decode_gpu_ms": {}, "decode_tok_per_s": {}, "decode_floor_ms": {},
            "prefill_ms": {}, "prefill_floor_ms": {},
            "prefill_floor_sustained_ms": {}, "prefill_power": {}, "prefill_pj_per_flop": {}}
@@ -297,7 +293,6 @@ def later_turns_main(args: argparse.Namespace, kernels: KernelOptions) -> None:
            "block_size": runner.layout.block_size, "cuda_graphs": runner.graphs is not None,
            "overlap_steps": not args.no_overlap_steps, "skinny_gemv": kernels.skinny_gemv,
            "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
-           "weight_prefetch": kernels.weight_prefetch,
            "later_turns": later_turns.measure(runner, args.prefix_lens, args.new_lens, args.later_turn_batches,
                                               args.context, args.repeats, overlap=not args.no_overlap_steps,
                                               partitions=partitions, sms=args.later_turn_sms)}

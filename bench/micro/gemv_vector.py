@@ -18,7 +18,6 @@ import torch
 from bench.common import measure_hbm_gbps, metadata, write_json
 from bench.micro.gemv import SHAPES, graph_us, scaled_mm_linear
 from engine.fp8 import FP8_MAX, quantize_per_channel
-from engine.kernels import launch
 from engine.kernels.gemv import config_for, gated_config_for, gemv, gemv_silu
 from engine.kernels.gemv_vector import VectorConfig, gemv_vector, supports
 
@@ -33,8 +32,6 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--prefetch", type=int, nargs="+", default=[launch.SETTINGS.prefetch_bytes],
-                   help="bytes of each weight row prefetched into L2 before the wait (engine.kernels.prefetch)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda:0")
@@ -64,11 +61,10 @@ def main() -> None:
                             for (w, s), b in zip(quantized, biases, strict=True)])
             print(f"{name:<8} m={m:<2} floor {floor_us:6.1f} us | _scaled_mm {scaled:6.1f} | MMA tile {mma:6.1f} "
                   f"({floor_us / mma:4.0%}) {mma_cfg}", flush=True)
-            best: tuple[float, VectorConfig, int] | None = None
-            for cfg, ahead in itertools.product(tiles, args.prefetch):
+            best: tuple[float, VectorConfig] | None = None
+            for cfg in tiles:
                 if not supports(x, w0, cfg) or (gated and cfg.split_k > 1):
                     continue
-                launch.set_prefetch_bytes(ahead)
                 try:
                     got = gemv_vector(x, w0, s0, cfg, bias=biases[0], gated=gated).float()
                     err = ((got - ref).norm() / ref.norm()).item()
@@ -77,19 +73,16 @@ def main() -> None:
                 except Exception as e:  # a tile this GPU cannot hold
                     print(f"  {cfg}: failed ({str(e).splitlines()[0][:80]})")
                     continue
-                print(f"  {cfg} prefetch {ahead}: {us:6.1f} us ({floor_us / us:4.0%})  rel err vs MMA {err:.2g}",
-                      flush=True)
-                rows_out.append({"shape": name, "rows": m, "config": vars(cfg), "prefetch": ahead, "us": round(us, 2)})
+                print(f"  {cfg}: {us:6.1f} us ({floor_us / us:4.0%})  rel err vs MMA {err:.2g}", flush=True)
+                rows_out.append({"shape": name, "rows": m, "config": vars(cfg), "us": round(us, 2)})
                 if best is None or us < best[0]:
-                    best = (us, cfg, ahead)
+                    best = (us, cfg)
             if best is not None:
                 print(f"{name:<8} m={m:<2} best vector {best[0]:6.1f} us ({floor_us / best[0]:4.0%}) {best[1]} "
-                      f"prefetch {best[2]} "
                       f"| MMA {mma:6.1f} | _scaled_mm {scaled:6.1f}", flush=True)
                 rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                                  "scaled_mm_us": round(scaled, 2), "mma_us": round(mma, 2),
-                                 "vector_us": round(best[0], 2), "vector_config": vars(best[1]), "prefetch": best[2],
-                                 "best": True})
+                                 "vector_us": round(best[0], 2), "vector_config": vars(best[1]), "best": True})
         del quantized, biases
         torch.cuda.empty_cache()
     if args.json:

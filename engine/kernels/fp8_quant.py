@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import launch
 from engine.kernels.fused import silu_mul_rounded
 
 BLOCK = 1024
@@ -22,10 +20,7 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: an all-zer
 
 @triton.jit
 def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                          TINY: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # a decode step's matmul follows: its programs prefetch their weights while these run
-        gdc_wait()
-        gdc_launch_dependents()
+                          TINY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -49,7 +44,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FP8_MAX=FP8_MAX,
-                                    TINY=FLOAT32_TINY, num_warps=4, **launch.options())
+                                    TINY=FLOAT32_TINY, num_warps=4)
     return q, scale
 
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import fp8_quant, launch, prefetch
+from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
@@ -140,15 +140,16 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
 def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
                  SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
     `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded.
     X_F16: bfloat16 x and e4m3 weights multiplied in float16, which holds every e4m3 value and every
     bfloat16 one from 2^-14 to 65504 exactly, and takes e4m3 in one conversion a pair of values where
     bfloat16 takes three; a row of a tile whose x passes F16_SAFE is scaled by a power of two (exact)
-    and its products by the inverse. PREFETCH: bytes of each weight row asked of L2 before the wait."""
+    and its products by the inverse."""
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
     strip = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,16 +161,6 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
     k_steps = K // BLOCK_K
     k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
-    if PREFETCH > 0:  # the weights wait on no kernel (engine.kernels.prefetch)
-        gdc_launch_dependents()
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        share = (k_end - k_begin) * W.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.full((BLOCK_N,), 0, tl.int32) + tl.minimum(PREFETCH, share)
-        prefetch.rows_to_l2(W + rows * s_wn + k_begin, nbytes)
-        if GATED:
-            prefetch.rows_to_l2(W + (rows + N) * s_wn + k_begin, nbytes)
-    if PDL:  # the kernel before has finished (engine.kernels.launch)
-        gdc_wait()
     x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     x_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
@@ -202,7 +193,7 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
                 w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0,
                                eviction_policy="evict_first")
                 acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
-    if PDL and PREFETCH == 0:
+    if PDL:
         gdc_launch_dependents()
     last = True
     if SPLIT_K > 1:
@@ -359,8 +350,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
         X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=launch.prefetch_bytes(weight),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.options())
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch.options())
     if not argmax:
         return out, None
     _argmax_kernel[(m,)](best, best_col, tokens, strips, STRIPS_PAD=triton.next_power_of_2(strips), num_warps=4,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import launch, prefetch
+from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
 from engine.kernels.gemv import ROUND_TYPES, shape_class, silu_mul_rounded
 
@@ -78,8 +78,9 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Ve
 @triton.jit
 def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, ROUND: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     strip = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,15 +90,6 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     k_steps = K // BLOCK_K
     k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
-    if PREFETCH > 0:  # the weights wait on no kernel (engine.kernels.prefetch)
-        gdc_launch_dependents()
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        nbytes = tl.full((BLOCK_N,), 0, tl.int32) + tl.minimum(PREFETCH, k_end - k_begin)
-        prefetch.rows_to_l2(W + rows * s_wn + k_begin, nbytes)
-        if GATED:
-            prefetch.rows_to_l2(W + (rows + N) * s_wn + k_begin, nbytes)
-    if PDL:
-        gdc_wait()
     x_ptrs = X + row * s_xm + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -109,7 +101,7 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             acc_up += w_up.to(tl.float32) * x
-    if PDL and PREFETCH == 0:
+    if PDL:
         gdc_launch_dependents()
     sums = tl.sum(acc, axis=1)
     sums_up = tl.sum(acc_up, axis=1)
@@ -170,6 +162,6 @@ def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
         x, weight, scale, bias if bias is not None else scale, out, partial, counts, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, ROUND=ROUND_TYPES[x.dtype],
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREFETCH=launch.prefetch_bytes(weight),
-        num_warps=cfg.num_warps, **launch.options())
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **launch.options())
     return out

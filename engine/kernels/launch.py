@@ -33,7 +33,6 @@ class LaunchSettings:
     (`engine.ops.apply_launch_options`); PDL is on by default wherever it is supported."""
 
     pdl_wanted: bool = True
-    prefetch_bytes: int = 1024  # of each weight row a decode matmul's program asks L2 for before its wait
 
     def pdl(self) -> bool:
         return self.pdl_wanted and supported()  # asked on first launch, not at import: no CUDA before a fork
@@ -50,23 +49,6 @@ def enabled() -> bool:
 def set_enabled(flag: bool) -> None:
     """Turn PDL off (or back on where supported) for kernels launched, or graphs captured, from now on."""
     SETTINGS.pdl_wanted = flag
-
-
-def set_prefetch_bytes(nbytes: int) -> None:
-    """Bytes of each weight row prefetched into L2 before the wait (`engine.kernels.prefetch`); 0: none."""
-    assert nbytes >= 0 and nbytes % 16 == 0, "the bulk prefetch moves whole 16-byte pieces"
-    SETTINGS.prefetch_bytes = nbytes
-
-
-def prefetch_bytes(weight: torch.Tensor) -> int:
-    """What a decode matmul over `weight` prefetches a row (its kernel's `PREFETCH` constexpr): none
-    without PDL (no earlier window to fill) or where a row does not start 16-byte aligned. A kernel
-    that prefetches also lets the next be scheduled as it starts, so that one's programs prefetch
-    during this one's last wave, not only after its main loops."""
-    row_bytes = weight.stride(0) * weight.element_size()
-    if not enabled() or row_bytes % 16 or weight.data_ptr() % 16:
-        return 0
-    return SETTINGS.prefetch_bytes
 
 
 def options() -> dict[str, bool]:
