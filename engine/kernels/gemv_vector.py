@@ -59,7 +59,7 @@ class VectorConfig:
 TILES: dict[str, VectorConfig] = {
     "wide": VectorConfig(block_n=8, block_k=256, num_stages=4),  # gate_up, gated
     "tall": VectorConfig(block_n=8, block_k=512, num_stages=3),  # qkv
-    "square": VectorConfig(block_n=8, block_k=512, num_stages=3),  # o_proj
+    "square": VectorConfig(block_n=4, block_k=512, num_warps=2, num_stages=3),  # o_proj (5.6 -> 5.1 us)
     "deep": VectorConfig(block_n=8, block_k=512, num_stages=4),  # down
 }
 

@@ -87,6 +87,8 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
     ctx = tl.load(CTX + b)
     split_len = _split_len(ctx, NUM_SPLITS, BLOCK_N)
     start = split * split_len
+    if start >= ctx:  # a slice past the context (short contexts leave most empty): the merge reads none of them
+        return
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
