@@ -154,35 +154,25 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
 
 @triton.jit
 def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(CTX + b)  # the step's metadata: no kernel writes it, so read before the wait
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    used = tl.cdiv(ctx, _split_len(ctx, NUM_SPLITS, BLOCK_N))  # the slices past the context hold nothing: not read
+    split_len = _split_len(ctx, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, NUM_SPLITS)
+    used = offs_s < tl.cdiv(ctx, split_len)  # the slices past the context hold nothing: not read
     offs_d = tl.arange(0, HEAD_DIM)
-    ml = ML + b * s_mb + h * s_mh
-    m = tl.load(ml + offs_s * s_ms, mask=offs_s < used, other=float("-inf"))
-    lsum = tl.load(ml + offs_s * s_ms + 1, mask=offs_s < used, other=0.0)
+    ml = ML + b * s_mb + h * s_mh + offs_s * s_ms
+    m = tl.load(ml, mask=used, other=float("-inf"))
+    lsum = tl.load(ml + 1, mask=used, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(lsum > 0, tl.exp2(m - m_max), 0.0)
-    # the partial results a chunk of slices at a time, as many chunks as hold tokens: a short context's
-    # merge reads a [MERGE_CHUNK, HEAD_DIM] tile, not one as wide as the most slices a long one takes
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s0 in range(0, used, MERGE_CHUNK):
-        offs_c = s0 + tl.arange(0, MERGE_CHUNK)
-        ok = offs_c < used
-        mc = tl.load(ml + offs_c * s_ms, mask=ok, other=float("-inf"))
-        lc = tl.load(ml + offs_c * s_ms + 1, mask=ok, other=0.0)
-        wc = tl.where(lc > 0, tl.exp2(mc - m_max), 0.0)
-        parts = tl.load(OUT + b * s_ob + h * s_oh + offs_c[:, None] * s_os + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-        acc += tl.sum(parts * wc[:, None], 0)
-    o = acc / tl.sum(lsum * w, 0)
+    parts = tl.load(OUT + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :], mask=used[:, None],
+                    other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.sum(lsum * w, 0)
     tl.store(RESULT + b * s_Ob + h * s_Oh + offs_d, o.to(RESULT.dtype.element_ty))
 
 
@@ -250,5 +240,5 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
     if splits > 1:
         _merge_kernel[(batch, heads)](
             partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,
-            BLOCK_N=tile.block_n, NUM_SPLITS=splits, MERGE_CHUNK=min(16, splits), num_warps=4, **launch.options())
+            BLOCK_N=tile.block_n, NUM_SPLITS=splits, num_warps=4, **launch.options())
     return out
