@@ -52,14 +52,15 @@ class VectorConfig:
 
 # Tiles by the weight's shape class (`engine.kernels.gemv.shape_class`), from `python -m
 # bench.micro.gemv_vector` on an H200 at one row (bench/results/gemv-vector-*-h200.json): against the
-# MMA tile, down 28.9 -> 18.7 us, gate/up with SiLU·mul 42.7 -> 35.8, qkv 10.4 -> 6.4, o_proj 9.1 -> 5.6.
+# MMA tile, down 28.9 -> 18.7 us, gate/up with SiLU·mul 42.7 -> 35.8, qkv 10.4 -> 6.4, o_proj 9.1 -> 5.1-5.4
+# (4 columns and 2 warps; 5.6 with 8 and 4, gemv-vector-o-proj-h200.json: 7.0 against 7.2 at two rows).
 # Splitting K did not pay (its partial sums cost more than the programs it adds); 512 weights a row
 # a step beat 256 for the deep down projection (21.6-29.0 us at 256). The lm_head (a vocabulary)
 # stays on the MMA tile, unmeasured here.
 TILES: dict[str, VectorConfig] = {
     "wide": VectorConfig(block_n=8, block_k=256, num_stages=4),  # gate_up, gated
     "tall": VectorConfig(block_n=8, block_k=512, num_stages=3),  # qkv
-    "square": VectorConfig(block_n=4, block_k=512, num_warps=2, num_stages=3),  # o_proj (5.6 -> 5.1 us)
+    "square": VectorConfig(block_n=4, block_k=512, num_warps=2, num_stages=3),  # o_proj
     "deep": VectorConfig(block_n=8, block_k=512, num_stages=4),  # down
 }
 
