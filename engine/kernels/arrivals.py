@@ -10,6 +10,8 @@ partitioned prefill's kernels on another stream may run beside the decode step's
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 MAX_COUNTS = 1 << 14  # outputs a launch may count arrivals for
 
@@ -27,3 +29,21 @@ def arrival_counts(device: torch.device) -> torch.Tensor:
     if counts is None:
         counts = _counts[key] = torch.zeros(MAX_COUNTS, dtype=torch.int32, device=device)
     return counts
+
+
+@triton.jit
+def last_split_sums(partial, part, split_stride, mask, count, split, SPLIT_K: tl.constexpr):
+    """Store this split's float32 `partial` at `part` + `split` * `split_stride` and count its arrival
+    at `count`. Returns (the partials of every split added in split order, True) to the split that
+    arrives last, which resets the count; (`partial`, False) to the others."""
+    tl.store(part + split * split_stride, partial, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the count says so
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    sums = partial
+    if last:  # the other splits are in: sum all in split order, whoever came last
+        sums = tl.zeros_like(partial)
+        for i in tl.static_range(SPLIT_K):
+            sums += tl.load(part + i * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count, 0)  # ready for the next call on this stream
+    return sums, last

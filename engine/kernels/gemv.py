@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import fp8_quant, launch
-from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
+from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -197,17 +197,8 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         gdc_launch_dependents()
     last = True
     if SPLIT_K > 1:
-        mn_ok = m_ok[:, None] & n_ok[None, :]
-        part = PARTIAL + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part + split * BLOCK_M * N, acc, mask=mn_ok)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        arrived = tl.atomic_add(COUNTS + strip, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT_K - 1
-        if last:  # the strip's other splits are in: sum all in split order, whoever came last
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                acc += tl.load(part + i * BLOCK_M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(COUNTS + strip, 0)  # ready for the next call on this stream
+        acc, last = last_split_sums(acc, PARTIAL + offs_m[:, None] * N + offs_n[None, :], BLOCK_M * N,
+                                    m_ok[:, None] & n_ok[None, :], COUNTS + strip, split, SPLIT_K)
     if last:
         if HAS_SCALE:  # FP8 weights: each output row's scale (and e4m3 x's row scales), on the float32 sums
             acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :] * x_scale[:, None]

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
-from engine.kernels.arrivals import MAX_COUNTS, arrival_counts
+from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
 from engine.kernels.gemv import ROUND_TYPES, shape_class, silu_mul_rounded
 
 VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
@@ -108,18 +108,8 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     sums_up = tl.sum(acc_up, axis=1)
     last = True
     if SPLIT_K > 1:
-        rows = tl.num_programs(0)
-        part = PARTIAL + row * N + offs_n
-        tl.store(part + split * rows * N, sums, mask=n_ok)
-        tl.debug_barrier()
-        count = COUNTS + row * tl.num_programs(1) + strip
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT_K - 1
-        if last:
-            sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                sums += tl.load(part + i * rows * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count, 0)
+        sums, last = last_split_sums(sums, PARTIAL + row * N + offs_n, tl.num_programs(0) * N, n_ok,
+                                     COUNTS + row * tl.num_programs(1) + strip, split, SPLIT_K)
     if last:
         sums *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)
         if HAS_BIAS:
