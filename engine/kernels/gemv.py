@@ -36,6 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
+from engine.kernels.fused import silu_mul_rounded
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -207,8 +208,8 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND)  # rounded to the model dtype even where OUT is float32 (logits)
-        if GATED:
-            out = silu_mul_rounded(acc, acc_up, ROUND)
+        if GATED:  # each projection rounded, then SiLU·mul as the unfused kernel rounds it
+            out = silu_mul_rounded(out, acc_up.to(ROUND))
         out_ptrs = OUT + offs_m[:, None] * s_om + offs_n[None, :]
         tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
         if ARGMAX:  # each row's largest value in the strip and its first column, for `_argmax_kernel`
@@ -217,15 +218,6 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
             strips = tl.num_programs(0)
             tl.store(BEST + offs_m * strips + strip, best, mask=m_ok)
             tl.store(BEST_COL + offs_m * strips + strip, strip * BLOCK_N + col, mask=m_ok)
-
-
-@triton.jit
-def silu_mul_rounded(gate_sums, up_sums, ROUND: tl.constexpr):
-    """SiLU(gate) * up from the two projections' float32 sums, rounded where the unfused path rounds
-    (each projection, then SiLU, then the product) to the model dtype ROUND."""
-    gate = gate_sums.to(ROUND).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(ROUND).to(tl.float32)
-    return (silu * up_sums.to(ROUND).to(tl.float32)).to(ROUND)
 
 
 @triton.jit

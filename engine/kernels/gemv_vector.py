@@ -31,7 +31,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
-from engine.kernels.gemv import ROUND_TYPES, shape_class, silu_mul_rounded
+from engine.kernels.fused import silu_mul_rounded
+from engine.kernels.gemv import ROUND_TYPES, shape_class
 
 VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
 
@@ -117,7 +118,7 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
         out = sums.to(ROUND)
         if GATED:
             sums_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)
-            out = silu_mul_rounded(sums, sums_up, ROUND)
+            out = silu_mul_rounded(out, sums_up.to(ROUND))
         tl.store(OUT + row * s_om + offs_n, out, mask=n_ok)
 
 
