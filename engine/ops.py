@@ -65,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + delta) * weight, x + delta); on CUDA x is updated in place."""
     if _fast(x):
-        return _fused.add_rms_norm(x, weight, eps, delta), x
+        return _fused.add_rms_norm(x, weight, eps, delta)[0], x
     if delta is not None:
         x = x + delta
     xf = x.float()
@@ -74,6 +74,49 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 Linear = nn.Linear | Fp8Linear
+
+
+@dataclass(frozen=True)
+class NormedRows:
+    """A norm's output with its rows in e4m3 (and a float32 scale a row, `quantize_rows`' bits),
+    written by the norm for the W8A8 projection after it, which would otherwise quantize them in a
+    kernel of its own (`takes_e4m3_rows`)."""
+
+    x: torch.Tensor
+    e4m3: tuple[torch.Tensor, torch.Tensor]
+
+
+Activations = torch.Tensor | NormedRows
+
+
+def _unpack(x: Activations) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    return (x.x, x.e4m3) if isinstance(x, NormedRows) else (x, None)
+
+
+def takes_e4m3_rows(x: torch.Tensor, layer: Linear, kernels: KernelOptions, gated: bool = False) -> bool:
+    """Whether `linear` (`gate_up_silu` when `gated`) runs `layer` on x's rows quantized to e4m3 by
+    a kernel first: the skinny matmul's W8A8 tile at 17-64 rows, dynamic activation scales."""
+    rows = x.shape[0]
+    if not (kernels.skinny_gemv and _fast(x) and isinstance(layer, Fp8Linear) and layer.input_scale is None
+            and _gemv.MAX_ROWS < rows <= _gemv.WIDE_ROWS and _gemv.supports(x, layer.weight)
+            and _gemv_vector.config_for(x, layer.weight, gated=gated) is None):
+        return False
+    if gated and layer.bias is not None:
+        return False
+    cfg = _gemv.gated_config_for(layer.weight, rows) if gated else _gemv.config_for(layer.weight, rows)
+    return cfg is not None and cfg.quantize_x
+
+
+def norm_feeding(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                 layer: Linear, kernels: KernelOptions, gated: bool = False) -> tuple[Activations, torch.Tensor]:
+    """`add_rms_norm` before the projection `layer` (gate/up with SiLU·mul when `gated`): where that
+    projection would quantize its x first, the norm's kernel writes the e4m3 rows too (one launch a
+    projection fewer: batch 64's FP8 step has 56 of them)."""
+    if not takes_e4m3_rows(x, layer, kernels, gated):
+        return add_rms_norm(x, weight, eps, delta)
+    out, e4m3 = _fused.add_rms_norm(x, weight, eps, delta, quantize=True)
+    assert e4m3 is not None
+    return NormedRows(out, e4m3), x
 
 
 def _static_x(layer: Linear) -> bool:
@@ -91,12 +134,13 @@ def _kernel_operands(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torc
     return fake_quantize(x, layer.input_scale), layer.weight_scale
 
 
-def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
+def linear(x: Activations, layer: Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,
     by the skinny matmul's store where it runs (no conversion kernel). FP8 layers: the skinny matmul
     at decode sizes (on CUDA cores at 1-2 rows, `engine.kernels.gemv_vector`; MMA tiles to 64),
     `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
+    x, x_e4m3 = _unpack(x)
     if kernels.skinny_gemv and _fast(x) and (vector := _gemv_vector.config_for(x, layer.weight)) is not None:
         x, scale = _kernel_operands(x, layer)
         assert scale is not None
@@ -104,7 +148,7 @@ def linear(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
         x, scale = _kernel_operands(x, layer)
         return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale,
-                          cfg=_gemv.config_for(layer.weight, x.shape[0], _static_x(layer)))
+                          cfg=_gemv.config_for(layer.weight, x.shape[0], _static_x(layer)), x_e4m3=x_e4m3)
     if isinstance(layer, Fp8Linear) and scaled_mm_supports(x, layer):
         out = scaled_matmul(x, layer)
     elif isinstance(layer, Fp8Linear):
@@ -132,8 +176,9 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     return logits, torch.argmax(logits, dim=-1, out=tokens)
 
 
-def gate_up_silu(x: torch.Tensor, layer: Linear, kernels: KernelOptions) -> torch.Tensor:
+def gate_up_silu(x: Activations, layer: Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
+    x, x_e4m3 = _unpack(x)
     if (kernels.fused_gate_up and not isinstance(layer, Fp8Linear) and _gate_up is not None and _fast(x)
             and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
             and _gate_up.supports(x, layer.weight)):
@@ -147,15 +192,16 @@ def gate_up_silu(x: torch.Tensor, layer: Linear, kernels: KernelOptions) -> torc
             and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
         x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue
         cfg = _gemv.gated_config_for(layer.weight, x.shape[0], _static_x(layer))
-        return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=cfg)
+        return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=cfg, x_e4m3=x_e4m3)
     return silu_mul(linear(x, layer, kernels))
 
 
-def mlp(x: torch.Tensor, gate_up: Linear, down: Linear, kernels: KernelOptions) -> torch.Tensor:
+def mlp(x: Activations, gate_up: Linear, down: Linear, kernels: KernelOptions) -> torch.Tensor:
     """down(SiLU(x W_gate^T) * (x W_up^T)). An FP8 prefill (both projections on FP8 tensor cores, x
     quantized per token) computes SiLU·mul and the down projection's quantization in one kernel:
     the layer's largest activation is written once, in e4m3, not in 16 bits and then again."""
-    if (_fp8_quant is not None and _fast(x) and x.shape[0] > _gemv.WIDE_ROWS and isinstance(gate_up, Fp8Linear)
+    if (isinstance(x, torch.Tensor) and _fp8_quant is not None and _fast(x) and x.shape[0] > _gemv.WIDE_ROWS
+            and isinstance(gate_up, Fp8Linear)
             and isinstance(down, Fp8Linear) and down.input_scale is None and scaled_mm_supports(x, down)
             and down.in_features <= _fp8_quant.MAX_FUSED_INTER):
         xq, x_scale = _fp8_quant.silu_mul_quantize_rows(linear(x, gate_up, kernels))

@@ -124,6 +124,7 @@ def _as_float(pool):  # type: ignore[no-untyped-def]
 def test_fused_ops_match_pytorch() -> None:
     from engine import ops
     from engine.kernels import fused
+    from engine.kernels.fp8_quant import quantize_rows
     from engine.model.decoder import RotaryTable
 
     torch.manual_seed(1)
@@ -134,9 +135,14 @@ def test_fused_ops_match_pytorch() -> None:
     ref_x = x.cpu() + d.cpu()
     ref, _ = ops.add_rms_norm(x.cpu(), w.cpu(), 1e-6, d.cpu())
     x_dev = x.clone()
-    out = fused.add_rms_norm(x_dev, w, 1e-6, d)
-    assert torch.equal(x_dev.cpu(), ref_x)
+    out, none = fused.add_rms_norm(x_dev, w, 1e-6, d)
+    assert none is None and torch.equal(x_dev.cpu(), ref_x)
     assert rel_err(out.cpu(), ref) < 1e-2
+    x_again = x.clone()  # the norm before a W8A8 projection: its output and that output's e4m3 rows
+    out_again, e4m3 = fused.add_rms_norm(x_again, w, 1e-6, d, quantize=True)
+    want_q, want_scale = quantize_rows(out)
+    assert e4m3 is not None and torch.equal(out_again, out) and torch.equal(x_again, x_dev)
+    assert torch.equal(e4m3[1], want_scale) and torch.equal(e4m3[0].view(torch.uint8), want_q.view(torch.uint8))
     gu = torch.randn(37, 2 * 1000, dtype=torch.bfloat16, device=dev)
     assert rel_err(fused.silu_mul(gu).cpu(), ops.silu_mul(gu.cpu())) < 1e-2
     rope = RotaryTable(128, 1e6, 4096)

@@ -253,20 +253,49 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> Non
     assert err < 0.25
 
 
-def test_per_token_quantization_kernel_is_the_pytorch_one() -> None:
-    """The prefill's activation quantization (one kernel) against the same steps in PyTorch: equal
-    scales, values within one e4m3 rounding, an all-zero row kept finite."""
+@pytest.mark.parametrize("columns", [18944, 40000])  # a row held whole; one past MAX_WHOLE_ROW, in two passes
+def test_per_token_quantization_kernel_is_the_pytorch_one(columns: int) -> None:
+    """The activation quantization (one kernel) against the same steps in PyTorch: equal scales,
+    values within one e4m3 rounding, an all-zero row kept finite."""
     from engine.fp8 import FP8, FP8_MAX
-    from engine.kernels.fp8_quant import quantize_rows
+    from engine.kernels.fp8_quant import MAX_WHOLE_ROW, quantize_rows
 
-    x = torch.randn(300, 18944, dtype=torch.bfloat16, device="cuda") * torch.rand(300, 1, device="cuda").bfloat16()
+    assert (columns > MAX_WHOLE_ROW) == (columns == 40000)
+    x = torch.randn(300, columns, dtype=torch.bfloat16, device="cuda") * torch.rand(300, 1, device="cuda").bfloat16()
     x[7] = 0
     q, scale = quantize_rows(x)
     want_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     assert q.dtype == FP8 and torch.allclose(scale, want_scale, rtol=1e-6, atol=0)
     want = (x.float() / want_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
     assert (q.float() != want).float().mean() < 1e-3 and rel_err(q.float() * scale, x.float()) < 4e-2
-    assert torch.equal(q[7].float(), torch.zeros(18944, device="cuda"))
+    assert torch.equal(q[7].float(), torch.zeros(columns, device="cuda"))
+
+
+@pytest.mark.parametrize("rows", [16, 20, 64, 65])
+def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
+    """At 17-64 rows the norm before qkv and before gate/up writes its output's e4m3 rows (the bits
+    `quantize_rows` writes), and the W8A8 tile takes them: each projection's output is the same bits
+    as after the plain norm. Outside those rows the norm writes none."""
+    from engine import ops
+    from engine.fp8 import Fp8Linear, quantize_per_channel
+
+    dev = torch.device("cuda")
+    qkv, gate_up = (Fp8Linear(512, n, bias=bias, dtype=torch.bfloat16, device=dev, keep_fp8=True, static_input=False)
+                    for n, bias in ((1024, True), (2 * 1024, False)))
+    for layer in (qkv, gate_up):
+        layer.set_rows(slice(None), *quantize_per_channel(torch.randn(layer.weight.shape, device=dev) * 512**-0.5))
+    if qkv.bias is not None:
+        qkv.bias.normal_()
+    x, delta = (torch.randn(rows, 512, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    weight = torch.rand(512, dtype=torch.bfloat16, device=dev) * 2
+    kernels = ops.ALL_KERNELS
+    for layer, gated in ((qkv, False), (gate_up, True)):
+        project = ops.gate_up_silu if gated else ops.linear
+        plain, x_plain = ops.add_rms_norm(x.clone(), weight, 1e-6, delta)
+        fed, x_fed = ops.norm_feeding(x.clone(), weight, 1e-6, delta, layer, kernels, gated)
+        assert isinstance(fed, ops.NormedRows) == (16 < rows <= 64), rows
+        assert torch.equal(x_fed, x_plain)
+        assert torch.equal(project(fed, layer, kernels), project(plain, layer, kernels)), (rows, gated)
 
 
 def test_silu_mul_quantization_is_silu_mul_then_quantization() -> None:

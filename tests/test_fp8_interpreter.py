@@ -1,7 +1,8 @@
 """The FP8 paths of our Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1),
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
-argmax; its MMA tiles and its CUDA-core one), SiLU·mul with its per-token quantization (against the two kernels in
-turn), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
+argmax; its MMA tiles and its CUDA-core one), SiLU·mul with its per-token quantization (against
+the two kernels in turn), the norm that writes its output's e4m3 rows (against the norm, then the
+quantization), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
 installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
 The interpreter computes in NumPy, which has no bfloat16, so activations are float16 (the matmul)
@@ -102,6 +103,22 @@ def check_silu_mul_quantize() -> None:
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def check_norm_quantize() -> None:
+    """The norm that writes its output's e4m3 rows: the output unchanged, the rows `quantize_rows`' bits."""
+    from engine.kernels.fp8_quant import quantize_rows
+    from engine.kernels.fused import add_rms_norm
+
+    torch.manual_seed(3)
+    x, delta = torch.randn(20, 384, dtype=torch.float16), torch.randn(20, 384, dtype=torch.float16)
+    weight = torch.rand(384, dtype=torch.float16) * 4
+    x_again = x.clone()
+    want, none = add_rms_norm(x, weight, 1e-6, delta)
+    out, e4m3 = add_rms_norm(x_again, weight, 1e-6, delta, quantize=True)
+    assert none is None and e4m3 is not None and torch.equal(out, want) and torch.equal(x_again, x)
+    want_q, want_scale = quantize_rows(want)  # the interpreter's e4m3 cast on both sides
+    assert torch.equal(e4m3[1], want_scale) and torch.equal(e4m3[0].view(torch.uint8), want_q.view(torch.uint8))
+
+
 def check_paged_decode() -> None:
     from engine.kernels.paged_decode import DecodeTile, paged_decode_attention
 
@@ -125,5 +142,6 @@ if __name__ == "__main__":
     check_gemv()
     check_gemv_vector()
     check_silu_mul_quantize()
+    check_norm_quantize()
     check_paged_decode()
     print("fp8 kernels ok")

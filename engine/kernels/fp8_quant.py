@@ -1,7 +1,8 @@
-"""Per-token FP8 quantization of a prefill's activations for `torch._scaled_mm`: each row scaled so
-its largest magnitude is e4m3's largest, in one kernel that reads x once (its second pass over the
-row comes from L2) and writes the e4m3 rows and a float32 scale a row. The same in PyTorch ops is
-about six passes over a float32 copy: at a 32k-token prefill's MLP input, milliseconds a layer.
+"""Per-token FP8 quantization of activations for `torch._scaled_mm` and the skinny matmul's W8A8
+tiles: each row scaled so its largest magnitude is e4m3's largest, in one kernel that reads x once
+(a row of up to 32k columns held in registers) and writes the e4m3 rows and a float32 scale a
+row. The same in PyTorch ops is about six passes over a float32 copy: at a 32k-token prefill's
+MLP input, milliseconds a layer.
 `silu_mul_quantize_rows` does the same for the down projection's input straight from the gate/up
 projection's output, so SiLU·mul's 16-bit result is never written and read back."""
 
@@ -10,30 +11,41 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.fused import silu_mul_rounded
+from engine.kernels import launch
+from engine.kernels.fused import FLOAT32_TINY, FP8_MAX, silu_mul_rounded, store_e4m3_row
 
-BLOCK = 1024
-FP8_MAX = 448.0
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: an all-zero row's scale
+BLOCK = 1024  # a loop step over rows longer than MAX_WHOLE_ROW
+MAX_WHOLE_ROW = 32768  # up to this many columns a row is held whole, 32 values a thread (32 warps at most)
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                          TINY: tl.constexpr):
+def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+                          FP8_MAX: tl.constexpr, TINY: tl.constexpr, PDL: tl.constexpr):
+    """A row a program. WHOLE_ROW: the row is read once into registers (BLOCK covers it); else two
+    passes of BLOCK steps, the second meant to come from L2."""
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(X + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
-    tl.store(SCALE + row, scale)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + offs < K
-        x = tl.load(X + row * s_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(Q + row * s_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
+    if WHOLE_ROW:
+        mask = offs < K
+        x = tl.load(X + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+        store_e4m3_row(x, Q + row * s_q + offs, SCALE + row, mask, FP8_MAX, TINY)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(X + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
+        tl.store(SCALE + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + offs < K
+            x = tl.load(X + row * s_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            tl.store(Q + row * s_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,12 +55,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FP8_MAX=FP8_MAX,
-                                    TINY=FLOAT32_TINY, num_warps=4)
+        whole = k <= MAX_WHOLE_ROW
+        block = triton.next_power_of_2(k) if whole else BLOCK
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, WHOLE_ROW=whole,
+                                    FP8_MAX=FP8_MAX, TINY=FLOAT32_TINY, num_warps=_whole_row_warps(block),
+                                    **launch.options())
     return q, scale
 
 
-MAX_FUSED_INTER = 32768  # `silu_mul_quantize_rows` holds a whole row in registers: 32 warps, 32 values a thread
+def _whole_row_warps(block: int) -> int:
+    """32 values a thread, 4 to 32 warps."""
+    return max(4, min(32, block // 1024))
+
+
+MAX_FUSED_INTER = MAX_WHOLE_ROW  # `silu_mul_quantize_rows` holds a whole row in registers
 
 
 @triton.jit
@@ -63,11 +83,7 @@ def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8
     mask = offs < INTER
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
-    h = silu_mul_rounded(g, u).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, TINY)
-    tl.store(SCALE + row, scale)
-    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
-    tl.store(Q + row * s_q + offs, q.to(Q.dtype.element_ty), mask=mask)
+    store_e4m3_row(silu_mul_rounded(g, u).to(tl.float32), Q + row * s_q + offs, SCALE + row, mask, FP8_MAX, TINY)
 
 
 def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,5 +97,5 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if m:
         block = triton.next_power_of_2(inter)
         _silu_mul_quantize_kernel[(m,)](gate_up, q, scale, inter, q.stride(0), BLOCK=block, FP8_MAX=FP8_MAX,
-                                        TINY=FLOAT32_TINY, num_warps=max(4, min(32, block // 1024)))
+                                        TINY=FLOAT32_TINY, num_warps=_whole_row_warps(block))
     return q, scale

@@ -11,10 +11,23 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 
+FP8_MAX = 448.0  # e4m3's largest magnitude: each row quantized to e4m3 is scaled so its own largest is this
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: an all-zero row's scale
+
 
 @triton.jit
-def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+def store_e4m3_row(h, Q, SCALE, mask, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """One row's float32 values `h` (masked lanes zero) to e4m3 at Q, scaled so the row's largest
+    magnitude is FP8_MAX, and that scale (float32) at SCALE: every per-token quantization's bits."""
+    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, TINY)
+    tl.store(SCALE, scale)
+    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+    tl.store(Q, q.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, DELTA, W, OUT, Q, SCALE, N, eps, HAS_DELTA: tl.constexpr, QUANTIZE: tl.constexpr,
+                         BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, PDL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(W + offs, mask=mask, other=0.0)  # a weight no kernel writes: loaded while the one before drains
@@ -29,17 +42,27 @@ def _add_rms_norm_kernel(X, DELTA, W, OUT, N, eps, HAS_DELTA: tl.constexpr, BLOC
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    tl.store(OUT + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    tl.store(OUT + row * N + offs, out, mask=mask)
+    if QUANTIZE:  # the rounded output's e4m3 row too, as `fp8_quant.quantize_rows` would write it
+        store_e4m3_row(out.to(tl.float32), Q + row * N + offs, SCALE + row, mask, FP8_MAX, TINY)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None) -> torch.Tensor:
-    """x [T, N] (updated in place to x + delta when delta is given); returns rms_norm(x) * weight."""
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                 quantize: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """x [T, N] (updated in place to x + delta when delta is given) -> (rms_norm(x) * weight, None);
+    with `quantize`, the second is that output's `fp8_quant.quantize_rows` (e4m3 [T, N], float32
+    scales [T, 1]), the same bits, from the same kernel: the x of a W8A8 projection that follows."""
     rows, n = x.shape
     out = torch.empty_like(x)
-    _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, n, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
-                                  **launch.options())
-    return out
+    q = scale = out
+    if quantize:
+        q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, q, scale, n, eps,
+                                  HAS_DELTA=delta is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
+                                  FP8_MAX=FP8_MAX, TINY=FLOAT32_TINY, num_warps=8, **launch.options())
+    return out, ((q, scale) if quantize else None)
 
 
 @triton.jit

@@ -21,8 +21,9 @@ x to e4m3 with one scale a row (largest magnitude to 448, as `fp8_quant.quantize
 runs on FP8 tensor cores with no conversion of the weights, and both scales multiply the sums (W8A8,
 as `torch._scaled_mm` with row-wise scales). At 1-16 rows each program quantizes x itself (a pass
 over x for the rows' largest magnitudes, then each tile as it is read): one launch, and a row's
-result still independent of the others; at 17-64 rows a kernel quantizes x first, since 64 rows of
-x read by every program would cost more than the weights.
+result still independent of the others; at 17-64 rows x comes quantized (by `fp8_quant.quantize_rows`,
+or given as `x_e4m3` by the norm before the projection, `fused.add_rms_norm`), since 64 rows of x
+read by every program would cost more than the weights.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import fp8_quant, launch
+from engine.kernels import fp8_quant, fused, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
 from engine.kernels.fused import silu_mul_rounded
 
@@ -47,8 +48,8 @@ X_E4M3 = tl.constexpr(1)
 X_QUANTIZE = tl.constexpr(2)
 X_F16 = tl.constexpr(3)
 F16_SAFE = tl.constexpr(32768.0)  # a tile's x is halved until its largest magnitude is at most this
-FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # quantized as `quantize_rows` quantizes
-FLOAT32_TINY = tl.constexpr(fp8_quant.FLOAT32_TINY)
+FP8_MAX = tl.constexpr(fused.FP8_MAX)  # quantized as `quantize_rows` quantizes
+FLOAT32_TINY = tl.constexpr(fused.FLOAT32_TINY)
 ROUND_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the model dtype as the kernels round to it
 
 
@@ -247,16 +248,20 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
 
 
+E4m3Rows = tuple[torch.Tensor, torch.Tensor]  # x's e4m3 rows [M, K] and float32 scales [M, 1], as `quantize_rows`'
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype, or stored as
     `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows 1-16 run
     in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class.
-    An e4m3 weight comes with `scale` [N] (float32), one per output row."""
+    An e4m3 weight comes with `scale` [N] (float32), one per output row; `x_e4m3`, x's rows already
+    quantized, where the tile quantizes x first (17-64 rows)."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
-    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale)[0]
+    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale, x_e4m3=x_e4m3)[0]
 
 
 def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -275,12 +280,12 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | 
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None,
-              scale: torch.Tensor | None = None) -> torch.Tensor:
+              scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for weight [2I, K] = [gate; up] -> [M, I], with the same rounding
     as `gemv` followed by SiLU·mul: each program streams a strip of gate rows and the matching up rows."""
     cfg = cfg or gated_config_for(weight, x.shape[0])
     assert cfg is not None, f"no gated tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    return _launch(x, weight, None, cfg, gated=True, scale=scale)[0]
+    return _launch(x, weight, None, cfg, gated=True, scale=scale, x_e4m3=x_e4m3)[0]
 
 
 def gated_config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
@@ -294,7 +299,8 @@ def gated_config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             gated: bool, out_dtype: torch.dtype | None = None,
             argmax: bool = False, tokens: torch.Tensor | None = None,
-            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            scale: torch.Tensor | None = None,
+            x_e4m3: E4m3Rows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "e4m3 weights come with their row scales"
     assert scale is None or (scale.dtype == torch.float32 and scale.shape == (weight.shape[0],))
@@ -325,7 +331,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     if cfg.quantize_x:
         x_mode = X_QUANTIZE if m <= MAX_ROWS else X_E4M3
         if x_mode == X_E4M3:
-            x_in, x_scale = fp8_quant.quantize_rows(x)
+            x_in, x_scale = x_e4m3 if x_e4m3 is not None else fp8_quant.quantize_rows(x)
+    assert x_e4m3 is None or x_mode == X_E4M3, "e4m3 rows are taken where the tile quantizes x first (17-64 rows)"
     _gemv_kernel[(strips, cfg.split_k)](
         x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
         partial, counts, best, best_col, m, n, k,

@@ -32,6 +32,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.add_rms_norm(x, self.weight, self.eps, delta)
 
+    def feeding(self, layer: ops.Linear, x: torch.Tensor, delta: torch.Tensor | None, kernels: ops.KernelOptions,
+                gated: bool = False) -> tuple[ops.Activations, torch.Tensor]:
+        """The norm before the projection `layer`, its output's e4m3 rows written too where that
+        projection takes them (`ops.norm_feeding`)."""
+        return ops.norm_feeding(x, self.weight, self.eps, delta, layer, kernels, gated)
+
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
     """Llama 3's scaling: long wavelengths slowed by `factor`, short ones kept, the band between
@@ -91,8 +97,8 @@ class DecoderLayer(nn.Module):
         """Returns (residual stream, this layer's MLP output still to be added to it). With
         `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
         goes on through attention and the MLP: no later layer reads the other rows."""
-        h, x = self.input_norm(x, delta)
         kernels = self.kernels
+        h, x = self.input_norm.feeding(self.qkv, x, delta, kernels)
         qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
@@ -101,7 +107,8 @@ class DecoderLayer(nn.Module):
                                     self.num_kv_heads, self.head_dim)
         else:
             attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
-        h, x = self.post_norm(x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels))
+        h, x = self.post_norm.feeding(self.gate_up, x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels),
+                                      kernels, gated=True)
         return x, ops.mlp(h, self.gate_up, self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
