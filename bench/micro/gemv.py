@@ -72,9 +72,6 @@ def main() -> None:
                    help="with --fp8 and --sweep: tiles with bf16 activations (no), e4m3 ones (yes), or both")
     p.add_argument("--f16-mma", nargs="+", choices=["no", "yes"], default=["no"],
                    help="with --fp8 and --sweep: tiles whose products are float16 (yes), bf16 (no), or both")
-    p.add_argument("--tma", nargs="+", choices=["no", "yes"], default=["no"],
-                   help="with --fp8, --sweep and --quantize-x yes: 64-row tiles loading x and the weights by "
-                        "Hopper's bulk tensor copy (yes), by pointers (no), or both")
     p.add_argument("--columns", type=int, nargs="+", default=None,
                    help="output columns to measure each shape at instead of its own (how the count of programs "
                         "against the 132 SMs moves the rate; gated gate_up: both halves)")
@@ -97,15 +94,13 @@ def main() -> None:
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     x_modes = [q == "yes" for q in args.quantize_x] if args.fp8 else [False]
     f16 = [f == "yes" for f in args.f16_mma] if args.fp8 else [False]
-    tma = [t == "yes" for t in args.tma] if args.fp8 else [False]
-    # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6];
-    # the bulk-copy loads (c[7]) are for the 64-row W8A8 tile
+    # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6]
     narrow = [GemvConfig(*c) for c in  # the 16-row tile's candidates
               itertools.product(args.narrow_block_n, args.narrow_block_k, args.narrow_warps, args.narrow_stages,
                                 args.narrow_splits, x_modes, f16) if not (c[5] and c[6])]
     wide = [GemvConfig(*c) for c in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
-                              args.wide_splits, x_modes, f16, tma) if not (c[5] and c[6]) and (c[5] or not c[7])]
+                              args.wide_splits, x_modes, f16) if not (c[5] and c[6])]
     rows_out = []
     sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
     measured = [(shape, columns) for shape in args.shapes for columns in (args.columns or [SHAPES[shape][0]])]

@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine.kernels import fp8_quant, fused, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
@@ -63,7 +62,6 @@ class GemvConfig:
     split_k: int = 1  # programs along K per column strip
     quantize_x: bool = False  # e4m3 weights: x to e4m3 per row too, for FP8 tensor cores (W8A8)
     f16_mma: bool = False  # e4m3 weights, 16-bit x: the products in float16 (`_gemv_kernel`'s X_F16)
-    tma: bool = False  # e4m3 x taken quantized (17-64 rows, W8A8): x and weight tiles by Hopper's bulk tensor copy
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -141,43 +139,9 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
 
 
 @triton.jit
-def _pointer_k_loop(X, W, acc, acc_up, x_scale, offs_m, offs_n, offs_k, m_ok, n_ok, k_begin, k_end, N, K, s_xm, s_wn,
-                    GATED: tl.constexpr, X_MODE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_gemv_kernel`'s K loop over pointers: (acc, acc_up, x_scale), the row scales found here for X_QUANTIZE."""
-    x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    if X_MODE == X_QUANTIZE:  # each row's largest magnitude over the whole of K (x is small and in L2)
-        amax = tl.zeros_like(x_scale)
-        for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)),
-                                           axis=1))
-        x_scale = tl.maximum(amax / FP8_MAX, FLOAT32_TINY)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        if X_MODE == X_QUANTIZE:
-            x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        if X_MODE == X_F16:
-            big = tl.max(tl.abs(x.to(tl.float32)), axis=1)
-            pow2 = tl.exp2(tl.maximum(tl.ceil(tl.log2(big / F16_SAFE)), 0.0))  # 1 unless the row passes F16_SAFE
-            x16 = (x.to(tl.float32) / pow2[:, None]).to(tl.float16)
-            acc += tl.dot(x16, tl.trans(w.to(tl.float16))) * pow2[:, None]
-            if GATED:
-                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-                acc_up += tl.dot(x16, tl.trans(w_up.to(tl.float16))) * pow2[:, None]
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
-            if GATED:
-                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0,
-                               eviction_policy="evict_first")
-                acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
-    return acc, acc_up, x_scale
-
-
-@triton.jit
 def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr, TMA: tl.constexpr,
+                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
@@ -199,20 +163,38 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
     k_steps = K // BLOCK_K
     k_begin = (split * k_steps // SPLIT_K) * BLOCK_K
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
+    x_ptrs = X + offs_m[:, None] * s_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     x_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
     if X_MODE == X_E4M3:
         x_scale = tl.load(X_SCALE + offs_m, mask=m_ok, other=1.0)
+    if X_MODE == X_QUANTIZE:  # each row's largest magnitude over the whole of K (x is small and in L2)
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)),
+                                           axis=1))
+        x_scale = tl.maximum(amax / FP8_MAX, FLOAT32_TINY)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
-    if TMA:  # X and W are tensor descriptors (e4m3 x, W8A8): a tile is one bulk copy, rows past M or 2N zeros
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            x = X.load([0, k0])
-            acc = tl.dot(x, tl.trans(W.load([strip * BLOCK_N, k0])), acc)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        if X_MODE == X_QUANTIZE:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        if X_MODE == X_F16:
+            big = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+            pow2 = tl.exp2(tl.maximum(tl.ceil(tl.log2(big / F16_SAFE)), 0.0))  # 1 unless the row passes F16_SAFE
+            x16 = (x.to(tl.float32) / pow2[:, None]).to(tl.float16)
+            acc += tl.dot(x16, tl.trans(w.to(tl.float16))) * pow2[:, None]
             if GATED:
-                acc_up = tl.dot(x, tl.trans(W.load([N + strip * BLOCK_N, k0])), acc_up)
-    else:
-        acc, acc_up, x_scale = _pointer_k_loop(X, W, acc, acc_up, x_scale, offs_m, offs_n, offs_k, m_ok, n_ok,
-                                               k_begin, k_end, N, K, s_xm, s_wn, GATED, X_MODE, BLOCK_K)
+                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                acc_up += tl.dot(x16, tl.trans(w_up.to(tl.float16))) * pow2[:, None]
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # 16-bit x: FP8 weights converted in registers
+            if GATED:
+                w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0,
+                               eviction_policy="evict_first")
+                acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), acc_up)
     if PDL:
         gdc_launch_dependents()
     last = True
@@ -351,18 +333,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         if x_mode == X_E4M3:
             x_in, x_scale = x_e4m3 if x_e4m3 is not None else fp8_quant.quantize_rows(x)
     assert x_e4m3 is None or x_mode == X_E4M3, "e4m3 rows are taken where the tile quantizes x first (17-64 rows)"
-    x_arg: torch.Tensor | TensorDescriptor = x_in
-    w_arg: torch.Tensor | TensorDescriptor = weight
-    if cfg.tma:
-        assert x_mode == X_E4M3, "the bulk-copy tile is the 64-row W8A8 one"
-        x_arg = TensorDescriptor.from_tensor(x_in, [block_m, cfg.block_k])
-        w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     _gemv_kernel[(strips, cfg.split_k)](
-        x_arg, x_scale, w_arg, scale if scale is not None else out, bias if bias is not None else weight, out,
+        x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
         partial, counts, best, best_col, m, n, k,
         x_in.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
-        X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype], TMA=cfg.tma,
+        X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch.options())
