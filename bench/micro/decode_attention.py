@@ -11,8 +11,9 @@ a step with one long history among short ones, where the layer lasts as long as 
 programs. Recorded as `attention-long-history-*.json`, those rows price that part of the step in
 the simulator (planner.fits.fit_long_history).
 
-`--kv-dtype fp8` reads an e4m3 pool (one byte a value, the floor halved); `--block-n`, `--stages`
-and `--warps` sweep the kernel's tile (`DecodeTile`), the one the engine picks for the dtype marked."""
+`--kv-dtype fp8` reads an e4m3 pool (one byte a value, the floor halved); `--block-n`, `--stages`,
+`--warps` and `--max-registers` sweep the kernel's tile (`DecodeTile`), the one the engine picks for
+the dtype marked."""
 
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ def main() -> None:
     p.add_argument("--block-n", type=int, nargs="+", default=None, help="context tokens a step (default: the engine's)")
     p.add_argument("--stages", type=int, nargs="+", default=None, help="pipeline stages (default: the engine's)")
     p.add_argument("--warps", type=int, nargs="+", default=None, help="warps a program (default: the engine's)")
+    p.add_argument("--max-registers", type=int, nargs="+", default=None,
+                   help="registers a thread at most, 0 for the compiler's choice (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     engine_tile = decode_tile(kv_dtype)
-    tiles = [DecodeTile(n, st, w) for n in args.block_n or [engine_tile.block_n]
-             for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]]
+    tiles = [DecodeTile(n, st, w, r or None) for n in args.block_n or [engine_tile.block_n]
+             for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]
+             for r in args.max_registers or [engine_tile.max_registers]]
     width = kv_dtype.itemsize
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
@@ -72,14 +76,14 @@ def main() -> None:
                     us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
                                    for kv in layers])
                     ours = splits == chosen and tile == engine_tile
-                    shape = f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w"
+                    shape = f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
                     print(f"ctx {ctx:>6} batch {batch:>3} tile {shape} splits {splits:>3}: "
                           f"{us:8.1f} us  floor {floor_us:7.1f} ({floor_us / us:4.0%}){' <- engine' if ours else ''}",
                           flush=True)
                     rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
                                  "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
                                  "block_n": tile.block_n, "num_stages": tile.num_stages,
-                                 "num_warps": tile.num_warps})
+                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers})
             del layers
             torch.cuda.empty_cache()
     if args.json:

@@ -26,12 +26,14 @@ from engine.kernels import launch
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Context tokens per inner step, the loads a program keeps in flight (`num_stages` - 1), and
-    its warps."""
+    """Context tokens per inner step, the loads a program keeps in flight (`num_stages` - 1), its
+    warps, and a cap on its registers a thread (None: the compiler's choice), which sets how many
+    programs an SM holds."""
 
     block_n: int = 64
     num_stages: int = 2
     num_warps: int = 4
+    max_registers: int | None = None
 
 
 # per pool dtype: an e4m3 tile of 64 tokens holds half the bytes of a 16-bit one, so half as many are
@@ -236,7 +238,8 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
         F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch.options())
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **({"maxnreg": tile.max_registers} if tile.max_registers else {}), **launch.options())
     if splits > 1:
         _merge_kernel[(batch, heads)](
             partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,
