@@ -11,17 +11,22 @@ from tests.conftest import rel_err
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-def test_paged_decode_kernel_matches_gather() -> None:
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_paged_decode_kernel_matches_gather(kv_dtype: str) -> None:
+    """The paged kernel against the gather path at every split count, at batches on both sides of
+    CAPPED_FROM_BATCH (its tiles with fewer registers a thread from there on)."""
     from engine.attention import DecodeMeta, gather_decode_attention
-    from engine.kernels.paged_decode import paged_decode_attention
+    from engine.kernels.paged_decode import CAPPED_FROM_BATCH, paged_decode_attention
     from engine.kv_cache import KVLayout, KVPool
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    layout = KVLayout("m", "bfloat16", 1, 4, 128, 16)
+    layout = KVLayout("m", kv_dtype, 1, 4, 128, 16)
     pool = KVPool(layout, 16384, dev, reserved_blocks=1)
-    pool.layers[0].normal_()
-    for batch in (1, 3, 17, 64):
+    layer = pool.layers[0]
+    layer.copy_(torch.randn(layer.shape, device=dev).to(layer.dtype))
+    assert 17 < CAPPED_FROM_BATCH <= 40
+    for batch in (1, 3, 17, 40, 64):
         lens = torch.randint(1, 3000, (batch,), dtype=torch.int32)
         tables = torch.zeros(batch, 200, dtype=torch.int32)
         owned = []

@@ -45,10 +45,6 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
-    engine_tile = decode_tile(kv_dtype)
-    tiles = [DecodeTile(n, st, w, r or None) for n in args.block_n or [engine_tile.block_n]
-             for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]
-             for r in args.max_registers or [engine_tile.max_registers]]
     width = kv_dtype.itemsize
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
@@ -71,6 +67,10 @@ def main() -> None:
             floor_us = tokens * 2 * KV_HEADS * HEAD_DIM * width / (hbm * 1e9) * 1e6
             chosen = num_splits_for(batch, KV_HEADS)
             long = {"long_context": longest} if args.long_context else {}
+            engine_tile = decode_tile(kv_dtype, batch)
+            tiles = [DecodeTile(n, st, w, r or None) for n in args.block_n or [engine_tile.block_n]
+                     for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]
+                     for r in args.max_registers or [engine_tile.max_registers]]
             for tile in tiles:
                 for splits in args.splits:
                     us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)

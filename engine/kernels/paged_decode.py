@@ -41,8 +41,19 @@ class DecodeTile:
 # H200 (bench/results/decode-attention-fp8-tiles-h200.json; bf16's 64-token tile: 43.8 us)
 DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(128, 3)}
 
+# From batch 32 on, tiles capped at 128 registers a thread. Uncapped, the e4m3 tile's program holds
+# 207 (ncu), so two programs (8 warps) share an SM. Capped, four fit, and a layer at batch 64 and a 1k
+# context takes 33.7 us where it took 36.8 (64 tokens a step, e4m3), 39.3 where 40.8 (bf16); at batch
+# 32, 20.6 against 23.6 and 24.9 against 25.2 (bench/results/decode-attention-registers-h200.json).
+# At batches 1-8 the cap was slower (e4m3: 5.8-8.8 -> 6.8-11.7 us), its programs being few anyway.
+CAPPED_FROM_BATCH = 32
+CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 4, max_registers=128),
+                                               torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
 
-def decode_tile(kv_dtype: torch.dtype) -> DecodeTile:
+
+def decode_tile(kv_dtype: torch.dtype, batch: int = 1) -> DecodeTile:
+    if batch >= CAPPED_FROM_BATCH and kv_dtype in CAPPED_TILES:
+        return CAPPED_TILES[kv_dtype]
     return DECODE_TILES.get(kv_dtype, DecodeTile())
 
 
@@ -212,7 +223,7 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
             table_stride: torch.Tensor | None, splits: int | None, tile: DecodeTile | None) -> torch.Tensor:
     batch, dim = q.shape[0], kv_layer.shape[3]
-    tile = tile or decode_tile(kv_layer.dtype)
+    tile = tile or decode_tile(kv_layer.dtype, batch)
     kv_heads = kv_layer.shape[2]
     group = heads // kv_heads
     splits = splits or num_splits_for(batch, kv_heads)
