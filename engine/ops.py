@@ -201,9 +201,8 @@ def mlp(x: Activations, gate_up: Linear, down: Linear, kernels: KernelOptions) -
     quantized per token) computes SiLU·mul and the down projection's quantization in one kernel:
     the layer's largest activation is written once, in e4m3, not in 16 bits and then again."""
     if (isinstance(x, torch.Tensor) and _fp8_quant is not None and _fast(x) and x.shape[0] > _gemv.WIDE_ROWS
-            and isinstance(gate_up, Fp8Linear)
-            and isinstance(down, Fp8Linear) and down.input_scale is None and scaled_mm_supports(x, down)
-            and down.in_features <= _fp8_quant.MAX_FUSED_INTER):
+            and isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear) and down.input_scale is None
+            and scaled_mm_supports(x, down) and down.in_features <= _fp8_quant.MAX_FUSED_INTER):
         xq, x_scale = _fp8_quant.silu_mul_quantize_rows(linear(x, gate_up, kernels))
         return scaled_matmul_quantized(xq, x_scale, down, x.dtype)
     return linear(gate_up_silu(x, gate_up, kernels), down, kernels)
