@@ -44,7 +44,7 @@ DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(1
 # From batch 32 on, tiles capped at 128 registers a thread. Uncapped, the e4m3 tile's program holds
 # 207 (ncu), so two programs (8 warps) share an SM. Capped, four fit, and a layer at batch 64 and a 1k
 # context takes 33.7 us where it took 36.8 (64 tokens a step, e4m3), 39.3 where 40.8 (bf16); at batch
-# 32, 20.6 against 23.6 and 24.9 against 25.2 (bench/results/decode-attention-registers-h200.json).
+# 32, 20.6 against 23.6 and 24.9 against 25.2 (bench/results/paged-attention-registers-h200.json).
 # At batches 1-8 the cap was slower (e4m3: 5.8-8.8 -> 6.8-11.7 us), its programs being few anyway.
 CAPPED_FROM_BATCH = 32
 CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 4, max_registers=128),
