@@ -59,6 +59,13 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def write_gpu_rows(path: str | Path, hbm_gbps: float, rows: list[dict[str, Any]]) -> None:
+    """A one-GPU sweep's rows with the run's provenance, the GPU and the HBM copy rate it measured."""
+    write_json(path, {**metadata(), "gpu": torch.cuda.get_device_name(0), "hbm_gbps_measured": round(hbm_gbps, 1),
+                      "rows": rows})
+    print(f"wrote {path}")
+
+
 def time_cuda(fn: Any, iters: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of fn() by CUDA events (each call timed on its own)."""
     for _ in range(warmup):

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
+from bench.common import measure_hbm_gbps, replay_ms, write_gpu_rows
 from engine.kernels.fp8_quant import quantize_rows
 
 CHAIN = 28  # calls a graph replay: one a layer, as a decode step's
@@ -47,9 +47,7 @@ def main() -> None:
             print(f"{rows:>6} {columns:>7} {us:>9.2f} {floor_us:>8.2f} {floor_us / us:>6.0%}", flush=True)
             del graph, x
     if args.json:
-        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(0), "hbm_gbps_measured": round(hbm, 1),
-                               "rows": rows_out})
-        print(f"wrote {args.json}")
+        write_gpu_rows(args.json, hbm, rows_out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from bench.common import measure_hbm_gbps, metadata, time_cuda, write_json
+from bench.common import measure_hbm_gbps, time_cuda, write_gpu_rows
 from engine.attention import attention_rows
 from engine.kernels.fused import rope_and_store
 from engine.model.decoder import RotaryTable
@@ -56,9 +56,7 @@ def main() -> None:
             rows.append({"tokens": tokens, "block_t": block_t, "us": round(us, 1), "gbps": round(gbps, 1)})
             print(f"{tokens:>7} {block_t:>7} {us:>8.1f} {gbps:>7,.0f} {gbps / hbm:>6.0%}", flush=True)
     if args.json:
-        write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(0), "hbm_gbps_measured": round(hbm, 1),
-                               "rows": rows})
-        print(f"wrote {args.json}")
+        write_gpu_rows(args.json, hbm, rows)
 
 
 if __name__ == "__main__":
