@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
-from engine.kernels.fused import FLOAT32_TINY, FP8_MAX, silu_mul_rounded, store_e4m3_row
+from engine.kernels.fused import e4m3_scale, silu_mul_rounded, store_e4m3_row, to_e4m3_range
 
 BLOCK = 1024  # a loop step over rows longer than MAX_WHOLE_ROW
 MAX_WHOLE_ROW = 32768  # up to this many columns a row is held whole, 32 values a thread (32 warps at most)
@@ -22,7 +22,7 @@ MAX_WHOLE_ROW = 32768  # up to this many columns a row is held whole, 32 values 
 
 @triton.jit
 def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
-                          FP8_MAX: tl.constexpr, TINY: tl.constexpr, PDL: tl.constexpr):
+                          PDL: tl.constexpr):
     """A row a program. WHOLE_ROW: the row is read once into registers (BLOCK covers it); else two
     passes of BLOCK steps, the second meant to come from L2."""
     if PDL:  # the kernel before has finished (engine.kernels.launch)
@@ -33,19 +33,18 @@ def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_R
     if WHOLE_ROW:
         mask = offs < K
         x = tl.load(X + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-        store_e4m3_row(x, Q + row * s_q + offs, SCALE + row, mask, FP8_MAX, TINY)
+        store_e4m3_row(x, Q + row * s_q + offs, SCALE + row, mask)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
+        scale = e4m3_scale(tl.max(amax, axis=0))
         tl.store(SCALE + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + offs < K
             x = tl.load(X + row * s_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            tl.store(Q + row * s_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
+            tl.store(Q + row * s_q + k0 + offs, to_e4m3_range(x, scale).to(Q.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +57,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = k <= MAX_WHOLE_ROW
         block = triton.next_power_of_2(k) if whole else BLOCK
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, WHOLE_ROW=whole,
-                                    FP8_MAX=FP8_MAX, TINY=FLOAT32_TINY, num_warps=_whole_row_warps(block),
-                                    **launch.options())
+                                    num_warps=_whole_row_warps(block), **launch.options())
     return q, scale
 
 
@@ -72,8 +70,7 @@ MAX_FUSED_INTER = MAX_WHOLE_ROW  # `silu_mul_quantize_rows` holds a whole row in
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                              TINY: tl.constexpr):
+def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr):
     """One row whole, read once: SiLU(gate) * up as `fused.silu_mul` computes it, its largest
     magnitude, then the e4m3 values. (Two passes, the second meant to come from L2, measured no
     faster than the two kernels: a prefill's thousand rows in flight at 75 KB each are more than L2
@@ -83,7 +80,7 @@ def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr, FP8
     mask = offs < INTER
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
-    store_e4m3_row(silu_mul_rounded(g, u).to(tl.float32), Q + row * s_q + offs, SCALE + row, mask, FP8_MAX, TINY)
+    store_e4m3_row(silu_mul_rounded(g, u).to(tl.float32), Q + row * s_q + offs, SCALE + row, mask)
 
 
 def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +93,6 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     scale = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
     if m:
         block = triton.next_power_of_2(inter)
-        _silu_mul_quantize_kernel[(m,)](gate_up, q, scale, inter, q.stride(0), BLOCK=block, FP8_MAX=FP8_MAX,
-                                        TINY=FLOAT32_TINY, num_warps=_whole_row_warps(block))
+        _silu_mul_quantize_kernel[(m,)](gate_up, q, scale, inter, q.stride(0), BLOCK=block,
+                                        num_warps=_whole_row_warps(block))
     return q, scale

@@ -11,23 +11,34 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 
-FP8_MAX = 448.0  # e4m3's largest magnitude: each row quantized to e4m3 is scaled so its own largest is this
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: an all-zero row's scale
+_E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest magnitude: a quantized row is scaled so its own largest is this
+_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: an all-zero row's scale
 
 
 @triton.jit
-def store_e4m3_row(h, Q, SCALE, mask, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-    """One row's float32 values `h` (masked lanes zero) to e4m3 at Q, scaled so the row's largest
-    magnitude is FP8_MAX, and that scale (float32) at SCALE: every per-token quantization's bits."""
-    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, TINY)
+def e4m3_scale(amax):
+    """A row's float32 scale from its largest magnitude: every per-token quantization's (the
+    kernels here, `fp8_quant`'s and the skinny matmul's)."""
+    return tl.maximum(amax / _E4M3_MAX, _TINY)
+
+
+@triton.jit
+def to_e4m3_range(x, scale):
+    """float32 x over its row's `e4m3_scale`, clamped to e4m3's range, for the cast to e4m3."""
+    return tl.minimum(tl.maximum(x / scale, -_E4M3_MAX), _E4M3_MAX)
+
+
+@triton.jit
+def store_e4m3_row(h, Q, SCALE, mask):
+    """One row's float32 values `h` (masked lanes zero) to e4m3 at Q and its scale (float32) at SCALE."""
+    scale = e4m3_scale(tl.max(tl.abs(h), axis=0))
     tl.store(SCALE, scale)
-    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
-    tl.store(Q, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(Q, to_e4m3_range(h, scale).to(Q.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, OUT, Q, SCALE, N, eps, HAS_DELTA: tl.constexpr, QUANTIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(W + offs, mask=mask, other=0.0)  # a weight no kernel writes: loaded while the one before drains
@@ -45,7 +56,7 @@ def _add_rms_norm_kernel(X, DELTA, W, OUT, Q, SCALE, N, eps, HAS_DELTA: tl.const
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(OUT + row * N + offs, out, mask=mask)
     if QUANTIZE:  # the rounded output's e4m3 row too, as `fp8_quant.quantize_rows` would write it
-        store_e4m3_row(out.to(tl.float32), Q + row * N + offs, SCALE + row, mask, FP8_MAX, TINY)
+        store_e4m3_row(out.to(tl.float32), Q + row * N + offs, SCALE + row, mask)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
@@ -61,7 +72,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, q, scale, n, eps,
                                   HAS_DELTA=delta is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
-                                  FP8_MAX=FP8_MAX, TINY=FLOAT32_TINY, num_warps=8, **launch.options())
+                                  num_warps=8, **launch.options())
     return out, ((q, scale) if quantize else None)
 
 

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels import fp8_quant, fused, launch
+from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
-from engine.kernels.fused import silu_mul_rounded
+from engine.kernels.fused import e4m3_scale, silu_mul_rounded, to_e4m3_range
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -48,8 +48,6 @@ X_E4M3 = tl.constexpr(1)
 X_QUANTIZE = tl.constexpr(2)
 X_F16 = tl.constexpr(3)
 F16_SAFE = tl.constexpr(32768.0)  # a tile's x is halved until its largest magnitude is at most this
-FP8_MAX = tl.constexpr(fused.FP8_MAX)  # quantized as `quantize_rows` quantizes
-FLOAT32_TINY = tl.constexpr(fused.FLOAT32_TINY)
 ROUND_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the model dtype as the kernels round to it
 
 
@@ -173,13 +171,13 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         for k0 in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)),
                                            axis=1))
-        x_scale = tl.maximum(amax / FP8_MAX, FLOAT32_TINY)
+        x_scale = e4m3_scale(amax)  # as `quantize_rows` quantizes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         if X_MODE == X_QUANTIZE:
-            x = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
+            x = to_e4m3_range(x.to(tl.float32), x_scale[:, None]).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         if X_MODE == X_F16:
             big = tl.max(tl.abs(x.to(tl.float32)), axis=1)
