@@ -6,6 +6,7 @@ CPU path matches transformers and the CUDA path matches itself eager or graphed.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,7 @@ Linear = nn.Linear | Fp8Linear
 class NormedRows:
     """A norm's output with its rows in e4m3 (and a float32 scale a row, `quantize_rows`' bits),
     written by the norm for the W8A8 projection after it, which would otherwise quantize them in a
-    kernel of its own (`takes_e4m3_rows`)."""
+    kernel of its own (`plan`'s `takes_e4m3`)."""
 
     x: torch.Tensor
     e4m3: tuple[torch.Tensor, torch.Tensor]
@@ -93,26 +94,60 @@ def _unpack(x: Activations) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Ten
     return (x.x, x.e4m3) if isinstance(x, NormedRows) else (x, None)
 
 
-def takes_e4m3_rows(x: torch.Tensor, layer: Linear, kernels: KernelOptions, gated: bool = False) -> bool:
-    """Whether `linear` (`gate_up_silu` when `gated`) runs `layer` on x's rows quantized to e4m3 by
-    a kernel first: the skinny matmul's W8A8 tile at 17-64 rows, dynamic activation scales."""
-    rows = x.shape[0]
-    if not (kernels.skinny_gemv and _fast(x) and isinstance(layer, Fp8Linear) and layer.input_scale is None
-            and _gemv.MAX_ROWS < rows <= _gemv.WIDE_ROWS and _gemv.supports(x, layer.weight)
-            and _gemv_vector.config_for(x, layer.weight, gated=gated) is None):
-        return False
-    if gated and layer.bias is not None:
-        return False
-    cfg = _gemv.gated_config_for(layer.weight, rows) if gated else _gemv.config_for(layer.weight, rows)
-    return cfg is not None and cfg.quantize_x
+class Route(enum.Enum):
+    """Which kernel runs a projection (`plan`)."""
+
+    FUSED_GATE_UP = "fused_gate_up"  # 16-bit gate/up with SiLU·mul, prefill-sized: the Gluon GEMM
+    VECTOR = "vector"                # e4m3 weights at 1-2 rows: the skinny matmul on CUDA cores
+    SKINNY = "skinny"                # up to 64 rows: the skinny matmul's MMA tiles
+    SCALED_MM = "scaled_mm"          # e4m3 weights above: torch._scaled_mm, W8A8
+    DEQUANTIZED = "dequantized"      # e4m3 weights elsewhere (the CPU): the weight dequantized, then F.linear
+    DENSE = "dense"                  # 16-bit weights elsewhere: F.linear
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How `linear` (`gate_up_silu` when `gated`) runs a layer on x's rows: the route, its tile, whether
+    it takes x's rows quantized to e4m3 by a kernel first (the norm before may write them instead,
+    `norm_feeding`), and whether SiLU·mul is in the kernel's epilogue."""
+
+    route: Route
+    tile: _gemv.GemvConfig | _gemv_vector.VectorConfig | None = None
+    takes_e4m3: bool = False
+    silu_inside: bool = False
+
+
+def plan(x: torch.Tensor, layer: Linear, kernels: KernelOptions, gated: bool = False) -> Plan:
+    """The one place that picks a projection's kernel (`linear`, `gate_up_silu` and `norm_feeding` follow it).
+    `gated`: the [gate; up] layer with SiLU·mul after, which some routes put in their epilogue; the
+    others run as `linear` does and SiLU·mul follows."""
+    rows, fast = x.shape[0], _fast(x)
+    fp8 = isinstance(layer, Fp8Linear)
+    if (gated and kernels.fused_gate_up and not fp8 and _gate_up is not None and fast
+            and rows >= FUSED_GATE_UP_MIN_ROWS and _gate_up.supports(x, layer.weight)):
+        return Plan(Route.FUSED_GATE_UP, silu_inside=True)
+    if kernels.skinny_gemv and fast and not (gated and layer.bias is not None):
+        if (vector := _gemv_vector.config_for(x, layer.weight, gated=gated)) is not None:
+            return Plan(Route.VECTOR, vector, silu_inside=gated)
+        if _gemv.supports(x, layer.weight):
+            tile_for = _gemv.gated_config_for if gated else _gemv.config_for
+            if (tile := tile_for(layer.weight, rows, _static_x(layer))) is not None:
+                # at 17-64 rows a W8A8 tile takes x quantized (at 1-16 each program quantizes its own)
+                return Plan(Route.SKINNY, tile, takes_e4m3=tile.quantize_x and rows > _gemv.MAX_ROWS,
+                            silu_inside=gated)
+    if gated:
+        return plan(x, layer, kernels)
+    if isinstance(layer, Fp8Linear) and scaled_mm_supports(x, layer):
+        return Plan(Route.SCALED_MM, takes_e4m3=layer.input_scale is None and fast)
+    return Plan(Route.DEQUANTIZED if fp8 else Route.DENSE)
 
 
 def norm_feeding(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
                  layer: Linear, kernels: KernelOptions, gated: bool = False) -> tuple[Activations, torch.Tensor]:
     """`add_rms_norm` before the projection `layer` (gate/up with SiLU·mul when `gated`): where that
     projection would quantize its x first, the norm's kernel writes the e4m3 rows too (one launch a
-    projection fewer: batch 64's FP8 step has 56 of them)."""
-    if not takes_e4m3_rows(x, layer, kernels, gated):
+    projection fewer: batch 64's FP8 step has 56 of them, a prefill's 54)."""
+    if not plan(x, layer, kernels, gated).takes_e4m3:
         return add_rms_norm(x, weight, eps, delta)
     out, e4m3 = _fused.add_rms_norm(x, weight, eps, delta, quantize=True)
     assert e4m3 is not None
@@ -137,20 +172,35 @@ def _kernel_operands(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torc
 def linear(x: Activations, layer: Linear, kernels: KernelOptions,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T + b in x's dtype; with `out_dtype` (float32 logits) converted after that rounding,
-    by the skinny matmul's store where it runs (no conversion kernel). FP8 layers: the skinny matmul
-    at decode sizes (on CUDA cores at 1-2 rows, `engine.kernels.gemv_vector`; MMA tiles to 64),
+    by the skinny matmul's store where it runs (no conversion kernel). The kernel is `plan`'s: FP8
+    layers run the skinny matmul at decode sizes (on CUDA cores at 1-2 rows, MMA tiles to 64),
     `torch._scaled_mm` (W8A8) above, the dequantized weight elsewhere."""
     x, x_e4m3 = _unpack(x)
-    if kernels.skinny_gemv and _fast(x) and (vector := _gemv_vector.config_for(x, layer.weight)) is not None:
+    return _run(plan(x, layer, kernels), x, x_e4m3, layer, out_dtype)
+
+
+def _run(p: Plan, x: torch.Tensor, x_e4m3: tuple[torch.Tensor, torch.Tensor] | None, layer: Linear,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The projection by plan `p`; with `p.silu_inside`, SiLU·mul of the gated layer's two halves."""
+    assert x_e4m3 is None or p.takes_e4m3, f"e4m3 rows given to {p.route.value}, which does not take them"
+    gated = p.silu_inside
+    if p.route is Route.FUSED_GATE_UP:
+        return _gate_up.gate_up_silu(x, layer.weight)
+    if p.route is Route.VECTOR:
+        assert isinstance(p.tile, _gemv_vector.VectorConfig)
         x, scale = _kernel_operands(x, layer)
         assert scale is not None
-        return _gemv_vector.gemv_vector(x, layer.weight, scale, vector, bias=layer.bias, out_dtype=out_dtype)
-    if kernels.skinny_gemv and _fast(x) and _gemv.supports(x, layer.weight):
-        x, scale = _kernel_operands(x, layer)
-        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale,
-                          cfg=_gemv.config_for(layer.weight, x.shape[0], _static_x(layer)), x_e4m3=x_e4m3)
-    if isinstance(layer, Fp8Linear) and scaled_mm_supports(x, layer):
-        out = scaled_matmul(x, layer)
+        return _gemv_vector.gemv_vector(x, layer.weight, scale, p.tile, bias=layer.bias, gated=gated,
+                                        out_dtype=out_dtype)
+    if p.route is Route.SKINNY:
+        assert isinstance(p.tile, _gemv.GemvConfig)
+        x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue when gated
+        if gated:
+            return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=p.tile, x_e4m3=x_e4m3)
+        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale, cfg=p.tile, x_e4m3=x_e4m3)
+    if p.route is Route.SCALED_MM:
+        assert isinstance(layer, Fp8Linear)
+        out = scaled_matmul(x, layer, x_e4m3)
     elif isinstance(layer, Fp8Linear):
         x, _ = _kernel_operands(x, layer)
         out = F.linear(x, layer.dequantized(), layer.bias)
@@ -179,32 +229,21 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
 def gate_up_silu(x: Activations, layer: Linear, kernels: KernelOptions) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for the fused [gate; up] projection `layer`."""
     x, x_e4m3 = _unpack(x)
-    if (kernels.fused_gate_up and not isinstance(layer, Fp8Linear) and _gate_up is not None and _fast(x)
-            and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS
-            and _gate_up.supports(x, layer.weight)):
-        return _gate_up.gate_up_silu(x, layer.weight)
-    if (kernels.skinny_gemv and _fast(x) and layer.bias is None
-            and (vector := _gemv_vector.config_for(x, layer.weight, gated=True)) is not None):
-        x, scale = _kernel_operands(x, layer)
-        assert scale is not None
-        return _gemv_vector.gemv_vector(x, layer.weight, scale, vector, gated=True)
-    if (kernels.skinny_gemv and _fast(x) and layer.bias is None and _gemv.supports(x, layer.weight)
-            and _gemv.gated_config_for(layer.weight, x.shape[0]) is not None):
-        x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue
-        cfg = _gemv.gated_config_for(layer.weight, x.shape[0], _static_x(layer))
-        return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=cfg, x_e4m3=x_e4m3)
-    return silu_mul(linear(x, layer, kernels))
+    p = plan(x, layer, kernels, gated=True)
+    out = _run(p, x, x_e4m3, layer)
+    return out if p.silu_inside else silu_mul(out)
 
 
 def mlp(x: Activations, gate_up: Linear, down: Linear, kernels: KernelOptions) -> torch.Tensor:
     """down(SiLU(x W_gate^T) * (x W_up^T)). An FP8 prefill (both projections on FP8 tensor cores, x
     quantized per token) computes SiLU·mul and the down projection's quantization in one kernel:
     the layer's largest activation is written once, in e4m3, not in 16 bits and then again."""
-    if (isinstance(x, torch.Tensor) and _fp8_quant is not None and _fast(x) and x.shape[0] > _gemv.WIDE_ROWS
-            and isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear) and down.input_scale is None
-            and scaled_mm_supports(x, down) and down.in_features <= _fp8_quant.MAX_FUSED_INTER):
+    rows, _ = _unpack(x)
+    if (isinstance(down, Fp8Linear) and down.input_scale is None and _fast(rows)
+            and plan(rows, gate_up, kernels, gated=True).route is Route.SCALED_MM
+            and scaled_mm_supports(rows, down)):
         xq, x_scale = _fp8_quant.silu_mul_quantize_rows(linear(x, gate_up, kernels))
-        return scaled_matmul_quantized(xq, x_scale, down, x.dtype)
+        return scaled_matmul_quantized(xq, x_scale, down, rows.dtype)
     return linear(gate_up_silu(x, gate_up, kernels), down, kernels)
 
 

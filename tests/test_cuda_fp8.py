@@ -271,11 +271,12 @@ def test_per_token_quantization_kernel_is_the_pytorch_one(columns: int) -> None:
     assert torch.equal(q[7].float(), torch.zeros(columns, device="cuda"))
 
 
-@pytest.mark.parametrize("rows", [16, 20, 64, 65])
+@pytest.mark.parametrize("rows", [16, 20, 64, 65, 300])
 def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
-    """At 17-64 rows the norm before qkv and before gate/up writes its output's e4m3 rows (the bits
-    `quantize_rows` writes), and the W8A8 tile takes them: each projection's output is the same bits
-    as after the plain norm. Outside those rows the norm writes none."""
+    """From 17 rows the norm before qkv and before gate/up writes its output's e4m3 rows (the bits
+    `quantize_rows` writes), and the W8A8 tile (17-64 rows) or `torch._scaled_mm` (above) takes them:
+    each projection's output, and the MLP's, is the same bits as after the plain norm. At 1-16 rows
+    the norm writes none."""
     from engine import ops
     from engine.fp8 import Fp8Linear, quantize_per_channel
 
@@ -293,9 +294,14 @@ def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
         project = ops.gate_up_silu if gated else ops.linear
         plain, x_plain = ops.add_rms_norm(x.clone(), weight, 1e-6, delta)
         fed, x_fed = ops.norm_feeding(x.clone(), weight, 1e-6, delta, layer, kernels, gated)
-        assert isinstance(fed, ops.NormedRows) == (16 < rows <= 64), rows
+        assert isinstance(fed, ops.NormedRows) == (rows > 16), rows
         assert torch.equal(x_fed, x_plain)
         assert torch.equal(project(fed, layer, kernels), project(plain, layer, kernels)), (rows, gated)
+    down = Fp8Linear(1024, 512, bias=False, dtype=torch.bfloat16, device=dev, keep_fp8=True, static_input=False)
+    down.set_rows(slice(None), *quantize_per_channel(torch.randn(down.weight.shape, device=dev) * 1024**-0.5))
+    fed, _ = ops.norm_feeding(x.clone(), weight, 1e-6, delta, gate_up, kernels, gated=True)
+    plain, _ = ops.add_rms_norm(x.clone(), weight, 1e-6, delta)
+    assert torch.equal(ops.mlp(fed, gate_up, down, kernels), ops.mlp(plain, gate_up, down, kernels))
 
 
 def test_silu_mul_quantization_is_silu_mul_then_quantization() -> None:
@@ -308,9 +314,10 @@ def test_silu_mul_quantization_is_silu_mul_then_quantization() -> None:
 
     gu = torch.randn(300, 2 * 18944, dtype=torch.bfloat16, device="cuda") * 4
     gu[5] = 0
-    q, scale = silu_mul_quantize_rows(gu)
     want_q, want_scale = quantize_rows(silu_mul(gu))
-    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    for programs in (None, 7):  # a row a program; 7 programs taking 42-43 rows each
+        q, scale = silu_mul_quantize_rows(gu, programs=programs)
+        assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     layers = []
     for n, k in ((2 * 1024, 512), (512, 1024)):
         layer = Fp8Linear(k, n, bias=False, dtype=torch.bfloat16, device=torch.device("cuda"), keep_fp8=True,

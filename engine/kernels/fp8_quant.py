@@ -66,33 +66,60 @@ def _whole_row_warps(block: int) -> int:
     return max(4, min(32, block // 1024))
 
 
-MAX_FUSED_INTER = MAX_WHOLE_ROW  # `silu_mul_quantize_rows` holds a whole row in registers
+SILU_BLOCK = 2048        # columns a step of `silu_mul_quantize_rows`' passes over a row
+SILU_WARPS = 4
+SILU_PROGRAMS_PER_SM = 4  # its programs an SM, each on one row at a time: all resident (80 registers a thread)
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GU, Q, SCALE, INTER, s_q, BLOCK: tl.constexpr):
-    """One row whole, read once: SiLU(gate) * up as `fused.silu_mul` computes it, its largest
-    magnitude, then the e4m3 values. (Two passes, the second meant to come from L2, measured no
-    faster than the two kernels: a prefill's thousand rows in flight at 75 KB each are more than L2
-    holds, bench/NOTES.md.)"""
-    row = tl.program_id(0).to(tl.int64)
+def _silu_mul_quantize_kernel(GU, Q, SCALE, M, INTER, s_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Persistent: each program takes rows M apart by the grid. A row in two passes of BLOCK steps,
+    SiLU(gate) * up as `fused.silu_mul` computes it both times: its largest magnitude, then the e4m3
+    values. The grid keeps a few rows an SM in flight (about 20 MB at the 7B's 75 KB rows), so the
+    second pass reads L2, not HBM: a row held whole in registers instead took the register file, one
+    row an SM at a time (bench/NOTES.md)."""
+    if PDL:  # the kernel before has finished (engine.kernels.launch)
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
-    mask = offs < INTER
-    g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0)
-    u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0)
-    store_e4m3_row(silu_mul_rounded(g, u).to(tl.float32), Q + row * s_q + offs, SCALE + row, mask)
+    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
+        gu = GU + row * 2 * INTER
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK):
+            mask = k0 + offs < INTER
+            h = silu_mul_rounded(tl.load(gu + k0 + offs, mask=mask, other=0.0),
+                                 tl.load(gu + INTER + k0 + offs, mask=mask, other=0.0))
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        scale = e4m3_scale(tl.max(amax, axis=0))
+        tl.store(SCALE + row, scale)
+        q = Q + row * s_q
+        for k0 in range(0, INTER, BLOCK):
+            mask = k0 + offs < INTER
+            h = silu_mul_rounded(tl.load(gu + k0 + offs, mask=mask, other=0.0),
+                                 tl.load(gu + INTER + k0 + offs, mask=mask, other=0.0))
+            tl.store(q + k0 + offs, to_e4m3_range(h.to(tl.float32), scale).to(Q.dtype.element_ty), mask=mask)
 
 
-def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] = [gate | up] (16-bit, contiguous, I <= MAX_FUSED_INTER) ->
-    `quantize_rows(silu_mul(gate_up))`, the same bits, in one kernel."""
+def silu_mul_quantize_rows(gate_up: torch.Tensor, block: int = SILU_BLOCK, programs: int | None = None,
+                           num_warps: int = SILU_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] = [gate | up] (16-bit, contiguous) -> `quantize_rows(silu_mul(gate_up))`, the
+    same bits, in one kernel: SiLU·mul's 16-bit result is never written. `programs`: the grid (by
+    default SILU_PROGRAMS_PER_SM an SM); `block`, `num_warps`: a step's columns and the warps (for
+    `bench.micro.quantize_rows --silu`)."""
     assert gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    assert inter <= MAX_FUSED_INTER, f"{inter} columns: a row is held whole, up to {MAX_FUSED_INTER}"
     q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
     if m:
-        block = triton.next_power_of_2(inter)
-        _silu_mul_quantize_kernel[(m,)](gate_up, q, scale, inter, q.stride(0), BLOCK=block,
-                                        num_warps=_whole_row_warps(block))
+        if programs is None:
+            programs = SILU_PROGRAMS_PER_SM * _sm_count(gate_up.device)
+        _silu_mul_quantize_kernel[(min(m, programs),)](gate_up, q, scale, m, inter, q.stride(0), BLOCK=block,
+                                                        num_warps=num_warps, **launch.options())
     return q, scale
+
+
+def _sm_count(device: torch.device) -> int:
+    """The GPU's SMs; the interpreter's CPU counts as 1."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
