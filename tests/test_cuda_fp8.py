@@ -89,7 +89,10 @@ def test_fp8_gated_and_argmax_epilogues() -> None:
 def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
     """Tiles with `quantize_x` (x to e4m3 per row in the kernel at 1-16 rows, by `quantize_rows` first
     at 17-64; FP8 tensor cores): plain, split-K and gated, against x quantized per row and the
-    dequantized weights in float32; a row's result the same whatever rides along in its tile."""
+    dequantized weights in float32; a row's result the same whatever rides along in its tile, and a
+    column's the same on a strip narrower than its tile."""
+    from dataclasses import replace
+
     from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
     from engine.ops import silu_mul
 
@@ -113,6 +116,13 @@ def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
         if shape != "gate_up":
             for m in ((1, 5) if rows == 16 else (17, 33) if rows == 64 else ()):
                 assert torch.equal(gemv(x[:m], q, bias, cfg, scale=scale), got[:m]), (shape, m)
+        if rows > 16:  # strips narrower than the tile (a program count that fits the SMs): the same bits
+            narrow = replace(cfg, strip_n=100)
+            if shape == "gate_up":
+                tile = GemvConfig(block_n // 2, cfg.block_k, 4, 3, 1, quantize_x=True)
+                assert torch.equal(gemv_silu(x, q, replace(tile, strip_n=48), scale=scale), got), shape
+            else:
+                assert torch.equal(gemv(x, q, bias, narrow, scale=scale), got), (shape, split)
 
 
 @pytest.mark.parametrize("rows", [1, 16])

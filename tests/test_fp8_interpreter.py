@@ -60,8 +60,14 @@ def check_gemv() -> None:
         assert big.abs().max() > 32768
         cfg = GemvConfig(32, 64, 4, 2, 1, f16_mma=True)
         assert rel(gemv(big, w, None, cfg, scale=scale, out_dtype=torch.float32), F.linear(big.float(), deq)) < 2e-3
-        logits, tokens = gemv_argmax(x, w, torch.float32, GemvConfig(32, 128, 4, 2, 1), scale=scale)
-        assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
+        for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 128, 4, 2, 1, strip_n=20)):
+            logits, tokens = gemv_argmax(x, w, torch.float32, cfg, scale=scale)
+            assert torch.equal(tokens, logits.argmax(-1)) and rel(logits, F.linear(x.float(), deq)) < 2e-3
+        # strips narrower than the tile (96 columns on 20: the last 16), split and gated: the same values
+        wide, narrow = GemvConfig(32, 64, 4, 2, 2), GemvConfig(32, 64, 4, 2, 2, strip_n=20)
+        assert torch.equal(gemv(x, w, bias, narrow, scale=scale), gemv(x, w, bias, wide, scale=scale))
+        wide, narrow = GemvConfig(16, 128, 4, 2, 1), GemvConfig(16, 128, 4, 2, 1, strip_n=12)
+        assert torch.equal(gemv_silu(x, w, narrow, scale=scale), gemv_silu(x, w, wide, scale=scale))
     for m in (1, 3, 20):  # W8A8: x quantized per row, in the kernel (1-16 rows) or by a kernel first (17-64)
         # x already on e4m3's grid (its largest magnitude 448 * 2^-8): the interpreter's own cast would
         # mis-round; the rounding itself is the GPU tests'

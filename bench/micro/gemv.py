@@ -82,6 +82,11 @@ def main() -> None:
     p.add_argument("--wide-stages", type=int, nargs="+", default=[3, 4])
     p.add_argument("--wide-splits", type=int, nargs="+", default=[1, 2],
                    help="K splits; a count that does not divide the K steps gives shares one step apart")
+    p.add_argument("--wide-strip-n", type=int, nargs="+", default=[0],
+                   help="output columns a program covers, at most the tile's (0: the tile's): "
+                        "a program count that fits the SMs")
+    p.add_argument("--wide-max-registers", type=int, nargs="+", default=[0],
+                   help="a thread's registers capped (0: uncapped), so more programs share an SM")
     p.add_argument("--narrow-splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the 16-row tile's")
     p.add_argument("--narrow-block-n", type=int, nargs="+", default=[32, 64])
     p.add_argument("--narrow-block-k", type=int, nargs="+", default=[128, 256])
@@ -94,13 +99,15 @@ def main() -> None:
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     x_modes = [q == "yes" for q in args.quantize_x] if args.fp8 else [False]
     f16 = [f == "yes" for f in args.f16_mma] if args.fp8 else [False]
-    # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6]
+    # GemvConfig's fields in order; a tile quantizes x (W8A8) or multiplies in float16, not both: c[5], c[6];
+    # a strip (c[7]) fits in its tile (c[0]); c[8] caps the registers
     narrow = [GemvConfig(*c) for c in  # the 16-row tile's candidates
               itertools.product(args.narrow_block_n, args.narrow_block_k, args.narrow_warps, args.narrow_stages,
                                 args.narrow_splits, x_modes, f16) if not (c[5] and c[6])]
     wide = [GemvConfig(*c) for c in    # the 64-row tile's
             itertools.product(args.wide_block_n, args.wide_block_k, args.wide_warps, args.wide_stages,
-                              args.wide_splits, x_modes, f16) if not (c[5] and c[6])]
+                              args.wide_splits, x_modes, f16, args.wide_strip_n, args.wide_max_registers)
+            if not (c[5] and c[6]) and c[7] <= c[0]]
     rows_out = []
     sweep_rows: list[dict[str, object]] = []  # with --sweep: every tile measured
     measured = [(shape, columns) for shape in args.shapes for columns in (args.columns or [SHAPES[shape][0]])]

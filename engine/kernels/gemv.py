@@ -60,6 +60,15 @@ class GemvConfig:
     split_k: int = 1  # programs along K per column strip
     quantize_x: bool = False  # e4m3 weights: x to e4m3 per row too, for FP8 tensor cores (W8A8)
     f16_mma: bool = False  # e4m3 weights, 16-bit x: the products in float16 (`_gemv_kernel`'s X_F16)
+    strip_n: int = 0  # output columns a program stores, at most block_n (0: block_n); the rest of its tile is
+    # masked, so a strip count can fit the SMs (the weight bytes a program reads shrink with its strip)
+    max_registers: int = 0  # a thread's registers capped (Triton's maxnreg; 0: the compiler's count), so more
+    # programs share an SM
+
+    @property
+    def strip(self) -> int:
+        """Output columns a program covers."""
+        return self.strip_n or self.block_n
 
     def fits(self, k: int) -> bool:
         """Whether a K of `k` is whole `block_k` steps, at least one for each split."""
@@ -140,7 +149,8 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
 def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
                  SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIP_N: tl.constexpr,
+                 PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
     `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded.
@@ -152,10 +162,12 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         gdc_wait()
     strip = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = strip * STRIP_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
+    if STRIP_N < BLOCK_N:  # the tile's columns past the strip are the next program's
+        n_ok = n_ok & (tl.arange(0, BLOCK_N) < STRIP_N)
     m_ok = offs_m < M
     # A split's share of the K steps; shares differ by at most one step where SPLIT_K does not divide them
     k_steps = K // BLOCK_K
@@ -216,7 +228,7 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
             best, col = tl.max(vals, axis=1, return_indices=True, return_indices_tie_break_left=True)
             strips = tl.num_programs(0)
             tl.store(BEST + offs_m * strips + strip, best, mask=m_ok)
-            tl.store(BEST_COL + offs_m * strips + strip, strip * BLOCK_N + col, mask=m_ok)
+            tl.store(BEST_COL + offs_m * strips + strip, strip * STRIP_N + col, mask=m_ok)
 
 
 @triton.jit
@@ -243,7 +255,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (cfg is not None and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype in (x.dtype, torch.float8_e4m3fn)
             and x.shape[1] == k and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
-            and triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS)
+            and triton.cdiv(weight.shape[0], cfg.strip) <= MAX_COUNTS)
 
 
 E4m3Rows = tuple[torch.Tensor, torch.Tensor]  # x's e4m3 rows [M, K] and float32 scales [M, 1], as `quantize_rows`'
@@ -287,7 +299,8 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = No
 
 
 def gated_config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
-    """`config_for`'s tile with half the columns, since each program streams two strips; unsplit."""
+    """`config_for`'s tile with half the columns, since each program streams two strips; unsplit. A
+    `strip_n` of the tile is the gated tile's strip."""
     cfg = config_for(weight, rows, static_x)
     if cfg is None or cfg.split_k > 1 or weight.shape[0] % 2:
         return None
@@ -311,7 +324,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     assert cfg.fits(k), f"K={k} does not split as {cfg}"
     block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    strips = triton.cdiv(n, cfg.block_n)
+    assert cfg.strip <= cfg.block_n, f"a strip of {cfg.strip} columns in a {cfg.block_n}-column tile"
+    strips = triton.cdiv(n, cfg.strip)
     partial = counts = best = best_col = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, block_m, n, dtype=torch.float32, device=x.device)
@@ -338,7 +352,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
         X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STRIP_N=cfg.strip, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
         **launch.options())
     if not argmax:
         return out, None
