@@ -20,7 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from engine import attention_fp8
 from engine.kv_cache import KVPool, as_bytes
-from engine.ops import expand_kv, rope_and_store
+from engine.ops import Activations, QuantizedRows, expand_kv, rope_and_store
 
 
 def attention_rows(tokens: int, device: torch.device) -> int:
@@ -155,19 +155,22 @@ def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtyp
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pool: KVPool, layer: int, meta: DecodeMeta, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> torch.Tensor:
+                     head_dim: int, e4m3_rows: bool = False) -> Activations:
     """A decode step's rope, KV write and attention: qkv [B, (H + 2 Hkv) D] unrotated (one new token
-    per sequence) -> [B, H, D]. With `meta.use_kernel` one Triton kernel does all three; otherwise
-    `ops.rope_and_store`, then the gather path."""
+    per sequence) -> [B, H * D]. With `meta.use_kernel` one Triton kernel does all three; otherwise
+    `ops.rope_and_store`, then the gather path. `e4m3_rows` (o_proj takes x in e4m3): where the
+    kernel's merge can write them too, the rows come with their e4m3 values (`QuantizedRows`)."""
+    rows = qkv.shape[0]
     if meta.use_kernel:
         from engine.kernels.paged_decode import paged_decode_attention_rope
 
-        return paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots, pool.layers[layer],
-                                           meta.block_tables, meta.context_lens, pool.layout.block_size,
-                                           meta.table_stride)
+        out, e4m3 = paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots,
+                                                pool.layers[layer], meta.block_tables, meta.context_lens,
+                                                pool.layout.block_size, meta.table_stride, e4m3_rows=e4m3_rows)
+        return out.view(rows, -1) if e4m3 is None else QuantizedRows(out.view(rows, -1), e4m3)
     q, _, _ = rope_and_store(qkv, positions, cos, sin, pool.layers[layer], meta.new_slots, num_heads, num_kv_heads,
                              head_dim)
-    return gather_decode_attention(q, pool, layer, meta)
+    return gather_decode_attention(q, pool, layer, meta).reshape(rows, -1)
 
 
 def gather_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: DecodeMeta) -> torch.Tensor:

@@ -78,20 +78,21 @@ Linear = nn.Linear | Fp8Linear
 
 
 @dataclass(frozen=True)
-class NormedRows:
-    """A norm's output with its rows in e4m3 (and a float32 scale a row, `quantize_rows`' bits),
-    written by the norm for the W8A8 projection after it, which would otherwise quantize them in a
-    kernel of its own (`plan`'s `takes_e4m3`)."""
+class QuantizedRows:
+    """Activations [T, K] with their rows in e4m3 too (and a float32 scale a row, `quantize_rows`'
+    bits), written by the kernel that produced them (the norm, the decode attention's merge) for the
+    W8A8 projection after it, which would otherwise quantize them in a kernel of its own (`plan`'s
+    `takes_e4m3`)."""
 
     x: torch.Tensor
     e4m3: tuple[torch.Tensor, torch.Tensor]
 
 
-Activations = torch.Tensor | NormedRows
+Activations = torch.Tensor | QuantizedRows
 
 
 def _unpack(x: Activations) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    return (x.x, x.e4m3) if isinstance(x, NormedRows) else (x, None)
+    return (x.x, x.e4m3) if isinstance(x, QuantizedRows) else (x, None)
 
 
 class Route(enum.Enum):
@@ -151,7 +152,7 @@ def norm_feeding(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         return add_rms_norm(x, weight, eps, delta)
     out, e4m3 = _fused.add_rms_norm(x, weight, eps, delta, quantize=True)
     assert e4m3 is not None
-    return NormedRows(out, e4m3), x
+    return QuantizedRows(out, e4m3), x
 
 
 def _static_x(layer: Linear) -> bool:

@@ -39,7 +39,7 @@ def test_paged_decode_kernel_matches_gather(kv_dtype: str) -> None:
                           int(lens.max()))
         ref = gather_decode_attention(q.float(), _as_float(pool), 0, meta)
         for splits in (None, 1, 2, 64):  # the engine's choice; one slice, unmerged; most slices past the context
-            out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16, None, splits)
+            out, _ = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16, None, splits)
             assert rel_err(out, ref) < 1e-2
         for blocks in owned:
             pool.allocator.free(blocks)
@@ -47,7 +47,9 @@ def test_paged_decode_kernel_matches_gather(kv_dtype: str) -> None:
 
 def test_rotary_decode_attention_is_rope_then_attention() -> None:
     """The decode kernel that rotates q and k itself and writes the new K and V gives the bits of the
-    rope kernel followed by the paged kernel, in the pool and in the result, at every split count."""
+    rope kernel followed by the paged kernel, in the pool and in the result, at every split count;
+    with the result's e4m3 rows written by its merge, the same pool and the quantization's bits."""
+    from engine.kernels.fp8_quant import quantize_rows
     from engine.kernels.fused import rope_and_store
     from engine.kernels.paged_decode import paged_decode_attention, paged_decode_attention_rope
     from engine.kv_cache import KVLayout, KVPool
@@ -74,11 +76,22 @@ def test_rotary_decode_attention_is_rope_then_attention() -> None:
         pos, lens, tables = pos.to(dev), lens.to(dev), tables.to(dev)
         qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device=dev)
         q, _, _ = rope_and_store(qkv, pos, rope.cos, rope.sin, pools[0].layers[0], slots, heads, kv_heads, dim)
-        want = paged_decode_attention(q, pools[0].layers[0], tables, lens, 16, None, splits)
-        got = paged_decode_attention_rope(qkv, heads, pos, rope.cos, rope.sin, slots, pools[1].layers[0], tables,
-                                          lens, 16, None, splits)
+        want, _ = paged_decode_attention(q, pools[0].layers[0], tables, lens, 16, None, splits)
+        got, none = paged_decode_attention_rope(qkv, heads, pos, rope.cos, rope.sin, slots, pools[1].layers[0],
+                                                tables, lens, 16, None, splits)
         assert torch.equal(pools[0].layers[0], pools[1].layers[0])
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and none is None
+        # the merge of a sequence's heads in one program, with the rows' e4m3 values for a W8A8 o_proj:
+        # within a rounding of the merge by head, and `quantize_rows`' bits of its own result
+        merged, rows = paged_decode_attention_rope(qkv, heads, pos, rope.cos, rope.sin, slots, pools[1].layers[0],
+                                                   tables, lens, 16, None, splits, e4m3_rows=True)
+        assert torch.equal(pools[0].layers[0], pools[1].layers[0])
+        if splits == 1:
+            assert rows is None and torch.equal(merged, want)
+            continue
+        assert rows is not None and torch.allclose(merged.float(), want.float(), rtol=2**-7, atol=1e-3), batch
+        q8, scale = quantize_rows(merged.view(batch, -1))
+        assert torch.equal(rows[1], scale) and torch.equal(rows[0].view(torch.uint8), q8.view(torch.uint8)), batch
 
 
 def test_float32_decode_is_float32_at_the_7b_shape() -> None:
@@ -99,7 +112,7 @@ def test_float32_decode_is_float32_at_the_7b_shape() -> None:
     meta = DecodeMeta(torch.zeros(2, dtype=torch.long, device=dev), torch.tensor([blocks, blocks], device=dev,
                       dtype=torch.int32), torch.tensor([2000, 1337], dtype=torch.int32, device=dev), 2000)
     q = torch.randn(2, 28, 128, device=dev)
-    out = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16)
+    out, _ = paged_decode_attention(q, pool.layers[0], meta.block_tables, meta.context_lens, 16)
     assert rel_err(out, gather_decode_attention(q, pool, 0, meta)) < 1e-5  # TF32 dots give ~1e-3
     assert not gemv.supports(q[0], torch.empty(4608, 128, device=dev))
 

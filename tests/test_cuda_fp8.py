@@ -304,7 +304,7 @@ def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
         project = ops.gate_up_silu if gated else ops.linear
         plain, x_plain = ops.add_rms_norm(x.clone(), weight, 1e-6, delta)
         fed, x_fed = ops.norm_feeding(x.clone(), weight, 1e-6, delta, layer, kernels, gated)
-        assert isinstance(fed, ops.NormedRows) == (rows > 16), rows
+        assert isinstance(fed, ops.QuantizedRows) == (rows > 16), rows
         assert torch.equal(x_fed, x_plain)
         assert torch.equal(project(fed, layer, kernels), project(plain, layer, kernels)), (rows, gated)
     down = Fp8Linear(1024, 512, bias=False, dtype=torch.bfloat16, device=dev, keep_fp8=True, static_input=False)

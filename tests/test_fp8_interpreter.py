@@ -126,6 +126,7 @@ def check_norm_quantize() -> None:
 
 
 def check_paged_decode() -> None:
+    from engine.kernels.fp8_quant import quantize_rows
     from engine.kernels.paged_decode import DecodeTile, paged_decode_attention
 
     torch.manual_seed(1)
@@ -135,13 +136,20 @@ def check_paged_decode() -> None:
     tables = torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([40, 20], dtype=torch.int32)
     for splits, tile in [(1, None), (2, None), (2, DecodeTile(16, 3)), (1, DecodeTile(128, 3))]:
-        out = paged_decode_attention(q, pool, tables, lens, block, splits=splits, tile=tile)
-        for b in range(2):
-            pos = torch.arange(int(lens[b]))
-            slots = tables[b].long()[pos // block] * block + pos % block
-            k, v = (pool[i, slots].float().repeat_interleave(heads // kv_heads, 1) for i in (0, 1))
-            weights = (torch.einsum("hd,lhd->hl", q[b], k) * dim**-0.5).softmax(-1)
-            assert rel(out[b], torch.einsum("hl,lhd->hd", weights, v)) < 1e-5
+        for e4m3_rows in (False, True):  # True: the merge of a sequence's heads in one program, its e4m3 rows too
+            out, rows = paged_decode_attention(q, pool, tables, lens, block, splits=splits, tile=tile,
+                                               e4m3_rows=e4m3_rows)
+            for b in range(2):
+                pos = torch.arange(int(lens[b]))
+                slots = tables[b].long()[pos // block] * block + pos % block
+                k, v = (pool[i, slots].float().repeat_interleave(heads // kv_heads, 1) for i in (0, 1))
+                weights = (torch.einsum("hd,lhd->hl", q[b], k) * dim**-0.5).softmax(-1)
+                assert rel(out[b], torch.einsum("hl,lhd->hd", weights, v)) < 1e-5
+            assert (rows is not None) == (e4m3_rows and splits > 1)
+            if rows is not None:  # the interpreter's e4m3 cast on both sides
+                want_q, want_scale = quantize_rows(out.reshape(2, -1))
+                assert torch.equal(rows[1], want_scale)
+                assert torch.equal(rows[0].view(torch.uint8), want_q.view(torch.uint8))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def _whole_row_warps(block: int) -> int:
 
 # `silu_mul_quantize_rows`: columns a step of its passes over a row, warps, programs an SM (each on one row at a
 # time). From `python -m bench.micro.quantize_rows --silu` (bench/results/silu-mul-quantize-h200.json): at 32k
-# rows of 18,944, 1,343 us against the whole-row kernel's 1,374 (timed alone, the same call); 4 warps took 1,604-2,456 us.
+# rows of 18,944, 1,343 us against the whole-row kernel's 1,374 (each timed alone, in one call); 4 warps took
+# 1,604-2,456 us.
 SILU_BLOCK = 2048
 SILU_WARPS = 8
 SILU_PROGRAMS_PER_SM = 6

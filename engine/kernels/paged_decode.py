@@ -22,6 +22,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
+from engine.kernels.fused import store_e4m3_row
+from engine.kernels.gemv import E4m3Rows
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,44 @@ def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob
     tl.store(RESULT + b * s_Ob + h * s_Oh + offs_d, o.to(RESULT.dtype.element_ty))
 
 
+@triton.jit
+def _merge_rows_kernel(OUT, ML, RESULT, CTX, Q8, SCALE, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh, s_q8,
+                       HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """The merge of a sequence's every head in one program, which then has the whole row: it also
+    writes the row's e4m3 values and scale (`fp8_quant.quantize_rows`' bits of the stored row), the
+    x of a W8A8 o_proj. The slices are added in split order."""
+    b = tl.program_id(0)
+    ctx = tl.load(CTX + b)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    slices = tl.cdiv(ctx, _split_len(ctx, NUM_SPLITS, BLOCK_N))  # those past the context hold nothing: not read
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_h < HEADS
+    ml = ML + b * s_mb + offs_h * s_mh
+    m_max = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    for i in range(NUM_SPLITS):
+        ok = head_ok & (offs_h * 0 + i < slices)
+        m_max = tl.maximum(m_max, tl.load(ml + i * s_ms, mask=ok, other=float("-inf")))
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    for i in range(NUM_SPLITS):
+        ok = head_ok & (offs_h * 0 + i < slices)
+        lsum = tl.load(ml + i * s_ms + 1, mask=ok, other=0.0)
+        w = tl.where(lsum > 0, tl.exp2(tl.load(ml + i * s_ms, mask=ok, other=float("-inf")) - m_max), 0.0)
+        part = tl.load(OUT + b * s_ob + offs_h[:, None] * s_oh + i * s_os + offs_d[None, :], mask=ok[:, None],
+                       other=0.0)
+        acc += part * w[:, None]
+        den += lsum * w
+    o = (acc / tl.where(head_ok, den, 1.0)[:, None]).to(RESULT.dtype.element_ty)
+    tl.store(RESULT + b * s_Ob + offs_h[:, None] * s_Oh + offs_d[None, :], o, mask=head_ok[:, None])
+    row = tl.arange(0, HEADS_PAD * HEAD_DIM)  # the row as o_proj reads it: head after head
+    store_e4m3_row(tl.reshape(o.to(tl.float32), [HEADS_PAD * HEAD_DIM]), Q8 + b * s_q8 + row, SCALE + b,
+                   row < HEADS * HEAD_DIM)
+
+
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
     splits = max(1, TARGET_PROGRAMS // max(1, batch * num_kv_heads))
     return min(64, triton.next_power_of_2(splits))
@@ -197,31 +237,36 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
                            table_stride: torch.Tensor | None = None, splits: int | None = None,
-                           tile: DecodeTile | None = None) -> torch.Tensor:
+                           tile: DecodeTile | None = None,
+                           e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
-    stride; context_lens [B] int32 -> [B, H, D]. `table_stride` (a device int32 scalar), when given,
-    overrides the tables' row stride; `splits` the context splits `num_splits_for` picks, `tile` the
-    one `decode_tile` picks. Shapes only, no host sync: safe inside a CUDA graph."""
+    stride; context_lens [B] int32 -> ([B, H, D], None). `table_stride` (a device int32 scalar), when
+    given, overrides the tables' row stride; `splits` the context splits `num_splits_for` picks, `tile`
+    the one `decode_tile` picks; `e4m3_rows` as `paged_decode_attention_rope`'s. Shapes only, no host
+    sync: safe inside a CUDA graph."""
     return _attend(q, q.shape[1], None, kv_layer, block_tables, context_lens, block_size, table_stride, splits,
-                   tile)
+                   tile, e4m3_rows)
 
 
 def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, slots: torch.Tensor, kv_layer: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                                table_stride: torch.Tensor | None = None,
-                                splits: int | None = None) -> torch.Tensor:
+                                table_stride: torch.Tensor | None = None, splits: int | None = None,
+                                e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
     """`ops.rope_and_store` then `paged_decode_attention` for a decode step, in one kernel: qkv
     [B, (H + 2 Hkv) D] unrotated, positions and slots [B] of each sequence's new token (the last
-    of its context_lens), cos and sin the float32 tables [positions, D]. Returns [B, H, D]."""
+    of its context_lens), cos and sin the float32 tables [positions, D]. Returns ([B, H, D], None);
+    with `e4m3_rows`, where the context is split, the merge takes each sequence's heads in one
+    program and the second is the result's rows in e4m3 (`quantize_rows`' bits: o_proj's W8A8 x)."""
     assert qkv.stride(1) == 1 and cos.stride() == sin.stride()
     return _attend(qkv, num_heads, (positions, cos, sin, slots), kv_layer, block_tables, context_lens, block_size,
-                   table_stride, splits, None)
+                   table_stride, splits, None, e4m3_rows)
 
 
 def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, kv_layer: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-            table_stride: torch.Tensor | None, splits: int | None, tile: DecodeTile | None) -> torch.Tensor:
+            table_stride: torch.Tensor | None, splits: int | None, tile: DecodeTile | None,
+            e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
     batch, dim = q.shape[0], kv_layer.shape[3]
     tile = tile or decode_tile(kv_layer.dtype, batch)
     kv_heads = kv_layer.shape[2]
@@ -251,8 +296,17 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         **({"maxnreg": tile.max_registers} if tile.max_registers else {}), **launch.options())
-    if splits > 1:
+    if splits == 1:
+        return out, None
+    if not e4m3_rows:
         _merge_kernel[(batch, heads)](
             partial, ml, out, context_lens, *s_part, *s_ml, out.stride(0), out.stride(1), HEAD_DIM=dim,
             BLOCK_N=tile.block_n, NUM_SPLITS=splits, num_warps=4, **launch.options())
-    return out
+        return out, None
+    q8 = torch.empty(batch, heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty(batch, 1, dtype=torch.float32, device=q.device)
+    _merge_rows_kernel[(batch,)](
+        partial, ml, out, context_lens, q8, scale, *s_part, *s_ml, out.stride(0), out.stride(1), q8.stride(0),
+        HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_N=tile.block_n, NUM_SPLITS=splits,
+        num_warps=8, **launch.options())
+    return out, (q8, scale)

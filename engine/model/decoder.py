@@ -102,13 +102,17 @@ class DecoderLayer(nn.Module):
         qkv = ops.linear(h, self.qkv, kernels)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
+        attn: ops.Activations
         if isinstance(meta, DecodeMeta):
+            # where o_proj takes its x in e4m3 (planned on a view of its input's shape), the merge writes it
+            o_proj_x = qkv[:, :self.num_heads * self.head_dim]
             attn = decode_attention(qkv, positions, rope.cos, rope.sin, pool, layer, meta, self.num_heads,
-                                    self.num_kv_heads, self.head_dim)
+                                    self.num_kv_heads, self.head_dim,
+                                    e4m3_rows=ops.plan(o_proj_x, self.o_proj, kernels).takes_e4m3)
         else:
-            attn, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
-        h, x = self.post_norm.feeding(self.gate_up, x, ops.linear(attn.reshape(x.shape[0], -1), self.o_proj, kernels),
-                                      kernels, gated=True)
+            heads, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
+            attn = heads.reshape(x.shape[0], -1)
+        h, x = self.post_norm.feeding(self.gate_up, x, ops.linear(attn, self.o_proj, kernels), kernels, gated=True)
         return x, ops.mlp(h, self.gate_up, self.down, kernels)
 
     def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
