@@ -90,18 +90,23 @@ def _silu_mul_quantize_kernel(GU, Q, SCALE, M, INTER, s_q, BLOCK: tl.constexpr, 
         gu = GU + row * 2 * INTER
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK):
-            mask = k0 + offs < INTER
-            h = silu_mul_rounded(tl.load(gu + k0 + offs, mask=mask, other=0.0),
-                                 tl.load(gu + INTER + k0 + offs, mask=mask, other=0.0))
-            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_silu_mul_step(gu, k0, offs, INTER)))
         scale = e4m3_scale(tl.max(amax, axis=0))
         tl.store(SCALE + row, scale)
         q = Q + row * s_q
         for k0 in range(0, INTER, BLOCK):
-            mask = k0 + offs < INTER
-            h = silu_mul_rounded(tl.load(gu + k0 + offs, mask=mask, other=0.0),
-                                 tl.load(gu + INTER + k0 + offs, mask=mask, other=0.0))
-            tl.store(q + k0 + offs, to_e4m3_range(h.to(tl.float32), scale).to(Q.dtype.element_ty), mask=mask)
+            h = _silu_mul_step(gu, k0, offs, INTER)
+            tl.store(q + k0 + offs, to_e4m3_range(h, scale).to(Q.dtype.element_ty), mask=k0 + offs < INTER)
+
+
+@triton.jit
+def _silu_mul_step(gu, k0, offs, INTER):
+    """SiLU(gate) * up at a row's columns k0 + `offs` (gate and up INTER apart from `gu`), rounded as
+    `fused.silu_mul` rounds it, in float32; columns past INTER are zero."""
+    mask = k0 + offs < INTER
+    h = silu_mul_rounded(tl.load(gu + k0 + offs, mask=mask, other=0.0),
+                         tl.load(gu + INTER + k0 + offs, mask=mask, other=0.0))
+    return h.to(tl.float32)
 
 
 def silu_mul_quantize_rows(gate_up: torch.Tensor, block: int = SILU_BLOCK, programs: int | None = None,

@@ -358,8 +358,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STRIP_N=cfg.strip, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
-        **launch.options())
+        num_stages=cfg.num_stages, **launch.options(cfg.max_registers))
     if not argmax:
         return out, None
     _argmax_kernel[(m,)](best, best_col, tokens, strips, STRIPS_PAD=triton.next_power_of_2(strips), num_warps=4,

@@ -51,8 +51,9 @@ def set_enabled(flag: bool) -> None:
     SETTINGS.pdl_wanted = flag
 
 
-def options() -> dict[str, bool]:
+def options(max_registers: int | None = None) -> dict[str, bool | int]:
     """A launch's PDL arguments: the kernel's `PDL` constexpr (wait, then let the next be scheduled) and
-    Triton's `launch_pdl`, always set together."""
+    Triton's `launch_pdl`, always set together; with `max_registers` (0 or None: the compiler's count),
+    Triton's `maxnreg`, a cap on a thread's registers so that more programs share an SM."""
     flag = enabled()
-    return {"PDL": flag, "launch_pdl": flag}
+    return {"PDL": flag, "launch_pdl": flag, **({"maxnreg": max_registers} if max_registers else {})}

@@ -294,8 +294,7 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
         F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **({"maxnreg": tile.max_registers} if tile.max_registers else {}), **launch.options())
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch.options(tile.max_registers))
     if splits == 1:
         return out, None
     if not e4m3_rows:
