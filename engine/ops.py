@@ -133,8 +133,9 @@ def plan(x: torch.Tensor, layer: Linear, kernels: KernelOptions, gated: bool = F
         if _gemv.supports(x, layer.weight):
             tile_for = _gemv.gated_config_for if gated else _gemv.config_for
             if (tile := tile_for(layer.weight, rows, _static_x(layer))) is not None:
-                # at 17-64 rows a W8A8 tile takes x quantized (at 1-16 each program quantizes its own)
-                return Plan(Route.SKINNY, tile, takes_e4m3=tile.quantize_x and rows > _gemv.MAX_ROWS,
+                # a 64-row W8A8 tile takes x quantized (on the 16-row one each program quantizes its own)
+                wide = _gemv.tile_rows(layer.weight, rows) == _gemv.WIDE_ROWS
+                return Plan(Route.SKINNY, tile, takes_e4m3=tile.quantize_x and wide,
                             silu_inside=gated)
     if gated:
         return plan(x, layer, kernels)

@@ -40,24 +40,26 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
-    """Every layer shape on the engine's tile at 1-16 and at 17-64 rows (where it has one; else
-    `torch._scaled_mm` runs): within bf16 rounding of x (quantized per row where the tile quantizes
-    it) @ dequantized W^T in float32, and a row's result the same whatever rides along in its tile."""
-    from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, config_for, gemv
+    """Every layer shape on the engine's tile at 1-2 rows (16-row tile) and at 3-64 (64-row tile,
+    where it has one; else `torch._scaled_mm` runs): within bf16 rounding of x (quantized per row where
+    the tile quantizes it) @ dequantized W^T in float32, and a row's result the same whatever rides
+    along in its tile."""
+    from engine.kernels.gemv import FP8_NARROW_ROWS, MAX_ROWS, WIDE_ROWS, config_for, gemv, tile_rows
 
     n, k, has_bias = SHAPES[shape]
     q, scale, ref_w = fp8_weight(n, k, seed=1)
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
     x = torch.randn(64, k, dtype=torch.bfloat16, device="cuda")
-    assert config_for(q, MAX_ROWS) is not None
-    for rows in (MAX_ROWS, WIDE_ROWS):
+    assert config_for(q, FP8_NARROW_ROWS) is not None
+    assert [tile_rows(q, m) for m in (1, 2, 3, 16, 64)] == [MAX_ROWS] * 2 + [WIDE_ROWS] * 3
+    for rows in (FP8_NARROW_ROWS, WIDE_ROWS):
         cfg = config_for(q, rows)
         if cfg is None:
             continue
         full = gemv(x[:rows], q, bias, scale=scale)
         x_ref = quantized_rows(x[:rows]) if cfg.quantize_x else x[:rows].float()
         assert rel_err(full, F.linear(x_ref, ref_w, None if bias is None else bias.float())) < 1e-2, (shape, rows)
-        for m in ((1, 5, 15) if rows == MAX_ROWS else (17, 40, 63)):
+        for m in ((1,) if rows == FP8_NARROW_ROWS else (3, 5, 16, 17, 40, 63)):
             assert torch.equal(gemv(x[:m], q, bias, scale=scale), full[:m])
     logits = gemv(x[:4], q, bias, scale=scale, out_dtype=torch.float32)
     assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x[:4], q, bias, scale=scale).float())
@@ -65,7 +67,7 @@ def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
 
 def test_fp8_gated_and_argmax_epilogues() -> None:
     """SiLU·mul in the gate/up epilogue with each half's own scales; the lm_head's argmax over its
-    FP8 logits is torch.argmax's (at 1-16 rows; at 17-64 an e4m3 lm_head takes torch._scaled_mm)."""
+    FP8 logits is torch.argmax's (at 1-2 rows; from 3 an e4m3 lm_head takes torch._scaled_mm)."""
     from engine.kernels.gemv import gated_config_for, gemv, gemv_argmax, gemv_silu
     from engine.ops import silu_mul
 
@@ -77,7 +79,7 @@ def test_fp8_gated_and_argmax_epilogues() -> None:
         want = silu_mul(F.linear(quantized_rows(x) if cfg.quantize_x else x.float(), ref_w).to(torch.bfloat16))
         assert rel_err(gemv_silu(x, q, scale=scale), want) < 2e-2, m
     q, scale, ref_w = fp8_weight(152064, 3584, seed=3)
-    for m in (1, 8, 16):
+    for m in (1, 2):
         x = torch.randn(m, 3584, dtype=torch.bfloat16, device="cuda")
         logits, tokens = gemv_argmax(x, q, out_dtype=torch.float32, scale=scale)
         assert torch.equal(logits, gemv(x, q, out_dtype=torch.float32, scale=scale))
@@ -87,10 +89,10 @@ def test_fp8_gated_and_argmax_epilogues() -> None:
 
 @pytest.mark.parametrize("rows", [1, 16, 40, 64])
 def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
-    """Tiles with `quantize_x` (x to e4m3 per row in the kernel at 1-16 rows, by `quantize_rows` first
-    at 17-64; FP8 tensor cores): plain, split-K and gated, against x quantized per row and the
-    dequantized weights in float32; a row's result the same whatever rides along in its tile, and a
-    column's the same on a strip narrower than its tile."""
+    """Tiles with `quantize_x` (x to e4m3 per row in the kernel on the 16-row tile, 1-2 rows; by
+    `quantize_rows` first on the 64-row one, 3-64; FP8 tensor cores): plain, split-K and gated,
+    against x quantized per row and the dequantized weights in float32; a row's result the same
+    whatever rides along in its tile, and a column's the same on a strip narrower than its tile."""
     from dataclasses import replace
 
     from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
@@ -114,7 +116,7 @@ def test_fp8_w8a8_tiles_are_the_per_row_quantized_matmul(rows: int) -> None:
             want = F.linear(xq, ref_w, None if bias is None else bias.float())
         assert rel_err(got, want) < 1e-2, (shape, split)
         if shape != "gate_up":
-            for m in ((1, 5) if rows == 16 else (17, 33) if rows == 64 else ()):
+            for m in ((3, 5) if rows == 16 else (17, 33) if rows == 64 else ()):
                 assert torch.equal(gemv(x[:m], q, bias, cfg, scale=scale), got[:m]), (shape, m)
         if rows > 16:  # strips narrower than the tile (a program count that fits the SMs): the same bits
             narrow = replace(cfg, strip_n=100)
@@ -147,9 +149,9 @@ def test_fp8_float16_tiles_are_the_dequantized_matmul(rows: int) -> None:
                 got = gemv(xs, q, None, cfg, scale=scale)
                 want = F.linear(xs.float(), ref_w)
             assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2, (shape, factor)
-        if shape == "down" and rows == 16:
+        if shape == "down" and rows == 16:  # the 64-row tile from 3 rows
             full = gemv(x, q, None, cfg, scale=scale)
-            for m in (1, 5):
+            for m in (3, 5):
                 assert torch.equal(gemv(x[:m], q, None, cfg, scale=scale), full[:m])
 
 
@@ -281,11 +283,11 @@ def test_per_token_quantization_kernel_is_the_pytorch_one(columns: int) -> None:
     assert torch.equal(q[7].float(), torch.zeros(columns, device="cuda"))
 
 
-@pytest.mark.parametrize("rows", [16, 20, 64, 65, 300])
+@pytest.mark.parametrize("rows", [2, 3, 16, 64, 65, 300])
 def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
-    """From 17 rows the norm before qkv and before gate/up writes its output's e4m3 rows (the bits
-    `quantize_rows` writes), and the W8A8 tile (17-64 rows) or `torch._scaled_mm` (above) takes them:
-    each projection's output, and the MLP's, is the same bits as after the plain norm. At 1-16 rows
+    """From 3 rows the norm before qkv and before gate/up writes its output's e4m3 rows (the bits
+    `quantize_rows` writes), and the W8A8 tile (3-64 rows) or `torch._scaled_mm` (above) takes them:
+    each projection's output, and the MLP's, is the same bits as after the plain norm. At 1-2 rows
     the norm writes none."""
     from engine import ops
     from engine.fp8 import Fp8Linear, quantize_per_channel
@@ -304,7 +306,7 @@ def test_norm_written_e4m3_rows_give_the_projections_bits(rows: int) -> None:
         project = ops.gate_up_silu if gated else ops.linear
         plain, x_plain = ops.add_rms_norm(x.clone(), weight, 1e-6, delta)
         fed, x_fed = ops.norm_feeding(x.clone(), weight, 1e-6, delta, layer, kernels, gated)
-        assert isinstance(fed, ops.QuantizedRows) == (rows > 16), rows
+        assert isinstance(fed, ops.QuantizedRows) == (rows > 2), rows
         assert torch.equal(x_fed, x_plain)
         assert torch.equal(project(fed, layer, kernels), project(plain, layer, kernels)), (rows, gated)
     down = Fp8Linear(1024, 512, bias=False, dtype=torch.bfloat16, device=dev, keep_fp8=True, static_input=False)

@@ -19,11 +19,12 @@ bf16 and an fp16 value), the MMA accumulates in float32 as for 16-bit weights, a
 multiply the sums before the bias and the rounding (W8A16). A tile with `quantize_x` instead takes
 x to e4m3 with one scale a row (largest magnitude to 448, as `fp8_quant.quantize_rows`), so the MMA
 runs on FP8 tensor cores with no conversion of the weights, and both scales multiply the sums (W8A8,
-as `torch._scaled_mm` with row-wise scales). At 1-16 rows each program quantizes x itself (a pass
-over x for the rows' largest magnitudes, then each tile as it is read): one launch, and a row's
-result still independent of the others; at 17-64 rows x comes quantized (by `fp8_quant.quantize_rows`,
-or given as `x_e4m3` by the norm before the projection, `fused.add_rms_norm`), since 64 rows of x
-read by every program would cost more than the weights.
+as `torch._scaled_mm` with row-wise scales). On the 16-row tile each program quantizes x itself (a
+pass over x for the rows' largest magnitudes, then each tile as it is read): one launch, and a row's
+result still independent of the others; on the 64-row tile (e4m3 weights from 3 rows on, `tile_rows`)
+x comes quantized (by `fp8_quant.quantize_rows`, or given as `x_e4m3` by the norm or the attention's
+merge before the projection), since 64 rows of x read by every program would cost more than the
+weights.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
 from engine.kernels.fused import e4m3_scale, silu_mul_rounded, to_e4m3_range
 
-MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16
+MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16 (16-bit weights)
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
+# e4m3 weights take the 64-row W8A8 tiles from 3 rows on: the 16-row tiles convert e4m3 to 16 bits and
+# made batches of 8-16 slower than 32 (an H200: 3.73 against 3.20 ms a step, bench/NOTES.md)
+FP8_NARROW_ROWS = 2
 
 # how the kernel takes x (`_gemv_kernel`'s X_MODE)
 X_16BIT = tl.constexpr(0)
@@ -105,7 +109,8 @@ WIDE_ROW_TILES: dict[str, GemvConfig] = {
 # `torch._scaled_mm` at 64 rows (its own x quantization not counted): qkv 10.7 against 15.7 us, o_proj 10.2
 # against 12.3, gate/up with SiLU·mul 41.3 against 54.4, down 34.1 against 46.7.
 # gate/up and down then multiply in float16 (`f16_mma`, bench/results/gemv-fp8-f16-sweep-h200.json):
-# gate/up with SiLU·mul 53.7 -> 42.6 us, down 30.1 -> 28.9 us at one row.
+# gate/up with SiLU·mul 53.7 -> 42.6 us, down 30.1 -> 28.9 us at one row. Since then the 16-row tiles run e4m3
+# weights only at 1-2 rows where the CUDA-core tiles do not (`gemv_vector`), and the 64-row ones from 3.
 FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
     **NARROW_ROW_TILES,
     "wide": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, f16_mma=True),  # gate_up (gated: 64)
@@ -132,16 +137,24 @@ def shape_class(n: int, k: int) -> str:
     return "wide" if n >= 4 * k else "tall" if n > k else "square" if n == k else "deep"
 
 
+def tile_rows(weight: torch.Tensor, rows: int) -> int:
+    """The MMA tile's rows for `rows` rows of x against `weight`: 16 (MAX_ROWS) or 64 (WIDE_ROWS).
+    A row's result is the same at every M with one tile."""
+    narrow = FP8_NARROW_ROWS if weight.dtype == torch.float8_e4m3fn else MAX_ROWS
+    return MAX_ROWS if rows <= narrow else WIDE_ROWS
+
+
 def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
     """The tile for `weight` at `rows` rows; None where cuBLAS does it better (or rows > WIDE_ROWS).
     `static_x`: x was quantized with an FP8 checkpoint's static input scale, so is not again."""
     if rows > WIDE_ROWS:
         return None
     n, k = weight.shape
+    narrow = tile_rows(weight, rows) == MAX_ROWS
     if weight.dtype == torch.float8_e4m3fn:
-        tiles = FP8_NARROW_ROW_TILES if rows <= MAX_ROWS else FP8_WIDE_ROW_TILES
+        tiles = FP8_NARROW_ROW_TILES if narrow else FP8_WIDE_ROW_TILES
     else:
-        tiles = NARROW_ROW_TILES if rows <= MAX_ROWS else WIDE_ROW_TILES
+        tiles = NARROW_ROW_TILES if narrow else WIDE_ROW_TILES
     cfg = tiles.get(shape_class(n, k))
     if cfg is None:
         return None
@@ -270,10 +283,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None,
          scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype, or stored as
-    `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows 1-16 run
-    in a 16-row tile and 17-64 in a 64-row one, so a row's result is the same for every M of its class.
-    An e4m3 weight comes with `scale` [N] (float32), one per output row; `x_e4m3`, x's rows already
-    quantized, where the tile quantizes x first (17-64 rows)."""
+    `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows run in a 16-row
+    or a 64-row tile (`tile_rows`: 16-bit weights 1-16 and 17-64, e4m3 1-2 and 3-64), so a row's result
+    is the same for every M of its class. An e4m3 weight comes with `scale` [N] (float32), one per
+    output row; `x_e4m3`, x's rows already quantized, where the tile quantizes x first (the 64-row one)."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
     return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale, x_e4m3=x_e4m3)[0]
@@ -327,7 +340,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         n //= 2
         assert cfg.split_k == 1 and bias is None, "the gated tile is unsplit and has no bias"
     assert cfg.fits(k), f"K={k} does not split as {cfg}"
-    block_m = MAX_ROWS if m <= MAX_ROWS else WIDE_ROWS
+    block_m = tile_rows(weight, m)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     assert cfg.strip <= cfg.block_n, f"a strip of {cfg.strip} columns in a {cfg.block_n}-column tile"
     strips = triton.cdiv(n, cfg.strip)
@@ -341,15 +354,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         best_col = torch.empty(m, strips, dtype=torch.int32, device=x.device)
         if tokens is None:
             tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    # e4m3 x: quantized in the kernel at 1-16 rows; above, by one kernel first (each program would
-    # otherwise read all 64 rows of x for their scales)
+    # e4m3 x: quantized in the kernel on the 16-row tile; on the 64-row one, by one kernel first (each
+    # program would otherwise read all 64 rows of x for their scales)
     x_mode, x_in, x_scale = X_F16 if cfg.f16_mma else X_16BIT, x, out
     assert not cfg.f16_mma or (scale is not None and not cfg.quantize_x), "float16 products are for e4m3 weights"
     if cfg.quantize_x:
-        x_mode = X_QUANTIZE if m <= MAX_ROWS else X_E4M3
+        x_mode = X_QUANTIZE if block_m == MAX_ROWS else X_E4M3
         if x_mode == X_E4M3:
             x_in, x_scale = x_e4m3 if x_e4m3 is not None else fp8_quant.quantize_rows(x)
-    assert x_e4m3 is None or x_mode == X_E4M3, "e4m3 rows are taken where the tile quantizes x first (17-64 rows)"
+    assert x_e4m3 is None or x_mode == X_E4M3, "e4m3 rows are taken where the tile quantizes x first (64-row tile)"
     _gemv_kernel[(strips, cfg.split_k)](
         x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
         partial, counts, best, best_col, m, n, k,

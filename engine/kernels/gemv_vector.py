@@ -15,9 +15,9 @@ row's result is the same bits at every M. A split of K writes float32 partial su
 and the strip's last split to arrive adds them in split order, as in `engine.kernels.gemv`.
 
 The engine (`engine.ops`) runs e4m3 projections here at 1-2 rows (`VECTOR_ROWS`): from 4 rows the
-re-reads from L2 cost more than the MMA tile's conversions. So with FP8 weights a row's result is
-the same at batches of 1-2 and, separately, at 3-16 (the MMA tile's rows); `min_decode_bucket` of 4
-or more keeps every step on the MMA tile.
+re-reads from L2 cost more than the MMA tile. So with FP8 weights a row's result is the same at
+batches of 1-2 and, separately, at 3-64 (the 64-row W8A8 tile); `min_decode_bucket` of 4 or more
+keeps every step on the MMA tile.
 """
 
 from __future__ import annotations
