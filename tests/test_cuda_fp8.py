@@ -61,8 +61,8 @@ def test_fp8_skinny_matmul_is_the_dequantized_matmul(shape: str) -> None:
         assert rel_err(full, F.linear(x_ref, ref_w, None if bias is None else bias.float())) < 1e-2, (shape, rows)
         for m in ((1,) if rows == FP8_NARROW_ROWS else (3, 5, 16, 17, 40, 63)):
             assert torch.equal(gemv(x[:m], q, bias, scale=scale), full[:m])
-    logits = gemv(x[:4], q, bias, scale=scale, out_dtype=torch.float32)
-    assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x[:4], q, bias, scale=scale).float())
+    logits = gemv(x[:2], q, bias, scale=scale, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x[:2], q, bias, scale=scale).float())
 
 
 def test_fp8_gated_and_argmax_epilogues() -> None:

@@ -49,7 +49,7 @@ DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(1
 # 32, 20.6 against 23.6 and 24.9 against 25.2 (bench/results/paged-attention-registers-h200.json).
 # At batches 1-8 the cap was slower (e4m3: 5.8-8.8 -> 6.8-11.7 us), its programs being few anyway.
 CAPPED_FROM_BATCH = 32
-CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 4, max_registers=128),
+CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 5, 4, max_registers=128),
                                                torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
 
 
