@@ -51,7 +51,7 @@ DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(1
 # The e4m3 tile pipelines five stages: the block table's load, a stage ahead of the KV loads it addresses,
 # takes a buffer of its own, so three or four stages keep one KV tile in flight and five keep two. At batch
 # 64 and a 4k context 112.7 -> 105.7 us, at 1k 33.3 -> 32.6, batch 32 at 1k 20.7 -> 20.9; the bf16 tile at
-# five stages holds two 32 KB tiles and lost, 39.3 -> 49.1 us (bench/results/decode-attention-stages-h200.json)
+# five stages holds two 32 KB tiles and lost, 39.3 -> 49.1 us (bench/results/paged-attention-depth-h200.json)
 CAPPED_FROM_BATCH = 32
 CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 5, 4, max_registers=128),
                                                torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
