@@ -23,8 +23,16 @@ import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
 from engine.fp8 import FP8_MAX, quantize_per_channel
-from engine.kernels import gemv as skinny
-from engine.kernels.gemv import MAX_ROWS, WIDE_ROWS, GemvConfig, config_for, gated_config_for, gemv, gemv_silu
+from engine.kernels.gemv import (
+    MAX_ROWS,
+    WIDE_ROWS,
+    GemvConfig,
+    config_for,
+    gated_config_for,
+    gemv,
+    gemv_silu,
+    tile_rows,
+)
 from engine.ops import silu_mul
 
 SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
@@ -147,7 +155,7 @@ def main() -> None:
                 engine_cfg = config_for(weights[0], m)
             configs: list[GemvConfig | None] = [None]  # the engine's choice for the shape
             if args.sweep:  # the engine's own tile first, so its figure is always beside the others
-                tiles = narrow if skinny.tile_rows(weights[0], m) == MAX_ROWS else wide
+                tiles = narrow if tile_rows(weights[0], m) == MAX_ROWS else wide
                 configs = [engine_cfg] * (engine_cfg is not None) + [c for c in tiles if c != engine_cfg]
             elif engine_cfg is None:
                 configs = []

@@ -42,8 +42,9 @@ from engine.kernels.fused import e4m3_scale, silu_mul_rounded, to_e4m3_range
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16 (16-bit weights)
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
-# e4m3 weights take the 64-row W8A8 tiles from 3 rows on: the 16-row tiles convert e4m3 to 16 bits and
-# made batches of 8-16 slower than 32 (an H200: 3.73 against 3.20 ms a step, bench/NOTES.md)
+# e4m3 weights take the 64-row W8A8 tiles from 3 rows on: on the 16-row tiles, which convert e4m3 to 16 bits,
+# batches of 8-16 ran slower than 32; batch 8 3.715 -> 3.006 ms a step on an H200, batch 4 3.637 -> 3.178
+# (bench/results/engine-fp8-rows-ab-h200.json)
 FP8_NARROW_ROWS = 2
 
 # how the kernel takes x (`_gemv_kernel`'s X_MODE)
