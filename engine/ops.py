@@ -216,8 +216,9 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
     """`linear` to float32 (the lm_head) and each row's argmax ([B] int64, the first among equal
     maxima; written into `tokens` when given), from the skinny matmul's epilogue where its unsplit
     64-row tile runs (batches of 17-64: a decode step 0.05 ms shorter at batch 64, `bench/NOTES.md`)."""
-    if (kernels.skinny_gemv and _fast(x) and layer.bias is None and x.shape[0] > _gemv.MAX_ROWS
-            and _gemv.supports(x, layer.weight)):  # the 64-row tile; at 1-16 rows the argmax kernel is as fast
+    if (kernels.skinny_gemv and _fast(x) and layer.bias is None
+            and _gemv.tile_rows(layer.weight, x.shape[0]) == _gemv.WIDE_ROWS
+            and _gemv.supports(x, layer.weight)):  # the 64-row tile; on the 16-row one the argmax kernel is as fast
         cfg = _gemv.config_for(layer.weight, x.shape[0], _static_x(layer))
         if cfg is not None and cfg.split_k == 1:
             x, scale = _kernel_operands(x, layer)
@@ -240,11 +241,11 @@ def mlp(x: Activations, gate_up: Linear, down: Linear, kernels: KernelOptions) -
     """down(SiLU(x W_gate^T) * (x W_up^T)). An FP8 prefill (both projections on FP8 tensor cores, x
     quantized per token) computes SiLU·mul and the down projection's quantization in one kernel:
     the layer's largest activation is written once, in e4m3, not in 16 bits and then again."""
-    rows, _ = _unpack(x)
+    rows, x_e4m3 = _unpack(x)
+    gate_up_plan = plan(rows, gate_up, kernels, gated=True)
     if (isinstance(down, Fp8Linear) and down.input_scale is None and _fast(rows)
-            and plan(rows, gate_up, kernels, gated=True).route is Route.SCALED_MM
-            and scaled_mm_supports(rows, down)):
-        xq, x_scale = _fp8_quant.silu_mul_quantize_rows(linear(x, gate_up, kernels))
+            and gate_up_plan.route is Route.SCALED_MM and scaled_mm_supports(rows, down)):
+        xq, x_scale = _fp8_quant.silu_mul_quantize_rows(_run(gate_up_plan, rows, x_e4m3, gate_up))
         return scaled_matmul_quantized(xq, x_scale, down, rows.dtype)
     return linear(gate_up_silu(x, gate_up, kernels), down, kernels)
 
