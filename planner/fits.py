@@ -41,11 +41,24 @@ def fit_attention(results: Path) -> Fit:
 def attention_sweep_rows(results: Path) -> list[dict[str, Any]]:
     """Every `bench.micro.decode_attention` file's rows of equal contexts, a shape (context, batch, splits) measured
     again in a later file replacing the earlier row (decode-attention-b1-h200.json: batch 1 re-read from HBM
-    where the first sweep's layers fit in L2)."""
+    where the first sweep's layers fit in L2). Only the recorded runs' own kernel counts: a 16-bit pool (the
+    preset's) and, in a file that sweeps tiles, the tile the engine ran (the one its `engine_choice` rows name)."""
     docs = [json.loads(path.read_text()) for path in results.glob(ATTENTION_SWEEPS)]
     docs.sort(key=lambda doc: doc.get("date", ""))
-    rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in doc["rows"] if "long_context" not in r}
+    rows = {(r["context"], r["batch"], r["splits"]): r for doc in docs for r in _engine_tile_rows(doc["rows"])
+            if "long_context" not in r and r.get("kv_dtype", "bf16") == "bf16"}
     return list(rows.values())
+
+
+def _tile(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(key) for key in ("kv_dtype", "block_n", "num_stages", "num_warps", "max_registers"))
+
+
+def _engine_tile_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows timed with a tile the engine ran: every split count of it, not only the count it picks. A row
+    that names no tile is from a sweep of the engine's alone."""
+    engine = {_tile(r) for r in rows if r.get("engine_choice")}
+    return [r for r in rows if "block_n" not in r or _tile(r) in engine]
 
 
 def fit_long_history(results: Path, attention: Fit) -> Fit | None:

@@ -190,6 +190,28 @@ def test_a_shape_measured_again_replaces_the_earlier_row(tmp_path: Path) -> None
     assert later is not None and later.points == first.points and later.params[1] > first.params[1]
 
 
+def test_the_lone_program_fit_reads_the_engines_tile_on_a_16_bit_pool_only(tmp_path: Path) -> None:
+    """A later sweep of an e4m3 pool, or of tiles the engine did not run, times other kernels: it replaces no row."""
+    from planner.fits import attention_sweep_rows, fit_attention_alone
+
+    recorded = json.loads((RESULTS / "decode-attention-h200.json").read_text())
+    (tmp_path / "decode-attention-h200.json").write_text(json.dumps(recorded))
+    first = fit_attention_alone(tmp_path)
+    batch_one = [r for r in recorded["rows"] if r["batch"] == 1]
+    tile = {"kv_dtype": "bf16", "block_n": 64, "num_stages": 2, "num_warps": 4}
+    other = [{**r, **tile, "kv_dtype": "fp8", "us": 2 * r["us"]} for r in batch_one]
+    other += [{**r, **tile, "block_n": 32, "us": 3 * r["us"], "engine_choice": False} for r in batch_one]
+    other += [{**r, **tile, "us": r["us"], "engine_choice": False} for r in batch_one[:1]]  # the engine's tile
+    other[-1]["engine_choice"] = True
+    (tmp_path / "decode-attention-zz-h200.json").write_text(json.dumps({"date": "2099-01-01", "rows": other}))
+    rows = attention_sweep_rows(tmp_path)
+    assert len(rows) == len(recorded["rows"])
+    assert not any(r.get("kv_dtype") == "fp8" or r.get("block_n") == 32 for r in rows)
+    assert sum(r.get("block_n") == 64 for r in rows) == 1  # the engine's tile replaced its shape's row
+    later = fit_attention_alone(tmp_path)
+    assert first is not None and later is not None and later.params == pytest.approx(first.params, rel=0.05)
+
+
 @pytest.mark.parametrize("deployment", [Deployment(1, 1, "disaggregated"), Deployment(0, 1, "partitioned")],
                          ids=lambda d: d.label())
 def test_a_prompt_prefilled_elsewhere_waits_for_the_step_under_way(deployment: Deployment) -> None:
