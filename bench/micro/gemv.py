@@ -8,7 +8,9 @@ With `--fp8` the weights are e4m3 with a float32 scale per output row (`engine.f
 matmul reads them with bf16 activations (W8A16) or, for tiles with `quantize_x` (`--quantize-x yes`),
 quantizes the activations per row to e4m3 and runs FP8 tensor cores (W8A8; the quantization is
 counted), against `torch._scaled_mm` (cuBLASLt FP8, row-wise scales) on activations already
-quantized per token (its quantization not counted); the floor is then one byte a weight.
+quantized per token (its quantization not counted); the floor is then one byte a weight. Without
+`--sweep`, the rows the engine runs on CUDA cores (`engine.kernels.gemv_vector`, 1-2 rows) are timed
+there, so each row of the table is the kernel a decode step of that batch runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
 from engine.fp8 import FP8_MAX, quantize_per_channel
+from engine.kernels import gemv_vector
 from engine.kernels.gemv import (
     MAX_ROWS,
     WIDE_ROWS,
@@ -64,6 +67,19 @@ def scaled_mm_linear(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
     out = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
     out = out if b is None else out + b
     return silu_mul(out) if gated else out
+
+
+def _vector_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+               biases: list[torch.Tensor | None], cfg: gemv_vector.VectorConfig, gated: bool,
+               ref: torch.Tensor) -> tuple[float, float]:
+    """The CUDA-core tile's microseconds a layer, and its first layer's largest difference from `ref` (W8A8:
+    x's rounding to e4m3 is in the difference)."""
+    def call(w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        assert s is not None
+        return gemv_vector.gemv_vector(x, w, s, cfg, bias=b, gated=gated)
+
+    err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
+    return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
 
 
 def main() -> None:
@@ -159,6 +175,16 @@ def main() -> None:
                 configs = [engine_cfg] * (engine_cfg is not None) + [c for c in tiles if c != engine_cfg]
             elif engine_cfg is None:
                 configs = []
+            vector = gemv_vector.config_for(x, weights[0], gated) if args.fp8 and not args.sweep else None
+            if vector is not None:  # the engine's route at these rows: the CUDA-core tile
+                us, err = _vector_us(x, weights, scales, biases, vector, gated, ref[0])
+                print(f"{label:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
+                      f"({floor_us / cublas:4.0%}) | vector {us:7.1f} us ({floor_us / us:4.0%}) {vector}  "
+                      f"max err {err:.3g}", flush=True)
+                rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+                                 "cublas_us": round(cublas, 2), "gemv_us": round(us, 2), "gemv_config": vars(vector),
+                                 "route": "vector", "gated": gated})
+                continue
             if m > WIDE_ROWS or not configs:  # the engine sends these rows through cuBLAS only
                 print(f"{label:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us "
                       f"({floor_us / cublas:4.0%})", flush=True)
@@ -197,7 +223,7 @@ def main() -> None:
                   f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                              "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
-                             "gated": gated})
+                             "route": "skinny", "gated": gated})
         del weights, biases, scales
         torch.cuda.empty_cache()
     if args.json:
