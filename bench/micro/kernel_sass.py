@@ -1,0 +1,144 @@
+"""`python -m bench.micro.kernel_sass`: the decode attention's split kernel compiled for sm_90a here (no
+GPU needed) with the installed Triton and the assembler and disassembler it bundles, and what one step
+of its main loop costs a warp in SASS instructions, by opcode.
+
+A step reads `block_n` tokens of K and V; where a kernel issues more instructions a byte than the SMs
+can issue while HBM delivers it, the instructions, not the bytes, set its time. The kernel is compiled
+as the engine launches it at Qwen2.5-7B's shape (28 query heads, 4 KV heads, 128 dims, a split
+context, rope inside), pointers and strides specialized as divisible by 16 as Triton's runtime does
+(the block table's row stride and the merge's strides are not). The device may run another Triton
+version, whose code can differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bench.common import metadata, write_json
+from engine.kernels import paged_decode
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
+POINTERS = {"Q": "*bf16", "BT": "*i32", "BT_STRIDE": "*i32", "CTX": "*i32", "OUT": "*fp32", "ML": "*fp32",
+            "RESULT": "*bf16", "POS": "*i32", "COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i32"}
+UNALIGNED = {"s_bt", "s_mh", "s_ms"}  # strides the runtime does not see divisible by 16
+KV_TYPES = {"bf16": ("*bf16", 2), "fp8": ("*fp8e4nv", 1)}
+
+
+@dataclass(frozen=True)
+class LoopCost:
+    registers: int
+    spilled_bytes: int
+    per_warp: int                       # instructions one warp issues in a step
+    opcodes: list[tuple[str, int]]      # the same by opcode, most first
+
+    def per_byte(self, block_n: int, kv_bytes: int, warps: int) -> float:
+        """Instructions the program issues per byte of K and V it reads."""
+        return self.per_warp * warps / (block_n * HEAD_DIM * 2 * kv_bytes)
+
+
+def _tool(name: str) -> str:
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: this Triton bundles no {name}")
+    return str(path)
+
+
+def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
+    """The split kernel's PTX for sm_90a."""
+    fn = paged_decode._split_kernel
+    consts = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=HEAD_DIM,
+                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=tile.block_n, NUM_SPLITS=2, ROPE=True, STRIDE_ON_DEVICE=True,
+                  PRECISION="tf32", F16_MMA=kv == "fp8", PDL=True)
+    params = list(inspect.signature(fn.fn).parameters)
+    pointers = {**POINTERS, "KV": KV_TYPES[kv][0]}
+    signature = {p: "constexpr" if p in consts else pointers.get(p, "fp32" if p == "scale_log2" else "i32")
+                 for p in params}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+               if signature[p] not in ("constexpr", "fp32") and p not in UNALIGNED}
+    options: dict[str, int] = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    if tile.max_registers:
+        options["maxnreg"] = tile.max_registers
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+
+
+def loop_cost(ptx: str) -> LoopCost:
+    """Assemble and disassemble `ptx`; the main loop is the backward branch whose body holds the most MMAs."""
+    ptxas = _tool("ptxas-blackwell") if (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
+                                         ).exists() else _tool("ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(src).write_text(ptx)
+        built = subprocess.run([ptxas, "-v", "-arch=sm_90a", src, "-o", cubin], capture_output=True, text=True,
+                               check=True)
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    registers = re.search(r"Used (\d+) registers", built.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", built.stderr)
+    labels = {line.strip()[:-1]: i for i, line in enumerate(sass) if re.match(r"\s*\.L_x_\d+:", line)}
+    loop: list[str] = []
+    for i, line in enumerate(sass):
+        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if branch and labels.get(branch.group(1), i + 1) <= i:
+            body = sass[labels[branch.group(1)]:i + 1]
+            if sum("MMA" in s for s in body) > sum("MMA" in s for s in loop):
+                loop = body
+    opcodes: collections.Counter[str] = collections.Counter()
+    for line in loop:
+        op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if op:
+            opcodes[op.group(1)] += 1
+    if not opcodes:
+        raise RuntimeError("no loop with an MMA in the disassembly")
+    return LoopCost(int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0,
+                    sum(opcodes.values()), opcodes.most_common())
+
+
+def parse_tile(text: str) -> paged_decode.DecodeTile:
+    """block_n:stages:warps[:max_registers]"""
+    parts = [int(p) for p in text.split(":")]
+    if len(parts) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"tile {text!r}: block_n:stages:warps[:max_registers] expected")
+    return paged_decode.DecodeTile(parts[0], parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.micro.kernel_sass", description=__doc__)
+    p.add_argument("--kv-dtype", choices=list(KV_TYPES), nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
+                   help="block_n:stages:warps[:max_registers] (default: the engine's tiles for the pool)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rows = []
+    for kv in args.kv_dtype:
+        dtype = paged_decode.torch.float8_e4m3fn if kv == "fp8" else paged_decode.torch.bfloat16
+        tiles = args.tiles or list(dict.fromkeys([paged_decode.decode_tile(dtype, 1),
+                                                   paged_decode.decode_tile(dtype, paged_decode.CAPPED_FROM_BATCH)]))
+        for tile in tiles:
+            cost = loop_cost(compile_split_kernel(kv, tile))
+            per_byte = cost.per_byte(tile.block_n, KV_TYPES[kv][1], tile.num_warps)
+            top = " ".join(f"{op} {n}" for op, n in cost.opcodes[:10])
+            print(f"{kv:<4} tile {tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r: "
+                  f"{cost.registers:>3} registers, {cost.spilled_bytes} B spilled, {cost.per_warp:>5} a warp a step, "
+                  f"{per_byte:.3f} a KV byte | {top}", flush=True)
+            rows.append({"kv_dtype": kv, **vars(tile), "registers": cost.registers, "spilled_bytes": cost.spilled_bytes,
+                         "instructions_per_warp_step": cost.per_warp, "instructions_per_kv_byte": round(per_byte, 4),
+                         "opcodes": dict(cost.opcodes)})
+    if args.json:
+        write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

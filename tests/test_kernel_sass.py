@@ -1,0 +1,41 @@
+"""`bench.micro.kernel_sass` on the CPU: the decode attention's split kernel compiled for sm_90a with the
+installed Triton and its bundled assembler, its main loop found and counted. A 64-token step on 4 warps
+holds 32 tensor-core MMAs a warp whatever the pool (q·K^T: 64 tokens / 8 / 4 warps x 128 / 16 dims;
+P·V: 128 / 8 / 4 x 64 / 16), which says the right loop was found."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_the_main_loop_of_a_64_token_step_holds_its_mmas(kv: str) -> None:
+    from bench.micro.kernel_sass import compile_split_kernel, loop_cost
+    from engine.kernels.paged_decode import DecodeTile
+
+    try:
+        cost = loop_cost(compile_split_kernel(kv, DecodeTile(64, 2, 4)))
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    opcodes = dict(cost.opcodes)
+    assert opcodes.get("HMMA") == 32
+    assert cost.registers > 0 and cost.per_warp == sum(opcodes.values()) > 32
+    if kv == "fp8":
+        assert opcodes.get("F2FP", 0) >= 64  # e4m3 to float16, two values an instruction: 64 x 128 x 2 / 128 threads
+
+
+def test_a_tile_is_read_from_the_command_line() -> None:
+    import argparse
+
+    from bench.micro.kernel_sass import parse_tile
+    from engine.kernels.paged_decode import DecodeTile
+
+    assert parse_tile("64:5:4:128") == DecodeTile(64, 5, 4, 128)
+    assert parse_tile("128:3:4") == DecodeTile(128, 3, 4, None)
+    assert parse_tile("128:3:4:0") == DecodeTile(128, 3, 4, None)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_tile("64:5")
