@@ -226,7 +226,8 @@ def fold_kv_scales(model: DecoderModel, scales: torch.Tensor) -> None:
     cache holds K / k_scale and V / v_scale at scale 1.0 with no kernel reading a scale: q is
     multiplied by k_scale (q . k unchanged), K and V divided by theirs, and o_proj multiplied by
     v_scale (attention is linear in V). In Qwen3 the per-head q/k norms take the factors, since they
-    would cancel one on the projection."""
+    would cancel one on the projection. A static input scale on o_proj, calibrated on attention's
+    output, is divided by v_scale, so its now V / v_scale input rounds to the same e4m3 values."""
     for layer, (k_scale, v_scale) in zip(model.layers, scales.tolist(), strict=True):
         assert isinstance(layer, DecoderLayer)
         q = layer.num_heads * layer.head_dim
@@ -242,6 +243,8 @@ def fold_kv_scales(model: DecoderModel, scales: torch.Tensor) -> None:
             layer.o_proj.weight_scale *= v_scale  # every column by one factor: the row scales
         else:
             layer.o_proj.weight.data *= v_scale
+        if isinstance(layer.o_proj, Fp8Linear) and layer.o_proj.input_scale is not None:
+            layer.o_proj.input_scale /= v_scale
 
 
 def _generation_eos(folder: Path) -> tuple[int, ...]:

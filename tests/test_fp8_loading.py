@@ -269,6 +269,35 @@ def test_quantization_flag_on_a_server(bases: dict[str, Path], tmp_path: Path, s
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
+def _add_kv_scales(folder: Path, k_scales: list[float], v_scale: float) -> dict[str, torch.Tensor]:
+    """A kv_cache_scheme and each layer's self_attn.k_scale and v_scale, as llm-compressor writes them."""
+    weights = load_file(folder / "model.safetensors")
+    for i, k_scale in enumerate(k_scales):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"]["kv_cache_scheme"] = KV_SCHEME
+    (folder / "config.json").write_text(json.dumps(raw))
+    return weights
+
+
+def test_kv_cache_scales_keep_a_static_input_scale_on_what_it_was_calibrated_for(bases: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    """FP8 with static input scales and FP8 KV scales (llm-compressor's FP8 with a kv_cache_scheme): the
+    cache's V / v_scale reaches o_proj, whose input scale was calibrated on V's own range, so the folding
+    divides that scale by v_scale too. The activations then round to the e4m3 values they would have, and
+    the tokens are the dequantized reference's; a small v_scale otherwise saturates o_proj's input. The
+    scales are powers of two, so the folding is exact: the test's input scales clip, and static e4m3
+    rounding of clipped activations turns any float difference (q * k_scale . k / k_scale) into others."""
+    folder, dequantized = write_fp8(bases["llama"], tmp_path / "llama-FP8", "FP8")
+    _add_kv_scales(folder, [2.0**-5, 2.0**-6, 2.0**-4], 2.0**-4)
+    runner = make_runner(model=str(folder), max_model_len=256)
+    o_proj = runner.model.layers[0].o_proj
+    assert isinstance(o_proj, Fp8Linear) and o_proj.input_scale is not None
+    assert generate(runner, PROMPTS, STEPS) == reference_greedy(dequantized)
+
+
 def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path: Path) -> None:
     """A compressed-tensors checkpoint with a kv_cache_scheme (k_scale, v_scale a layer): the cache
     holds K / k_scale and V / v_scale (an e4m3 pool: those rounded), while attention, and so the
@@ -279,14 +308,7 @@ def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path:
     for family in ("llama", "qwen3"):  # q and k scaled on the projection, and through Qwen3's q/k norms
         folder, dequantized = write_fp8(bases[family], tmp_path / family, "FP8_DYNAMIC")
         plain = make_runner(model=str(folder), max_model_len=256)
-        weights = load_file(folder / "model.safetensors")
-        for i in range(3):
-            weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02 + 0.01 * i)
-            weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.05)
-        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-        raw = json.loads((folder / "config.json").read_text())
-        raw["quantization_config"]["kv_cache_scheme"] = KV_SCHEME
-        (folder / "config.json").write_text(json.dumps(raw))
+        weights = _add_kv_scales(folder, [0.02 + 0.01 * i for i in range(3)], 0.05)
         assert generate(make_runner(model=str(folder), max_model_len=256), PROMPTS, STEPS) == \
             reference_greedy(dequantized)
         scaled = make_runner(model=str(folder), max_model_len=256, kv_dtype=FP8)
