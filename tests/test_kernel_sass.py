@@ -1,7 +1,8 @@
-"""`bench.micro.kernel_sass` on the CPU: the decode attention's split kernel compiled for sm_90a with the
-installed Triton and its bundled assembler, its main loop found and counted. A 64-token step on 4 warps
-holds 32 tensor-core MMAs a warp whatever the pool (q·K^T: 64 tokens / 8 / 4 warps x 128 / 16 dims;
-P·V: 128 / 8 / 4 x 64 / 16), which says the right loop was found."""
+"""`bench.micro.kernel_sass` on the CPU: decode kernels compiled for sm_90a with the installed Triton and
+its bundled assembler, their main loop found and counted. A 64-token attention step on 4 warps holds 32
+tensor-core MMAs a warp whatever the pool (q·K^T: 64 tokens / 8 / 4 warps x 128 / 16 dims; P·V:
+128 / 8 / 4 x 64 / 16); a vector-tile step one FFMA a weight a thread, which says the right loop was
+found."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ def test_the_main_loop_of_a_64_token_step_holds_its_mmas(kv: str) -> None:
     assert cost.registers > 0 and cost.per_warp == sum(opcodes.values()) > 32
     if kv == "fp8":
         assert opcodes.get("F2FP", 0) >= 64  # e4m3 to float16, two values an instruction: 64 x 128 x 2 / 128 threads
+
+
+def test_the_vector_tiles_step_holds_an_ffma_a_weight() -> None:
+    from bench.micro.kernel_sass import compile_vector_kernel, loop_cost
+    from engine.kernels.gemv_vector import TILES
+
+    tile = TILES["deep"]
+    try:
+        cost = loop_cost(compile_vector_kernel(tile, gated=False), marker="FFMA")
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    per_thread = tile.block_n * tile.block_k // (32 * tile.num_warps)
+    opcodes = dict(cost.opcodes)
+    assert opcodes.get("FFMA") == per_thread and opcodes.get("F2FP") == per_thread // 2  # two e4m3 a conversion
 
 
 def test_a_tile_is_read_from_the_command_line() -> None:

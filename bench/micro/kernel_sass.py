@@ -1,13 +1,16 @@
-"""`python -m bench.micro.kernel_sass`: the decode attention's split kernel compiled for sm_90a here (no
-GPU needed) with the installed Triton and the assembler and disassembler it bundles, and what one step
-of its main loop costs a warp in SASS instructions, by opcode.
+"""`python -m bench.micro.kernel_sass`: a decode kernel compiled for sm_90a here (no GPU needed) with the
+installed Triton and the assembler and disassembler it bundles, and what one step of its main loop costs
+a warp in SASS instructions, by opcode, and its whole program a byte read.
 
-A step reads `block_n` tokens of K and V; where a kernel issues more instructions a byte than the SMs
-can issue while HBM delivers it, the instructions, not the bytes, set its time. The kernel is compiled
-as the engine launches it at Qwen2.5-7B's shape (28 query heads, 4 KV heads, 128 dims, a split
-context, rope inside), pointers and strides specialized as divisible by 16 as Triton's runtime does
-(the block table's row stride and the merge's strides are not). The device may run another Triton
-version, whose code can differ.
+An SM issues at most four warp-instructions a clock; where a kernel needs more a byte than it can issue
+while HBM delivers that byte, the instructions, not the bytes, set its time. Kernels (`--kernel`):
+- `attention`: the decode attention's split kernel, a step `block_n` tokens of K and V, at Qwen2.5-7B's
+  shape (28 query heads, 4 KV heads, 128 dims, a split context, rope inside);
+- `vector`: the e4m3 skinny matmul on CUDA cores (1-2 rows), a step `block_n` x `block_k` weights (twice
+  that gated).
+Each is compiled as the engine launches it, pointers and strides specialized as divisible by 16 as
+Triton's runtime does (the block table's row stride and the merge's strides are not). The device may
+run another Triton version, whose code can differ.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.common import metadata, write_json
-from engine.kernels import paged_decode
+from engine.kernels import gemv_vector, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 POINTERS = {"Q": "*bf16", "BT": "*i32", "BT_STRIDE": "*i32", "CTX": "*i32", "OUT": "*fp32", "ML": "*fp32",
@@ -42,10 +45,6 @@ class LoopCost:
     spilled_bytes: int
     per_warp: int                       # instructions one warp issues in a step
     opcodes: list[tuple[str, int]]      # the same by opcode, most first
-
-    def per_byte(self, block_n: int, kv_bytes: int, warps: int) -> float:
-        """Instructions the program issues per byte of K and V it reads."""
-        return self.per_warp * warps / (block_n * HEAD_DIM * 2 * kv_bytes)
 
 
 def _tool(name: str) -> str:
@@ -74,8 +73,23 @@ def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
     return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
 
 
-def loop_cost(ptx: str) -> LoopCost:
-    """Assemble and disassemble `ptx`; the main loop is the backward branch whose body holds the most MMAs."""
+def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool) -> str:
+    """The CUDA-core skinny matmul's PTX for sm_90a (e4m3 weights, bf16 x, no bias, unsplit)."""
+    fn = gemv_vector._vector_kernel
+    consts = dict(HAS_BIAS=False, GATED=gated, SPLIT_K=1, ROUND=triton.language.bfloat16, BLOCK_N=tile.block_n,
+                  BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PDL=True)
+    pointers = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*fp32", "OUT": "*bf16", "PARTIAL": "*fp32",
+                "COUNTS": "*i32"}
+    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if signature[p] != "constexpr"}
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps}
+                              ).asm["ptx"])
+
+
+def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
+    """Assemble and disassemble `ptx`; the main loop is the backward branch whose body holds the most
+    instructions naming `marker` (the attention's tensor-core MMAs, the vector tile's FFMAs)."""
     ptxas = _tool("ptxas-blackwell") if (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
                                          ).exists() else _tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +107,7 @@ def loop_cost(ptx: str) -> LoopCost:
         branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i + 1) <= i:
             body = sass[labels[branch.group(1)]:i + 1]
-            if sum("MMA" in s for s in body) > sum("MMA" in s for s in loop):
+            if sum(marker in s for s in body) > sum(marker in s for s in loop):
                 loop = body
     opcodes: collections.Counter[str] = collections.Counter()
     for line in loop:
@@ -101,7 +115,7 @@ def loop_cost(ptx: str) -> LoopCost:
         if op:
             opcodes[op.group(1)] += 1
     if not opcodes:
-        raise RuntimeError("no loop with an MMA in the disassembly")
+        raise RuntimeError(f"no loop with a {marker} in the disassembly")
     return LoopCost(int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0,
                     sum(opcodes.values()), opcodes.most_common())
 
@@ -114,28 +128,53 @@ def parse_tile(text: str) -> paged_decode.DecodeTile:
     return paged_decode.DecodeTile(parts[0], parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None)
 
 
+def attention_rows(kvs: list[str], tiles: list[paged_decode.DecodeTile] | None) -> list[dict[str, object]]:
+    rows = []
+    for kv in kvs:
+        dtype = paged_decode.torch.float8_e4m3fn if kv == "fp8" else paged_decode.torch.bfloat16
+        chosen = tiles or list(dict.fromkeys([paged_decode.decode_tile(dtype, 1),
+                                              paged_decode.decode_tile(dtype, paged_decode.CAPPED_FROM_BATCH)]))
+        for tile in chosen:
+            cost = loop_cost(compile_split_kernel(kv, tile))
+            per_byte = cost.per_warp * tile.num_warps / (tile.block_n * HEAD_DIM * 2 * KV_TYPES[kv][1])
+            cap = f", {tile.max_registers} registers at most" if tile.max_registers else ""
+            name = f"attention {kv} {tile.block_n}x{tile.num_stages}x{tile.num_warps}w{cap}"
+            rows.append(_row(name, cost, per_byte, {"kernel": "attention", "kv_dtype": kv, **vars(tile)}))
+    return rows
+
+
+def vector_rows() -> list[dict[str, object]]:
+    rows = []
+    for shape, tile in gemv_vector.TILES.items():
+        gated = shape == "wide"  # gate/up, SiLU·mul in the epilogue
+        cost = loop_cost(compile_vector_kernel(tile, gated), marker="FFMA")
+        per_byte = cost.per_warp * tile.num_warps / (tile.block_n * tile.block_k * (2 if gated else 1))
+        name = f"vector {shape} {tile.block_n}x{tile.block_k}x{tile.num_stages}x{tile.num_warps}w"
+        rows.append(_row(name, cost, per_byte, {"kernel": "vector", "shape": shape, "gated": gated, **vars(tile)}))
+    return rows
+
+
+def _row(name: str, cost: LoopCost, per_byte: float, fields: dict[str, object]) -> dict[str, object]:
+    top = " ".join(f"{op} {n}" for op, n in cost.opcodes[:10])
+    print(f"{name:<48} {cost.registers:>3} registers, {cost.spilled_bytes} B spilled, {cost.per_warp:>5} a warp a "
+          f"step, {per_byte:.3f} a byte | {top}", flush=True)
+    return {**fields, "registers": cost.registers, "spilled_bytes": cost.spilled_bytes,
+            "instructions_per_warp_step": cost.per_warp, "instructions_per_byte": round(per_byte, 4),
+            "opcodes": dict(cost.opcodes)}
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.micro.kernel_sass", description=__doc__)
-    p.add_argument("--kv-dtype", choices=list(KV_TYPES), nargs="+", default=["bf16", "fp8"])
+    p = argparse.ArgumentParser(prog="python -m bench.micro.kernel_sass", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=["attention", "vector"], nargs="+", default=["attention", "vector"])
+    p.add_argument("--kv-dtype", choices=list(KV_TYPES), nargs="+", default=["bf16", "fp8"], help="attention's pool")
     p.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
-                   help="block_n:stages:warps[:max_registers] (default: the engine's tiles for the pool)")
+                   help="attention's block_n:stages:warps[:max_registers] (default: the engine's for the pool); "
+                        "the vector kernel's are the engine's")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    rows = []
-    for kv in args.kv_dtype:
-        dtype = paged_decode.torch.float8_e4m3fn if kv == "fp8" else paged_decode.torch.bfloat16
-        tiles = args.tiles or list(dict.fromkeys([paged_decode.decode_tile(dtype, 1),
-                                                   paged_decode.decode_tile(dtype, paged_decode.CAPPED_FROM_BATCH)]))
-        for tile in tiles:
-            cost = loop_cost(compile_split_kernel(kv, tile))
-            per_byte = cost.per_byte(tile.block_n, KV_TYPES[kv][1], tile.num_warps)
-            top = " ".join(f"{op} {n}" for op, n in cost.opcodes[:10])
-            print(f"{kv:<4} tile {tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r: "
-                  f"{cost.registers:>3} registers, {cost.spilled_bytes} B spilled, {cost.per_warp:>5} a warp a step, "
-                  f"{per_byte:.3f} a KV byte | {top}", flush=True)
-            rows.append({"kv_dtype": kv, **vars(tile), "registers": cost.registers, "spilled_bytes": cost.spilled_bytes,
-                         "instructions_per_warp_step": cost.per_warp, "instructions_per_kv_byte": round(per_byte, 4),
-                         "opcodes": dict(cost.opcodes)})
+    rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
+        (vector_rows() if "vector" in args.kernel else [])
     if args.json:
         write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows})
 
