@@ -38,6 +38,19 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK) and fp8 (block)")
+# e4m3 in our Triton kernels (Triton has no e4m3 type below it) and in cuBLASLt's FP8 GEMMs: Ada, Hopper and newer
+FP8_CAPABILITY = (8, 9)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why `device` can't hold e4m3 weights or KV, or None where it can (the CPU: the reference path)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= FP8_CAPABILITY:
+        return None
+    return (f"{device} ({torch.cuda.get_device_name(device)}) is compute capability {capability[0]}.{capability[1]}, "
+            f"and FP8 (e4m3) runs on {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (Ada, Hopper)")
 
 
 class UnsupportedQuantization(ValueError):

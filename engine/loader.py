@@ -19,6 +19,7 @@ from engine.fp8 import (
     Fp8Linear,
     UnsupportedQuantization,
     dequantize,
+    device_problem,
     quantize_model,
     read_format,
     replace_linears,
@@ -64,6 +65,8 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
+    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8" and (problem := device_problem(device)):
+        raise ModelLoadError(f"preset {name} has FP8 weights, but {problem}; use a 16-bit preset on this GPU")
     model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     gen = torch.Generator(device=device).manual_seed(PRESET_SEED)
     with torch.no_grad():
@@ -265,6 +268,9 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     fmt = read_quantization(folder)
     if fmt is not None and quantization is not None:
         raise ModelLoadError(f"--model {folder} is already quantized ({fmt.method}); drop --quantization")
+    if (fmt is not None or quantization == "fp8") and (problem := device_problem(device)):
+        what = f"--model {folder} has FP8 weights" if fmt is not None else "--quantization fp8 makes FP8 weights"
+        raise ModelLoadError(f"{what}, but {problem}; serve a 16-bit checkpoint on this GPU")
     extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
     cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
     files = sorted(folder.glob("*.safetensors"))

@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine.device import default_preset, resolve_device, resolve_dtype
+from engine.fp8 import device_problem
 from engine.loader import LoadedModel, ModelLoadError, load_model, load_tokenizer
 from engine.ops import KernelOptions
 from engine.runner import ModelRunner, kv_pool_bytes
@@ -33,6 +34,8 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise StartupError(str(e)) from e
+    if cfg.kv_cache_dtype == "fp8" and (problem := device_problem(device)):
+        raise StartupError(f"--kv-cache-dtype fp8: {problem}; drop it on this GPU")
     preset = None if cfg.model else (cfg.preset or default_preset())
     started = time.perf_counter()
     try:

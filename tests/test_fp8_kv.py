@@ -98,3 +98,20 @@ def test_fp8_kv_served_disaggregated(transport: str, server_logs: object) -> Non
             mismatched.stop()
     finally:
         prefill.stop()
+
+
+def test_fp8_kv_on_a_gpu_without_e4m3_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--kv-cache-dtype fp8` on a GPU below compute capability 8.9 stops the server in one line, before the
+    model loads."""
+    import serving.build_runner as build
+    from serving.grpc_common import StartupError
+    from serving.server_config import ServerConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10")
+    monkeypatch.setattr(build, "resolve_device", lambda requested, role: torch.device(requested))
+    monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    cfg = ServerConfig(device="cuda:0", dtype="bfloat16", kv_cache_dtype="fp8")
+    with pytest.raises(StartupError, match=r"^--kv-cache-dtype fp8: cuda:0 \(NVIDIA A10\) is compute capability "
+                                           r"8\.6, and FP8 \(e4m3\) runs on 8\.9 or newer \(Ada, Hopper\); drop it"):
+        build.build_runner(cfg, "decode", 8, False, 0.0)

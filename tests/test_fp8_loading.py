@@ -325,3 +325,37 @@ def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path:
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ModelLoadError, match="needs a positive self_attn.k_scale and v_scale in every layer"):
             load_checkpoint(folder, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def an_a100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA calls answer as an A100 (compute capability 8.0) would: no e4m3 in Triton or cuBLASLt there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_before_loading(bases: dict[str, Path], tmp_path: Path,
+                                                                      an_a100: None) -> None:
+    """An FP8 checkpoint, `--quantization fp8` and the FP8 preset on a GPU below compute capability 8.9: one
+    line naming the GPU and what to serve instead, raised before anything is put on the device (this
+    machine has none to put it on)."""
+    from engine.fp8 import device_problem
+
+    gpu = torch.device("cuda:0")
+    assert device_problem(torch.device("cpu")) is None
+    folder, _ = write_fp8(bases["llama"], tmp_path / "llama-FP8_DYNAMIC", "FP8_DYNAMIC")
+    a100 = r"cuda:0 \(NVIDIA A100-SXM4-80GB\) is compute capability 8\.0, and FP8 \(e4m3\) runs on 8\.9 or newer"
+    with pytest.raises(ModelLoadError, match=rf"has FP8 weights, but {a100}.*; serve a 16-bit checkpoint"):
+        load_checkpoint(folder, gpu, torch.bfloat16)
+    with pytest.raises(ModelLoadError, match=rf"^--quantization fp8 makes FP8 weights, but {a100}"):
+        load_checkpoint(bases["llama"], gpu, torch.bfloat16, quantization="fp8")
+    with pytest.raises(ModelLoadError, match=rf"^preset qwen2.5-7b-fp8 has FP8 weights, but {a100}"):
+        build_preset("qwen2.5-7b-fp8", gpu, torch.bfloat16)
+
+
+def test_a_gpu_with_e4m3_takes_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.fp8 import device_problem
+
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert device_problem(torch.device("cuda:0")) is None
