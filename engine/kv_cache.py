@@ -15,6 +15,8 @@ to it (`to_kv_dtype`), readers convert back to the model dtype as they load.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import threading
 from array import array
 from collections.abc import Sequence
@@ -63,12 +65,18 @@ class KVLayout:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
 
     @classmethod
-    def for_model(cls, config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
+    def for_model(cls, config: ModelConfig, dtype: torch.dtype, block_size: int,
+                  kv_scales: tuple[tuple[float, float], ...] = ()) -> KVLayout:
+        """`kv_scales`: a checkpoint's (k_scale, v_scale) a layer, folded into its weights, so the pool holds
+        K / k_scale and V / v_scale: they name the layout too, and a peer that folded others (or none)
+        is refused at pairing instead of reading the KV at the wrong scale."""
         name = next((n for n, d in KV_DTYPES.items() if d == dtype), None)
         if name is None:
             raise ValueError(f"unsupported KV dtype {dtype}")
-        return cls(config.fingerprint(), name, config.num_layers, config.num_kv_heads,
-                   config.head_dim, block_size)
+        model = config.fingerprint()
+        if kv_scales:
+            model += "-kv-scales-" + hashlib.sha256(json.dumps(kv_scales).encode()).hexdigest()[:8]
+        return cls(model, name, config.num_layers, config.num_kv_heads, config.head_dim, block_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

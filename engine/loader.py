@@ -48,6 +48,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer | None
     source: str
+    kv_scales: tuple[tuple[float, float], ...] = ()  # (k_scale, v_scale) a layer folded into the weights
 
 
 def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
@@ -290,6 +291,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     filled: dict[str, int] = {}
     tied_copies: list[torch.Tensor] = []  # an lm_head saved beside tied embeddings: must be their copy
     kv_scales = torch.full((cfg.num_layers, 2), float("nan"))  # k_scale, v_scale a layer, where the format has them
+    folded: tuple[tuple[float, float], ...] = ()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -334,6 +336,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                 raise ModelLoadError(f"--model {folder}: its kv_cache_scheme needs a positive self_attn.k_scale and "
                                      "v_scale in every layer; some are missing or not positive; re-export it")
             fold_kv_scales(model, kv_scales)
+            folded = tuple((k, v) for k, v in kv_scales.tolist())
         if quantization == "fp8":
             quantize_model(model, [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS], keep_fp8)
             params = dict(model.named_parameters())
@@ -349,7 +352,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"--model {folder}: its tokenizer files can't be loaded ({e}); fix or remove "
                              "them (without them the server takes token ids only)") from e
-    return LoadedModel(model, cfg, tokenizer, str(folder))
+    return LoadedModel(model, cfg, tokenizer, str(folder), folded)
 
 
 def load_tokenizer(folder: str, vocab_size: int) -> Tokenizer:

@@ -49,7 +49,7 @@ class ModelRunner:
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        self.layout = KVLayout.for_model(loaded.config, kv_dtype or dtype, block_size)
+        self.layout = KVLayout.for_model(loaded.config, kv_dtype or dtype, block_size, loaded.kv_scales)
         num_blocks = KVPool.blocks_for_memory(self.layout, kv_bytes)
         need = -(-max_model_len // block_size) + 1
         if num_blocks < need:

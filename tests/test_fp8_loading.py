@@ -298,6 +298,40 @@ def test_kv_cache_scales_keep_a_static_input_scale_on_what_it_was_calibrated_for
     assert generate(runner, PROMPTS, STEPS) == reference_greedy(dequantized)
 
 
+@pytest.mark.e2e
+def test_servers_with_other_kv_scales_refuse_to_pair(bases: dict[str, Path], tmp_path: Path,
+                                                     server_logs: Path) -> None:
+    """The same weights with and without a kv_cache_scheme fill the pool at other scales: a decode server
+    on one and a prefill server on the other are refused at pairing, in one line naming both layouts,
+    where the KV would have been read at the wrong scale; on the same checkpoint they serve its tokens."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    plain, dequantized = write_fp8(bases["llama"], tmp_path / "plain", "FP8_DYNAMIC")
+    scaled, _ = write_fp8(bases["llama"], tmp_path / "scaled", "FP8_DYNAMIC")
+    _add_kv_scales(scaled, [0.02, 0.03, 0.04], 0.05)
+    args = ["--max-model-len", "256"]
+    prefill = ServerProcess("prefill_server", ["--model", str(scaled), *args], server_logs).start()
+    try:
+        decode = ServerProcess("decode_server", ["--model", str(scaled), *args, "--prefill-addr", prefill.address],
+                               server_logs).start()
+        other = ServerProcess("decode_server", ["--model", str(plain), *args, "--prefill-addr", prefill.address],
+                              server_logs).start()
+        try:
+            assert_disaggregated_tokens(decode.address, PROMPTS, reference_greedy(dequantized), STEPS)
+            with grpc.insecure_channel(other.address) as ch, pytest.raises(grpc.RpcError) as e:
+                list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                    token_ids=PROMPTS[0], max_new_tokens=2,
+                    prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            assert "KV layout mismatch" in e.value.details() and "-kv-scales-" in e.value.details()  # type: ignore[attr-defined]
+        finally:
+            decode.stop()
+            other.stop()
+    finally:
+        prefill.stop()
+
+
 def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path: Path) -> None:
     """A compressed-tensors checkpoint with a kv_cache_scheme (k_scale, v_scale a layer): the cache
     holds K / k_scale and V / v_scale (an e4m3 pool: those rounded), while attention, and so the
@@ -312,6 +346,9 @@ def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path:
         assert generate(make_runner(model=str(folder), max_model_len=256), PROMPTS, STEPS) == \
             reference_greedy(dequantized)
         scaled = make_runner(model=str(folder), max_model_len=256, kv_dtype=FP8)
+        named, _, digest = scaled.layout.model.partition("-kv-scales-")
+        assert digest and named == plain.layout.model
+        assert make_runner(model=str(folder), max_model_len=256).layout.model == scaled.layout.model
         for runner in (plain, scaled):
             table = runner.pool.allocator.allocate(runner.pool.blocks_needed(len(PROMPTS[1]) + 1))
             runner.prefill(PROMPTS[1], table, 0)
