@@ -337,6 +337,13 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                                      "v_scale in every layer; some are missing or not positive; re-export it")
             fold_kv_scales(model, kv_scales)
             folded = tuple((k, v) for k, v in kv_scales.tolist())
+        if fmt is not None:
+            kept = len(linear_parts(cfg)) - len(fp8_layers)
+            log.info("FP8 weights (%s, %s scales%s): %d projections %s%s%s", fmt.method, fmt.weight,
+                     ", static input scales" if fmt.static_input else "", len(fp8_layers),
+                     "in e4m3" if keep_fp8 else f"dequantized to {dtype} (the reference path)",
+                     f", {kept} unquantized as the checkpoint has them" if kept else "",
+                     "; KV scales folded into the weights" if folded else "")
         if quantization == "fp8":
             quantize_model(model, [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS], keep_fp8)
             params = dict(model.named_parameters())

@@ -144,6 +144,24 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: 
                            load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"].float())
 
 
+def test_an_fp8_checkpoint_says_what_it_loaded(bases: dict[str, Path], tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """One log line: the format, how many projections are FP8 and how they run, what stays unquantized."""
+    folder, _ = write_fp8(bases["llama"], tmp_path / "llama-FP8", "FP8")
+    _add_kv_scales(folder, [0.5, 0.5, 0.5], 0.5)
+    with caplog.at_level("INFO", logger="engine.loader"):
+        load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    assert ("FP8 weights (compressed-tensors, tensor scales, static input scales): 12 projections dequantized to "
+            "torch.float32 (the reference path); KV scales folded into the weights") in caplog.text  # 3 layers x 4
+    folder, _ = write_fp8(bases["qwen3"], tmp_path / "qwen3-hf", "hf-fp8")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="engine.loader"):
+        model = load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    untied = int(not model.config.tie_word_embeddings)  # an untied lm_head stays 16-bit
+    assert "FP8 weights (fp8, block scales): 12 projections dequantized to torch.float32 (the reference path)" + \
+        (f", {untied} unquantized as the checkpoint has them" if untied else "") in caplog.text
+
+
 def test_ignore_list_keeps_modules_unquantized_and_refuses_half_a_fused_projection(bases: dict[str, Path],
                                                                                     tmp_path: Path) -> None:
     folder, _ = write_fp8(bases["llama"], tmp_path / "ct", "FP8_DYNAMIC")
