@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from launcher.process import ROOT
@@ -55,3 +57,40 @@ def assert_disaggregated_tokens(address: str, prompts: list[list[int]], want: li
                 token_ids=prompt, max_new_tokens=steps, ignore_eos=True,
                 prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60)
             assert [r.token_id for r in replies] == tokens
+
+
+def refused_at_pairing(address: str, prompt: list[int]) -> str:
+    """A disaggregated request to the decode server at `address`, whose prefill server does not pair with it:
+    refused with FAILED_PRECONDITION; its one line."""
+    import grpc
+    import pytest
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+            token_ids=prompt, max_new_tokens=2, prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    details = e.value.details()  # type: ignore[attr-defined]
+    assert isinstance(details, str)
+    return details
+
+
+@contextmanager
+def pair_and_stranger(prefill_args: list[str], decode_args: list[str], stranger_args: list[str],
+                      log_dir: Path) -> Iterator[tuple[str, str]]:
+    """A prefill server, a decode server that pairs with it and one that should not (both given its
+    address); yields the two decode servers' addresses."""
+    prefill = ServerProcess("prefill_server", prefill_args, log_dir).start()
+    try:
+        pair = ["--prefill-addr", prefill.address]
+        decode = ServerProcess("decode_server", [*decode_args, *pair], log_dir).start()
+        try:
+            stranger = ServerProcess("decode_server", [*stranger_args, *pair], log_dir).start()
+            try:
+                yield decode.address, stranger.address
+            finally:
+                stranger.stop()
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()

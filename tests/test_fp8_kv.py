@@ -4,16 +4,14 @@ and part of the KV layout both servers of a pair must share."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
-from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.decode_batch import DecodeSeq
 from engine.kv_cache import FP8_KV_MAX, to_kv_dtype
 from engine.offline import generate, make_runner
 from tests.conftest import rel_err
-from tests.servers import ServerProcess, assert_disaggregated_tokens
+from tests.servers import assert_disaggregated_tokens, pair_and_stranger, refused_at_pairing
 
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
@@ -80,24 +78,10 @@ def test_fp8_kv_served_disaggregated(transport: str, server_logs: object) -> Non
     assert isinstance(server_logs, Path)
     want = generate(make_runner(preset="tiny", kv_dtype=FP8), PROMPTS, STEPS)
     fp8 = ["--kv-cache-dtype", "fp8", "--kv-transport", transport]
-    prefill = ServerProcess("prefill_server", fp8, server_logs).start()
-    try:
-        decode = ServerProcess("decode_server", [*fp8, "--prefill-addr", prefill.address], server_logs).start()
-        mismatched = ServerProcess("decode_server", ["--kv-transport", transport, "--prefill-addr", prefill.address],
-                                   server_logs).start()
-        try:
-            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
-            with grpc.insecure_channel(mismatched.address) as ch, pytest.raises(grpc.RpcError) as e:
-                list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                    token_ids=PROMPTS[0], max_new_tokens=2,
-                    prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60))
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-            assert "float8_e4m3fn" in e.value.details() and "--kv-cache-dtype" in e.value.details()  # type: ignore[attr-defined]
-        finally:
-            decode.stop()
-            mismatched.stop()
-    finally:
-        prefill.stop()
+    with pair_and_stranger(fp8, fp8, ["--kv-transport", transport], server_logs) as (decode, stranger):
+        assert_disaggregated_tokens(decode, PROMPTS, want, STEPS)
+        refused = refused_at_pairing(stranger, PROMPTS[0])
+        assert "float8_e4m3fn" in refused and "--kv-cache-dtype" in refused
 
 
 def test_fp8_kv_on_a_gpu_without_e4m3_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

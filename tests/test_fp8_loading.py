@@ -17,7 +17,7 @@ from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, to_per_channel
 from engine.loader import ModelLoadError, build_preset, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
-from tests.servers import ServerProcess, assert_disaggregated_tokens
+from tests.servers import ServerProcess, assert_disaggregated_tokens, pair_and_stranger, refused_at_pairing
 
 PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
 STEPS = 12
@@ -322,32 +322,14 @@ def test_servers_with_other_kv_scales_refuse_to_pair(bases: dict[str, Path], tmp
     """The same weights with and without a kv_cache_scheme fill the pool at other scales: a decode server
     on one and a prefill server on the other are refused at pairing, in one line naming both layouts,
     where the KV would have been read at the wrong scale; on the same checkpoint they serve its tokens."""
-    import grpc
-    from pd.v1 import decode_pb2, decode_pb2_grpc
-
     plain, dequantized = write_fp8(bases["llama"], tmp_path / "plain", "FP8_DYNAMIC")
     scaled, _ = write_fp8(bases["llama"], tmp_path / "scaled", "FP8_DYNAMIC")
     _add_kv_scales(scaled, [0.02, 0.03, 0.04], 0.05)
-    args = ["--max-model-len", "256"]
-    prefill = ServerProcess("prefill_server", ["--model", str(scaled), *args], server_logs).start()
-    try:
-        decode = ServerProcess("decode_server", ["--model", str(scaled), *args, "--prefill-addr", prefill.address],
-                               server_logs).start()
-        other = ServerProcess("decode_server", ["--model", str(plain), *args, "--prefill-addr", prefill.address],
-                              server_logs).start()
-        try:
-            assert_disaggregated_tokens(decode.address, PROMPTS, reference_greedy(dequantized), STEPS)
-            with grpc.insecure_channel(other.address) as ch, pytest.raises(grpc.RpcError) as e:
-                list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                    token_ids=PROMPTS[0], max_new_tokens=2,
-                    prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60))
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-            assert "KV layout mismatch" in e.value.details() and "-kv-scales-" in e.value.details()  # type: ignore[attr-defined]
-        finally:
-            decode.stop()
-            other.stop()
-    finally:
-        prefill.stop()
+    scaled_args, plain_args = (["--model", str(folder), "--max-model-len", "256"] for folder in (scaled, plain))
+    with pair_and_stranger(scaled_args, scaled_args, plain_args, server_logs) as (decode, stranger):
+        assert_disaggregated_tokens(decode, PROMPTS, reference_greedy(dequantized), STEPS)
+        refused = refused_at_pairing(stranger, PROMPTS[0])
+        assert "KV layout mismatch" in refused and "-kv-scales-" in refused
 
 
 def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path: Path) -> None:
