@@ -68,7 +68,14 @@ class Fp8Format:
     kv_scales: bool = False            # per-layer `self_attn.k_scale` / `v_scale` (a kv_cache_scheme)
 
     def quantizes(self, module: str) -> bool:
-        """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8."""
+        """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
+        entry means what the tool that wrote it means: compressed-tensors' is a module's name or, after
+        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry is
+        a pattern matched from the start to a module boundary ("model.layers.1" takes
+        model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj")."""
+        if self.method == "fp8":
+            return not any(re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(entry)
+                           for entry in self.ignore)
         for entry in self.ignore:
             if entry.startswith("re:") and re.match(entry[3:], module) or module == entry:
                 return False

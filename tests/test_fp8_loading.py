@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, to_per_channel
+from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, read_format, to_per_channel
 from engine.loader import ModelLoadError, build_preset, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
@@ -142,6 +142,36 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: 
     ignoring_scales = dict(load_file(dequantized / "model.safetensors"))  # what the loader used to serve
     assert not torch.equal(ignoring_scales["model.layers.0.mlp.down_proj.weight"],
                            load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"].float())
+
+
+def test_modules_to_not_convert_means_what_transformers_means(bases: dict[str, Path], tmp_path: Path) -> None:
+    """transformers' `fp8` checkpoints name what they keep unquantized by a module prefix up to a boundary
+    ("model.layers.1": all of layer 1, not layer 11) or a name's end ("down_proj"), not by the whole name
+    as compressed-tensors' `ignore` does; the loader reads each format's list its own way."""
+    folder, _ = write_fp8(bases["qwen3"], tmp_path / "hf", "hf-fp8")
+    weights = load_file(folder / "model.safetensors")
+    original = load_file(bases["qwen3"] / "model.safetensors")
+    for name in list(weights):
+        module, _, kind = name.rpartition(".")
+        if kind == "weight_scale_inv" and (module.startswith("model.layers.1.") or module.endswith("down_proj")):
+            del weights[name]
+            weights[f"{module}.weight"] = original[f"{module}.weight"]
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.1", "down_proj"]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "config.json").write_text(json.dumps(raw))
+    save_file(weights, mixed / "model.safetensors", metadata={"format": "pt"})
+    model = load_checkpoint(mixed, torch.device("cpu"), torch.float32).model
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer.qkv, Fp8Linear) == (i != 1) and isinstance(layer.gate_up, Fp8Linear) == (i != 1)
+        assert not isinstance(layer.down, Fp8Linear)
+    kept = dict(model.named_parameters())["layers.1.o_proj.weight"]
+    assert torch.equal(kept, original["model.layers.1.self_attn.o_proj.weight"])
+    fmt = read_format(raw["quantization_config"])
+    assert fmt.quantizes("model.layers.11.mlp.up_proj") and fmt.quantizes("model.layers.2.mlp.gate_proj")
+    ct = read_format({**quantization_config("FP8_DYNAMIC"), "ignore": ["model.layers.1", "down_proj"]})  # names there
+    assert ct.quantizes("model.layers.1.mlp.up_proj") and ct.quantizes("model.layers.0.mlp.down_proj")
 
 
 def test_an_fp8_checkpoint_says_what_it_loaded(bases: dict[str, Path], tmp_path: Path,
