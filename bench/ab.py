@@ -79,7 +79,8 @@ def figures(doc: Any, keys: list[str]) -> dict[str, Any]:
     return out
 
 
-def run(trees: list[Path], command: list[str], rounds: int, keys: list[str], timeout: float | None) -> list[dict[str, Any]]:
+def run(trees: list[Path], command: list[str], rounds: int, keys: list[str],
+        timeout: float | None) -> list[dict[str, Any]]:
     """The command on each tree in turn, `rounds` times over; each run's figures and whole JSON output."""
     if not any("{json}" in part for part in command) and keys:
         raise SystemExit("--keys reads the command's JSON: put {json} where the command writes it")

@@ -54,3 +54,21 @@ def test_a_tile_is_read_from_the_command_line() -> None:
     assert parse_tile("128:3:4:0") == DecodeTile(128, 3, 4, None)
     with pytest.raises(argparse.ArgumentTypeError):
         parse_tile("64:5")
+
+
+def test_the_w8a8_tiles_step_holds_a_warpgroup_mma_per_32_deep_slice() -> None:
+    """The 64-row tile's step: one FP8 warpgroup MMA (k = 32) a 32-deep slice of each strip it streams."""
+    from dataclasses import replace
+
+    from bench.micro.kernel_sass import compile_gemv_kernel, loop_cost
+    from engine.kernels.gemv import FP8_WIDE_ROW_TILES
+
+    for cfg, gated in ((FP8_WIDE_ROW_TILES["deep"], False), (replace(FP8_WIDE_ROW_TILES["wide"], block_n=64), True)):
+        try:
+            ptx, shared = compile_gemv_kernel(cfg, gated, bias=False)
+            cost = loop_cost(ptx, marker="GMMA")
+        except FileNotFoundError as missing:
+            pytest.skip(str(missing))
+        assert dict(cost.opcodes).get("QGMMA") == cfg.block_k // 32 * (2 if gated else 1)
+        # the pipeline's stages hold the weights' and x's tiles (more with the epilogue's scratch)
+        assert shared >= cfg.num_stages * (cfg.block_n * (2 if gated else 1) + 64) * cfg.block_k

@@ -7,7 +7,11 @@ while HBM delivers that byte, the instructions, not the bytes, set its time. Ker
 - `attention`: the decode attention's split kernel, a step `block_n` tokens of K and V, at Qwen2.5-7B's
   shape (28 query heads, 4 KV heads, 128 dims, a split context, rope inside);
 - `vector`: the e4m3 skinny matmul on CUDA cores (1-2 rows), a step `block_n` x `block_k` weights (twice
-  that gated).
+  that gated);
+- `gemv`: the 64-row W8A8 tile of e4m3 weights (3-64 rows), a step `block_n` x `block_k` weights (twice
+  that gated) and 64 x `block_k` of x, at Qwen2.5-7B's four projections: its shared memory and the
+  programs an SM holds, beside the programs the shape launches, and the bytes of x each program reads
+  again from L2 for each weight byte it streams from HBM.
 Each is compiled as the engine launches it, pointers and strides specialized as divisible by 16 as
 Triton's runtime does (the block table's row stride and the merge's strides are not). The device may
 run another Triton version, whose code can differ.
@@ -25,18 +29,26 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.common import metadata, write_json
-from engine.kernels import gemv_vector, paged_decode
+from engine.kernels import gemv, gemv_vector, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 POINTERS = {"Q": "*bf16", "BT": "*i32", "BT_STRIDE": "*i32", "CTX": "*i32", "OUT": "*fp32", "ML": "*fp32",
             "RESULT": "*bf16", "POS": "*i32", "COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i32"}
 UNALIGNED = {"s_bt", "s_mh", "s_ms"}  # strides the runtime does not see divisible by 16
 KV_TYPES = {"bf16": ("*bf16", 2), "fp8": ("*fp8e4nv", 1)}
+
+
+# Qwen2.5-7B's projections: output columns, K, whether gate/up with SiLU·mul
+PROJECTIONS = {"qkv": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, True),
+               "down": (3584, 18944, False)}
+SM_SHARED, SM_REGISTERS, SMS = 228 * 1024, 65536, 132  # an H100/H200 SM; SMs on an H200 SXM
+SHARED_RESERVED = 1024  # a program's shared memory the driver keeps
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,26 @@ def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool) -> str:
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
     return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps}
                               ).asm["ptx"])
+
+
+def compile_gemv_kernel(cfg: gemv.GemvConfig, gated: bool, bias: bool) -> tuple[str, int]:
+    """The 64-row W8A8 tile's PTX for sm_90a as the engine launches it (x in e4m3 with its row scales)
+    and the shared memory a program takes. A gated `cfg` is `gemv.gated_config_for`'s (each strip's half)."""
+    fn = gemv._gemv_kernel
+    block_n = cfg.block_n
+    consts = dict(HAS_SCALE=True, HAS_BIAS=bias, GATED=gated, ARGMAX=False, SPLIT_K=cfg.split_k, X_MODE=gemv.X_E4M3,
+                  ROUND=triton.language.bfloat16, BLOCK_M=gemv.WIDE_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+                  STRIP_N=cfg.strip_n or block_n, PDL=True)
+    pointers = {"X": "*fp8e4nv", "X_SCALE": "*fp32", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16",
+                "OUT": "*bf16", "PARTIAL": "*fp32", "COUNTS": "*i32", "BEST": "*fp32", "BEST_COL": "*i32"}
+    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if signature[p] != "constexpr"}
+    options: dict[str, int] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers:
+        options["maxnreg"] = cfg.max_registers
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return str(compiled.asm["ptx"]), int(compiled.metadata.shared)
 
 
 def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
@@ -154,6 +186,38 @@ def vector_rows() -> list[dict[str, object]]:
     return rows
 
 
+def gemv_rows() -> list[dict[str, object]]:
+    rows = []
+    for shape, (n, k, gated) in PROJECTIONS.items():
+        cfg = gemv.config_for(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
+        if cfg is None:
+            continue
+        if gated:
+            cfg = gemv.gated_config_for(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
+            assert cfg is not None
+        ptx, shared = compile_gemv_kernel(cfg, gated, bias=shape == "qkv")
+        cost = loop_cost(ptx, marker="GMMA")
+        columns = n // 2 if gated else n
+        programs = -(-columns // cfg.strip) * cfg.split_k
+        per_sm = min(SM_SHARED // (shared + SHARED_RESERVED),
+                     SM_REGISTERS // (max(cost.registers, 1) * 32 * cfg.num_warps))
+        weight_bytes = cfg.block_n * cfg.block_k * (2 if gated else 1)  # gated: a gate strip and its up strip
+        per_byte = cost.per_warp * cfg.num_warps / (weight_bytes + gemv.WIDE_ROWS * cfg.block_k)
+        x_reread = programs * gemv.WIDE_ROWS * (k // cfg.split_k) / (n * k)
+        name = f"gemv {shape} {cfg.block_n}x{cfg.block_k}x{cfg.num_stages}x{cfg.num_warps}w split {cfg.split_k}"
+        print(f"{name:<48} {shared // 1024} KB shared, {per_sm} a SM, {programs} programs for {SMS} SMs, "
+              f"{x_reread:.2f} B of x a weight byte", flush=True)
+        rows.append(_row(name, cost, per_byte, {"kernel": "gemv", "shape": shape, "n": n, "k": k, "gated": gated,
+                                                **vars(cfg), "shared_bytes": shared, "programs_per_sm": per_sm,
+                                                "programs": programs, "x_bytes_per_weight_byte": round(x_reread, 3)}))
+    return rows
+
+
+def torch_e4m3_weight(n: int, k: int) -> torch.Tensor:
+    """An empty e4m3 weight of the shape, on the meta device: what the tile choice reads."""
+    return torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+
+
 def _row(name: str, cost: LoopCost, per_byte: float, fields: dict[str, object]) -> dict[str, object]:
     top = " ".join(f"{op} {n}" for op, n in cost.opcodes[:10])
     print(f"{name:<48} {cost.registers:>3} registers, {cost.spilled_bytes} B spilled, {cost.per_warp:>5} a warp a "
@@ -166,7 +230,8 @@ def _row(name: str, cost: LoopCost, per_byte: float, fields: dict[str, object]) 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.micro.kernel_sass", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=["attention", "vector"], nargs="+", default=["attention", "vector"])
+    kernels = ["attention", "vector", "gemv"]
+    p.add_argument("--kernel", choices=kernels, nargs="+", default=kernels)
     p.add_argument("--kv-dtype", choices=list(KV_TYPES), nargs="+", default=["bf16", "fp8"], help="attention's pool")
     p.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
                    help="attention's block_n:stages:warps[:max_registers] (default: the engine's for the pool); "
@@ -174,7 +239,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
-        (vector_rows() if "vector" in args.kernel else [])
+        (vector_rows() if "vector" in args.kernel else []) + (gemv_rows() if "gemv" in args.kernel else [])
     if args.json:
         write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows})
 
