@@ -120,6 +120,15 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
     if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
         raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
                       "float-quantized group is supported)")
+    # 2:4 or bitmask-compressed weights are stored as other tensors than a dense `weight`; transforms
+    # (rotations such as SpinQuant's or QuIP's) are applied to activations at run time: neither runs here
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        shown = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        raise _refuse(method, f"sparse weights (sparsity_config format {shown!r})")
+    transforms = config.get("transform_config") or {}
+    if transforms and (not isinstance(transforms, dict) or transforms.get("config_groups", transforms)):
+        raise _refuse(method, "a transform_config (rotations applied to activations at run time)")
     kv = config.get("kv_cache_scheme")
     if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False))
                != ("float", 8, "tensor", False)):
@@ -127,6 +136,8 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
                       f"{kv.get('strategy')} scales")
     group = next(iter(groups.values()))
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if group.get("format", "float-quantized") != "float-quantized":
+        raise _refuse(method, f"a config group in format {group.get('format')!r}")
     if group.get("targets") != ["Linear"] or group.get("output_activations"):
         raise _refuse(method, f"targets {group.get('targets')!r} or output activations")
     if (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True),

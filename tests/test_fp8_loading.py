@@ -226,6 +226,13 @@ def test_ignore_list_keeps_modules_unquantized_and_refuses_half_a_fused_projecti
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "quant_method 'fp8' with activation_scheme 'static'"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"],
+                          "ignore": ["lm_head"], "global_sparsity": 0.45}},
+     "with sparse weights (sparsity_config format 'sparse-24-bitmask')"),
+    ({"transform_config": {"config_groups": {"R1": {"type": "hadamard", "apply": []}}}},
+     "with a transform_config (rotations applied to activations at run time)"),
+    ({"config_groups": {"group_0": {**_group("FP8"), "format": "pack-quantized"}}},
+     "with a config group in format 'pack-quantized'"),
 ])
 def test_other_quantizations_are_refused_naming_them(change: dict[str, object], expected: str,
                                                      bases: dict[str, Path], tmp_path: Path) -> None:
@@ -236,6 +243,15 @@ def test_other_quantizations_are_refused_naming_them(change: dict[str, object], 
     with pytest.raises(ModelLoadError) as e:
         load_checkpoint(folder, torch.device("cpu"), torch.float32)
     assert expected in str(e.value) and "\n" not in str(e.value) and "use an unquantized" in str(e.value)
+
+
+def test_dense_sparsity_and_no_transforms_are_read_as_plain_fp8() -> None:
+    """What llm-compressor writes beside FP8 when nothing is sparse or rotated loads as FP8."""
+    from engine.fp8 import read_format
+
+    config = {**quantization_config("FP8_DYNAMIC"), "transform_config": {},
+              "sparsity_config": {"format": "dense", "sparsity_structure": "unstructured", "global_sparsity": 0.0}}
+    assert read_format(config).weight == "channel"
 
 
 def test_quantization_flag_quantizes_per_channel_at_load(bases: dict[str, Path]) -> None:
