@@ -50,7 +50,8 @@ def check_gemv() -> None:
     for m in (1, 3):
         x = torch.randn(m, k, dtype=torch.float16)
         for cfg in (GemvConfig(32, 128, 4, 2, 1), GemvConfig(32, 64, 4, 2, 2),  # whole K, split in two
-                    GemvConfig(32, 64, 4, 2, 2, f16_mma=True)):
+                    GemvConfig(32, 64, 4, 2, 2, f16_mma=True),
+                    GemvConfig(128, 64, 4, 2, 2)):  # at 3 rows 64 x 128 partials: added in a loop (arrivals)
             assert rel(gemv(x, w, bias, cfg, scale=scale), F.linear(x.float(), deq, bias.float())) < 2e-3, cfg
         gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
         want = (F.silu(gate.float()).half().float() * up.float()).half()
