@@ -121,14 +121,16 @@ def reference_greedy(folder: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A Llama 3 (tied embeddings) and a Qwen3, wide enough for two 128-column blocks (one partial)."""
+    """Each family (Llama 3 with tied embeddings, Qwen2's qkv bias, Qwen3, Mistral), wide enough for two
+    128-column blocks (one partial)."""
     root = tmp_path_factory.mktemp("fp8")
     return {family: write_tiny_checkpoint(root / f"tiny-{family}", seed=7, family=family, hidden_size=192,
-                                          intermediate_size=320) for family in ("llama", "qwen3")}
+                                          intermediate_size=320) for family in ("llama", "qwen2", "qwen3", "mistral")}
 
 
 @pytest.mark.parametrize(("scheme", "family"), [("FP8_DYNAMIC", "llama"), ("FP8", "llama"), ("FP8_BLOCK", "qwen3"),
-                                                ("hf-fp8", "qwen3")])
+                                                ("hf-fp8", "qwen3"), ("FP8_DYNAMIC", "qwen2"), ("FP8", "qwen2"),
+                                                ("FP8_BLOCK", "mistral")])
 def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: str, bases: dict[str, Path],
                                                            tmp_path: Path) -> None:
     folder, dequantized = write_fp8(bases[family], tmp_path / f"{family}-{scheme}", scheme)
