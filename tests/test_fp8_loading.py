@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,28 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: 
     ignoring_scales = dict(load_file(dequantized / "model.safetensors"))  # what the loader used to serve
     assert not torch.equal(ignoring_scales["model.layers.0.mlp.down_proj.weight"],
                            load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"].float())
+
+
+def test_a_sharded_checkpoint_with_scales_apart_from_their_weights(bases: dict[str, Path], tmp_path: Path) -> None:
+    """Sharded as save_pretrained may shard it, a weight in one file and its scale in the next (read in
+    either order): the same tokens as the checkpoint in one file."""
+    folder, _ = write_fp8(bases["qwen3"], tmp_path / "whole", "hf-fp8")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(folder / "config.json", sharded / "config.json")
+    tensors = load_file(folder / "model.safetensors")
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {},
+                                                  "model-00002-of-00002.safetensors": {}}
+    for i, (name, tensor) in enumerate(sorted(tensors.items())):
+        # scales in the first file, weights in the second; the rest alternate
+        first = name.endswith("_scale_inv") or (not name.endswith(".weight") and i % 2 == 0)
+        shards["model-00001-of-00002.safetensors" if first else "model-00002-of-00002.safetensors"][name] = tensor
+    for file, part in shards.items():
+        save_file(part, sharded / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    whole = generate(make_runner(model=str(folder), max_model_len=256), PROMPTS, STEPS)
+    assert generate(make_runner(model=str(sharded), max_model_len=256), PROMPTS, STEPS) == whole
 
 
 def test_modules_to_not_convert_means_what_transformers_means(bases: dict[str, Path], tmp_path: Path) -> None:
