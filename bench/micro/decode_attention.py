@@ -13,11 +13,14 @@ the simulator (planner.fits.fit_long_history).
 
 `--kv-dtype fp8` reads an e4m3 pool (one byte a value, the floor halved); `--block-n`, `--stages`,
 `--warps` and `--max-registers` sweep the kernel's tile (`DecodeTile`), the one the engine picks for
-the dtype marked."""
+the dtype marked. Inputs are seeded by case, and each row records a digest of its result's bits
+(`digest` over all rows), so two trees' kernels can be checked for the same bits
+(`python -m bench.ab run ... --keys digest`)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 from functools import partial
 
 import torch
@@ -53,6 +56,7 @@ def main() -> None:
     rows = []
     for ctx in args.contexts:
         for batch in args.batches:
+            torch.manual_seed(ctx * 1000 + batch)  # the same inputs in every tree
             longest = max(ctx, args.long_context)
             blocks = -(-longest // BLOCK)
             slots = batch * blocks * BLOCK + BLOCK
@@ -75,6 +79,8 @@ def main() -> None:
                 for splits in args.splits:
                     us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
                                    for kv in layers])
+                    out, _ = paged_decode_attention(q, layers[0], tables, lens, BLOCK, None, splits, tile)
+                    bits = hashlib.sha256(out.cpu().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
                     ours = splits == chosen and tile == engine_tile
                     shape = f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
                     print(f"ctx {ctx:>6} batch {batch:>3} tile {shape} splits {splits:>3}: "
@@ -83,12 +89,13 @@ def main() -> None:
                     rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
                                  "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
                                  "block_n": tile.block_n, "num_stages": tile.num_stages,
-                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers})
+                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers, "digest": bits})
             del layers
             torch.cuda.empty_cache()
     if args.json:
+        every = hashlib.sha256("".join(str(r["digest"]) for r in rows).encode()).hexdigest()[:16]
         write_json(args.json, {**metadata(), "gpu": torch.cuda.get_device_name(dev), "hbm_gbps_measured": round(hbm),
-                               "rows": rows})
+                               "digest": every, "rows": rows})
 
 
 if __name__ == "__main__":
