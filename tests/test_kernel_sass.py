@@ -46,8 +46,14 @@ def test_the_vector_tiles_step_holds_an_ffma_a_weight() -> None:
 def test_a_tile_is_read_from_the_command_line() -> None:
     import argparse
 
-    from bench.micro.kernel_sass import parse_tile
+    from bench.micro.kernel_sass import parse_gemv_tile, parse_tile
+    from engine.kernels.gemv import GemvConfig
     from engine.kernels.paged_decode import DecodeTile
+
+    assert parse_gemv_tile("128:128:4:4:4") == GemvConfig(128, 128, 4, 4, 4, quantize_x=True)
+    assert parse_gemv_tile("128:64:4:4:1:72").strip == 72
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_gemv_tile("128:64:4")
 
     assert parse_tile("64:5:4:128") == DecodeTile(64, 5, 4, 128)
     assert parse_tile("128:3:4") == DecodeTile(128, 3, 4, None)

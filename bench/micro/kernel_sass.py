@@ -11,7 +11,8 @@ while HBM delivers that byte, the instructions, not the bytes, set its time. Ker
 - `gemv`: the 64-row W8A8 tile of e4m3 weights (3-64 rows), a step `block_n` x `block_k` weights (twice
   that gated) and 64 x `block_k` of x, at Qwen2.5-7B's four projections: its shared memory and the
   programs an SM holds, beside the programs the shape launches, and the bytes of x each program reads
-  again from L2 for each weight byte it streams from HBM.
+  again from L2 for each weight byte it streams from HBM (`--shapes`; `--gemv-tiles` compiles other
+  tiles in the engine's place).
 Each is compiled as the engine launches it, pointers and strides specialized as divisible by 16 as
 Triton's runtime does (the block table's row stride and the merge's strides are not). The device may
 run another Triton version, whose code can differ.
@@ -186,31 +187,43 @@ def vector_rows() -> list[dict[str, object]]:
     return rows
 
 
-def gemv_rows() -> list[dict[str, object]]:
+def parse_gemv_tile(text: str) -> gemv.GemvConfig:
+    """block_n:block_k:warps:stages:split[:strip_n] (gate/up: block_n of each half)"""
+    parts = [int(p) for p in text.split(":")]
+    if len(parts) not in (5, 6):
+        raise argparse.ArgumentTypeError(f"gemv tile {text!r}: block_n:block_k:warps:stages:split[:strip_n] expected")
+    return gemv.GemvConfig(parts[0], parts[1], parts[2], parts[3], parts[4], quantize_x=True,
+                           strip_n=parts[5] if len(parts) == 6 else 0)
+
+
+def gemv_rows(shapes: list[str], tiles: list[gemv.GemvConfig] | None) -> list[dict[str, object]]:
+    """Each shape's engine tile at 64 rows, or each of `tiles` in its place."""
     rows = []
-    for shape, (n, k, gated) in PROJECTIONS.items():
-        cfg = gemv.config_for(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
-        if cfg is None:
-            continue
-        if gated:
-            cfg = gemv.gated_config_for(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
-            assert cfg is not None
-        ptx, shared = compile_gemv_kernel(cfg, gated, bias=shape == "qkv")
-        cost = loop_cost(ptx, marker="GMMA")
-        columns = n // 2 if gated else n
-        programs = -(-columns // cfg.strip) * cfg.split_k
-        per_sm = min(SM_SHARED // (shared + SHARED_RESERVED),
-                     SM_REGISTERS // (max(cost.registers, 1) * 32 * cfg.num_warps))
-        weight_bytes = cfg.block_n * cfg.block_k * (2 if gated else 1)  # gated: a gate strip and its up strip
-        per_byte = cost.per_warp * cfg.num_warps / (weight_bytes + gemv.WIDE_ROWS * cfg.block_k)
-        x_reread = programs * gemv.WIDE_ROWS * (k // cfg.split_k) / (n * k)
-        name = f"gemv {shape} {cfg.block_n}x{cfg.block_k}x{cfg.num_stages}x{cfg.num_warps}w split {cfg.split_k}"
-        print(f"{name:<48} {shared // 1024} KB shared, {per_sm} a SM, {programs} programs for {SMS} SMs, "
-              f"{x_reread:.2f} B of x a weight byte", flush=True)
-        rows.append(_row(name, cost, per_byte, {"kernel": "gemv", "shape": shape, "n": n, "k": k, "gated": gated,
-                                                **vars(cfg), "shared_bytes": shared, "programs_per_sm": per_sm,
-                                                "programs": programs, "x_bytes_per_weight_byte": round(x_reread, 3)}))
+    for shape in shapes:
+        n, k, gated = PROJECTIONS[shape]
+        engine = (gemv.gated_config_for if gated else gemv.config_for)(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
+        for cfg in tiles or ([engine] if engine is not None else []):
+            rows.append(_gemv_row(shape, n, k, gated, cfg))
     return rows
+
+
+def _gemv_row(shape: str, n: int, k: int, gated: bool, cfg: gemv.GemvConfig) -> dict[str, object]:
+    ptx, shared = compile_gemv_kernel(cfg, gated, bias=shape == "qkv")
+    cost = loop_cost(ptx, marker="GMMA")
+    columns = n // 2 if gated else n
+    programs = -(-columns // cfg.strip) * cfg.split_k
+    per_sm = min(SM_SHARED // (shared + SHARED_RESERVED), SM_REGISTERS // (max(cost.registers, 1) * 32 * cfg.num_warps))
+    weight_bytes = cfg.block_n * cfg.block_k * (2 if gated else 1)  # gated: a gate strip and its up strip
+    per_byte = cost.per_warp * cfg.num_warps / (weight_bytes + gemv.WIDE_ROWS * cfg.block_k)
+    x_reread = programs * gemv.WIDE_ROWS * (k // cfg.split_k) / (n * k)
+    name = f"gemv {shape} {cfg.block_n}x{cfg.block_k}x{cfg.num_stages}x{cfg.num_warps}w split {cfg.split_k}"
+    if cfg.strip_n:
+        name += f" strip {cfg.strip_n}"
+    print(f"{name:<48} {shared // 1024} KB shared, {per_sm} a SM, {programs} programs for {SMS} SMs, "
+          f"{x_reread:.2f} B of x a weight byte", flush=True)
+    return _row(name, cost, per_byte, {"kernel": "gemv", "shape": shape, "n": n, "k": k, "gated": gated, **vars(cfg),
+                                       "shared_bytes": shared, "programs_per_sm": per_sm, "programs": programs,
+                                       "x_bytes_per_weight_byte": round(x_reread, 3)})
 
 
 def torch_e4m3_weight(n: int, k: int) -> torch.Tensor:
@@ -236,10 +249,14 @@ def main() -> None:
     p.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
                    help="attention's block_n:stages:warps[:max_registers] (default: the engine's for the pool); "
                         "the vector kernel's are the engine's")
+    p.add_argument("--shapes", choices=list(PROJECTIONS), nargs="+", default=list(PROJECTIONS), help="gemv's")
+    p.add_argument("--gemv-tiles", type=parse_gemv_tile, nargs="+", default=None,
+                   help="gemv's block_n:block_k:warps:stages:split[:strip_n] for each shape (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
-        (vector_rows() if "vector" in args.kernel else []) + (gemv_rows() if "gemv" in args.kernel else [])
+        (vector_rows() if "vector" in args.kernel else []) + \
+        (gemv_rows(args.shapes, args.gemv_tiles) if "gemv" in args.kernel else [])
     if args.json:
         write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows})
 

@@ -17,8 +17,8 @@ MAX_COUNTS = 1 << 14  # outputs a launch may count arrivals for
 
 # Partials of more elements than this are added in a loop, not unrolled: unrolled, a 64 x 128 tile split
 # in four loads all four at once and its program spills (sm_90: 255 registers, 60 bytes spilled on four
-# warps, against 128 and none; `python -m bench.micro.kernel_sass`), while the engine's tiles (up to 64 x
-# 64) compile to the same code as before
+# warps, against 128 and none; `python -m bench.micro.kernel_sass --kernel gemv --shapes down --gemv-tiles
+# 128:128:4:4:4`), while the engine's tiles (up to 64 x 64) compile to the same code as before
 UNROLLED_ELEMENTS = tl.constexpr(64 * 64)
 
 _counts: dict[tuple[int, int], torch.Tensor] = {}
