@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import os
 import re
 import subprocess
@@ -67,56 +66,52 @@ def _tool(name: str) -> str:
     return str(path)
 
 
+def _compile(fn: triton.runtime.JITFunction, consts: dict[str, object], types: dict[str, str],
+             options: dict[str, int]) -> triton.compiler.CompiledKernel:
+    """`fn` compiled for sm_90a: parameters typed by `types` (int32 otherwise), every one but the constexprs,
+    float scalars and UNALIGNED strides specialized as divisible by 16, as Triton's runtime sees them."""
+    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names)
+               if signature[p] not in ("constexpr", "fp32") and p not in UNALIGNED}
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _options(num_warps: int, num_stages: int, max_registers: int | None) -> dict[str, int]:
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return options
+
+
 def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
     """The split kernel's PTX for sm_90a."""
-    fn = paged_decode._split_kernel
     consts = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=HEAD_DIM,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=tile.block_n, NUM_SPLITS=2, ROPE=True, STRIDE_ON_DEVICE=True,
                   PRECISION="tf32", F16_MMA=kv == "fp8", PDL=True)
-    params = list(inspect.signature(fn.fn).parameters)
-    pointers = {**POINTERS, "KV": KV_TYPES[kv][0]}
-    signature = {p: "constexpr" if p in consts else pointers.get(p, "fp32" if p == "scale_log2" else "i32")
-                 for p in params}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-               if signature[p] not in ("constexpr", "fp32") and p not in UNALIGNED}
-    options: dict[str, int] = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    if tile.max_registers:
-        options["maxnreg"] = tile.max_registers
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
-    return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+    types = {**POINTERS, "KV": KV_TYPES[kv][0], "scale_log2": "fp32"}
+    options = _options(tile.num_warps, tile.num_stages, tile.max_registers)
+    return str(_compile(paged_decode._split_kernel, consts, types, options).asm["ptx"])
 
 
 def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool) -> str:
     """The CUDA-core skinny matmul's PTX for sm_90a (e4m3 weights, bf16 x, no bias, unsplit)."""
-    fn = gemv_vector._vector_kernel
     consts = dict(HAS_BIAS=False, GATED=gated, SPLIT_K=1, ROUND=triton.language.bfloat16, BLOCK_N=tile.block_n,
                   BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PDL=True)
-    pointers = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*fp32", "OUT": "*bf16", "PARTIAL": "*fp32",
-                "COUNTS": "*i32"}
-    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if signature[p] != "constexpr"}
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
-    return str(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps}
-                              ).asm["ptx"])
+    types = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*fp32", "OUT": "*bf16", "PARTIAL": "*fp32",
+             "COUNTS": "*i32"}
+    return str(_compile(gemv_vector._vector_kernel, consts, types, {"num_warps": tile.num_warps}).asm["ptx"])
 
 
 def compile_gemv_kernel(cfg: gemv.GemvConfig, gated: bool, bias: bool) -> tuple[str, int]:
     """The 64-row W8A8 tile's PTX for sm_90a as the engine launches it (x in e4m3 with its row scales)
     and the shared memory a program takes. A gated `cfg` is `gemv.gated_config_for`'s (each strip's half)."""
-    fn = gemv._gemv_kernel
-    block_n = cfg.block_n
     consts = dict(HAS_SCALE=True, HAS_BIAS=bias, GATED=gated, ARGMAX=False, SPLIT_K=cfg.split_k, X_MODE=gemv.X_E4M3,
-                  ROUND=triton.language.bfloat16, BLOCK_M=gemv.WIDE_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                  STRIP_N=cfg.strip_n or block_n, PDL=True)
-    pointers = {"X": "*fp8e4nv", "X_SCALE": "*fp32", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16",
-                "OUT": "*bf16", "PARTIAL": "*fp32", "COUNTS": "*i32", "BEST": "*fp32", "BEST_COL": "*i32"}
-    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if signature[p] != "constexpr"}
-    options: dict[str, int] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.max_registers:
-        options["maxnreg"] = cfg.max_registers
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+                  ROUND=triton.language.bfloat16, BLOCK_M=gemv.WIDE_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  STRIP_N=cfg.strip, PDL=True)
+    types = {"X": "*fp8e4nv", "X_SCALE": "*fp32", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16",
+             "OUT": "*bf16", "PARTIAL": "*fp32", "COUNTS": "*i32", "BEST": "*fp32", "BEST_COL": "*i32"}
+    compiled = _compile(gemv._gemv_kernel, consts, types, _options(cfg.num_warps, cfg.num_stages, cfg.max_registers))
     return str(compiled.asm["ptx"]), int(compiled.metadata.shared)
 
 
