@@ -198,6 +198,9 @@ def gemv_rows(shapes: list[str], tiles: list[gemv.GemvConfig] | None) -> list[di
         n, k, gated = PROJECTIONS[shape]
         engine = (gemv.gated_config_for if gated else gemv.config_for)(torch_e4m3_weight(n, k), gemv.WIDE_ROWS)
         for cfg in tiles or ([engine] if engine is not None else []):
+            if gated and cfg.split_k > 1:  # `gemv._launch` refuses it: SiLU·mul needs the whole sums
+                print(f"gemv {shape}: split {cfg.split_k} skipped, the gated tile is unsplit", flush=True)
+                continue
             rows.append(_gemv_row(shape, n, k, gated, cfg))
     return rows
 
