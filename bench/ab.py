@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, metadata, write_json
+from client.provenance import git_commit
 
 EXPORTS = REPO / ".ab"  # gitignored: exported trees travel as carried paths
 
@@ -47,12 +48,7 @@ def tree_commit(tree: Path) -> str:
     marker = tree / "COMMIT"
     if marker.exists():
         return marker.read_text().strip()
-    if os.environ.get("PD_COMMIT") and tree.resolve() == REPO:
-        return os.environ["PD_COMMIT"]
-    try:
-        return _git("rev-parse", "--short", "HEAD", cwd=tree)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit(None if tree.resolve() == REPO else tree)
 
 
 def pick(doc: Any, key: str) -> Any:
@@ -117,8 +113,8 @@ def _cell(value: Any) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _git(*args: str, cwd: Path = REPO) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> None:
