@@ -1,14 +1,5 @@
-"""FP8 (e4m3) weights: the checkpoint formats read, one layout in memory, quantization at load.
-
-Formats read (config.json's `quantization_config`):
-- compressed-tensors (llm-compressor), `format: float-quantized`, one config group on `Linear`:
-  weight strategy `channel` (`weight_scale` [N, 1]; FP8_DYNAMIC), `tensor` (`weight_scale` [1] with a
-  static per-tensor `input_scale`; FP8) or `block` (`weight_scale` [ceil(N/b0), ceil(K/b1)];
-  FP8_BLOCK); `ignore` names modules (or `re:` patterns) kept unquantized; a `kv_cache_scheme`'s
-  per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`).
-- transformers' `fp8` (Qwen3-*-FP8, DeepSeek): `weight_block_size` [b0, b1] blocks with fp32
-  `weight_scale_inv` [ceil(N/b0), ceil(K/b1)] (a multiplier, despite the name), dynamic activations;
-  `modules_to_not_convert` kept unquantized.
+"""FP8 (e4m3) weights: one layout in memory, the checkpoints' values in it, quantization at load.
+The formats read, and their scales' shapes, are `engine.fp8_formats`'.
 
 In memory an FP8 layer is an `Fp8Linear`: e4m3 rows with one float32 scale per output channel,
 which the skinny decode matmul and `torch._scaled_mm` read. A per-tensor scale is that scale on
@@ -21,13 +12,12 @@ dequantized to the compute dtype at load and run through the plain matmul.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+
+from engine.fp8_formats import Fp8Format
 
 try:
     from engine.kernels.fp8_quant import quantize_rows as _quantize_rows
@@ -37,7 +27,6 @@ except ImportError:  # no Triton: CPU-only installs, where the reference path ru
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
-SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK) and fp8 (block)")
 # e4m3 in our Triton kernels (Triton has no e4m3 type below it) and in cuBLASLt's FP8 GEMMs: Ada, Hopper and newer
 FP8_CAPABILITY = (8, 9)
 
@@ -51,117 +40,6 @@ def device_problem(device: torch.device) -> str | None:
         return None
     return (f"{device} ({torch.cuda.get_device_name(device)}) is compute capability {capability[0]}.{capability[1]}, "
             f"and FP8 (e4m3) runs on {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (Ada, Hopper)")
-
-
-class UnsupportedQuantization(ValueError):
-    """The quantization_config is not one this engine runs; the message names it."""
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    method: str                        # "compressed-tensors" or "fp8"
-    weight: str                        # "channel", "tensor" or "block": the checkpoint's scale granularity
-    block: tuple[int, int] | None      # rows, columns of a block
-    static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
-    ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
-    scale_name: str = "weight_scale"   # the scale tensor's suffix: weight_scale or weight_scale_inv
-    kv_scales: bool = False            # per-layer `self_attn.k_scale` / `v_scale` (a kv_cache_scheme)
-
-    def quantizes(self, module: str) -> bool:
-        """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
-        entry means what the tool that wrote it means: compressed-tensors' is a module's name or, after
-        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry is
-        a pattern matched from the start to a module boundary ("model.layers.1" takes
-        model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj")."""
-        if self.method == "fp8":
-            return not any(re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(entry)
-                           for entry in self.ignore)
-        for entry in self.ignore:
-            if entry.startswith("re:") and re.match(entry[3:], module) or module == entry:
-                return False
-        return True
-
-
-def read_format(config: object) -> Fp8Format:
-    """A quantization_config as an `Fp8Format`, or `UnsupportedQuantization` naming what it is."""
-    if not isinstance(config, dict):
-        raise UnsupportedQuantization(f"quantization_config {config!r} is not an object")
-    method = config.get("quant_method")
-    if method == "fp8":
-        return _hf_fp8(config)
-    if method == "compressed-tensors":
-        return _compressed_tensors(config)
-    raise UnsupportedQuantization(f"quantization_config quant_method {method!r} is not supported (supported: "
-                                  f"{SUPPORTED})")
-
-
-def _refuse(method: str, what: str) -> UnsupportedQuantization:
-    return UnsupportedQuantization(f"quantization_config quant_method {method!r} with {what} is not supported "
-                                   f"(supported: {SUPPORTED})")
-
-
-def _hf_fp8(config: dict[str, Any]) -> Fp8Format:
-    if config.get("fmt", "e4m3") != "e4m3":
-        raise _refuse("fp8", f"fmt {config.get('fmt')!r}")
-    if config.get("activation_scheme", "dynamic") != "dynamic":
-        raise _refuse("fp8", f"activation_scheme {config.get('activation_scheme')!r}")
-    block = config.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise _refuse("fp8", f"weight_block_size {block!r} (a [rows, columns] block is needed)")
-    ignore = config.get("modules_to_not_convert") or []
-    assert isinstance(ignore, list)
-    # transformers never converts the output embeddings (its FP8 checkpoints keep lm_head in bf16)
-    return Fp8Format("fp8", "block", (block[0], block[1]), False, ("lm_head", *ignore), "weight_scale_inv")
-
-
-def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
-    method = "compressed-tensors"
-    groups = config.get("config_groups")
-    if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
-        raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
-                      "float-quantized group is supported)")
-    # 2:4 or bitmask-compressed weights are stored as other tensors than a dense `weight`; transforms
-    # (rotations such as SpinQuant's or QuIP's) are applied to activations at run time: neither runs here
-    sparsity = config.get("sparsity_config") or {}
-    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
-        shown = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
-        raise _refuse(method, f"sparse weights (sparsity_config format {shown!r})")
-    transforms = config.get("transform_config") or {}
-    if transforms and (not isinstance(transforms, dict) or transforms.get("config_groups", transforms)):
-        raise _refuse(method, "a transform_config (rotations applied to activations at run time)")
-    kv = config.get("kv_cache_scheme")
-    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False))
-               != ("float", 8, "tensor", False)):
-        raise _refuse(method, f"a kv_cache_scheme of {kv.get('type')} {kv.get('num_bits')}-bit "
-                      f"{kv.get('strategy')} scales")
-    group = next(iter(groups.values()))
-    weights, inputs = group.get("weights") or {}, group.get("input_activations")
-    if group.get("format", "float-quantized") != "float-quantized":
-        raise _refuse(method, f"a config group in format {group.get('format')!r}")
-    if group.get("targets") != ["Linear"] or group.get("output_activations"):
-        raise _refuse(method, f"targets {group.get('targets')!r} or output activations")
-    if (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True),
-            weights.get("dynamic", False)) != ("float", 8, True, False):
-        raise _refuse(method, f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
-    strategy = weights.get("strategy")
-    block = weights.get("block_structure")
-    if strategy == "block":
-        if not (isinstance(block, list) and len(block) == 2):
-            raise _refuse(method, f"block_structure {block!r}")
-        block = (int(block[0]), int(block[1]))
-    elif strategy not in ("channel", "tensor"):
-        raise _refuse(method, f"weight strategy {strategy!r}")
-    static = False
-    if inputs:
-        if (inputs.get("type"), inputs.get("num_bits")) != ("float", 8):
-            raise _refuse(method, f"{inputs.get('type')} {inputs.get('num_bits')}-bit activations")
-        static = not inputs.get("dynamic", False)
-        if static and inputs.get("strategy") != "tensor":
-            raise _refuse(method, f"static {inputs.get('strategy')!r} activation scales")
-    ignore = config.get("ignore") or []
-    assert isinstance(ignore, list)
-    return Fp8Format(method, str(strategy), block if strategy == "block" else None, static, tuple(ignore),
-                     kv_scales=bool(kv))
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:

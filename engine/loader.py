@@ -15,17 +15,15 @@ from engine.byte_tokenizer import byte_tokenizer
 from engine.checkpoint_names import is_harmless, unused_weight_message
 from engine.fp8 import (
     FP8,
-    Fp8Format,
     Fp8Linear,
-    UnsupportedQuantization,
     dequantize,
     device_problem,
     quantize_model,
-    read_format,
     replace_linears,
     scale_rows,
     to_per_channel,
 )
+from engine.fp8_formats import MODELOPT_FILE, Fp8Format, UnsupportedQuantization, read_format, scale_shapes
 from engine.model import DecoderModel
 from engine.model.decoder import DecoderLayer
 from engine.model_config import FAMILIES, ModelConfig, UnsupportedConfig, eos_token_ids
@@ -35,7 +33,8 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")  # a kv_cache_scheme's per-layer scales
+# a kv_cache_scheme's per-layer scales: self_attn.k_scale (compressed-tensors) or self_attn.k_proj.k_scale (ModelOpt)
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:k_proj\.(k)|v_proj\.(v)|([kv]))_scale")
 
 
 class ModelLoadError(Exception):
@@ -151,9 +150,16 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def read_quantization(folder: Path, raw: dict[str, object] | None = None) -> Fp8Format | None:
-    """The checkpoint's FP8 format, None when unquantized; any other quantization is refused."""
+    """The checkpoint's FP8 format, None when unquantized; any other quantization is refused. Older
+    ModelOpt exports keep theirs in hf_quant_config.json, not config.json."""
     raw = raw if raw is not None else json.loads((folder / "config.json").read_text())
     config = raw.get("quantization_config")
+    if config is None and (folder / MODELOPT_FILE).is_file():
+        try:
+            config = {**json.loads((folder / MODELOPT_FILE).read_text()), "quant_method": "modelopt"}
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ModelLoadError(f"--model {folder}: {MODELOPT_FILE} is not a JSON object ({e}); re-export "
+                                 "the checkpoint") from e
     if config is None:
         return None
     try:
@@ -206,23 +212,18 @@ def _fill_fp8(folder: Path, layer: Fp8Linear, parts: list[tuple[str, slice]],
         if weight.dtype != FP8 or tuple(weight.shape) != (n, layer.in_features):
             raise ModelLoadError(f"--model {folder}: {theirs}.weight is {weight.dtype} {tuple(weight.shape)}; an "
                                  f"FP8 checkpoint's is float8_e4m3fn {(n, layer.in_features)}")
-        want = _scale_shapes(fmt, n, layer.in_features)
+        want = scale_shapes(fmt, n, layer.in_features)
         if tuple(scale.shape) not in want:
             raise ModelLoadError(f"--model {folder}: {theirs}.{fmt.scale_name} has shape {tuple(scale.shape)}; "
-                                 f"{fmt.weight} scales of this weight have {want[0]}")
+                                 f"{fmt.weight} scales of this weight have {' or '.join(map(str, want))}")
+        if scale.dim() == 4:  # ModelOpt's blocks, [rows, 1, columns, 1]
+            scale = scale.reshape(want[0])
         if layer.weight_scale is not None:
             layer.set_rows(rows, *to_per_channel(weight, scale, fmt))
         else:
             layer.set_rows(rows, dequantize(weight, scale, fmt), None)
         if layer.input_scale is not None:
             layer.input_scale.fill_(max(float(layer.input_scale), float(got["input_scale"].float().max())))
-
-
-def _scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
-    if fmt.weight == "block":
-        assert fmt.block is not None
-        return [(-(-n // fmt.block[0]), -(-k // fmt.block[1]))]
-    return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
 
 
 def fold_kv_scales(model: DecoderModel, scales: torch.Tensor) -> None:
@@ -299,7 +300,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                     module, _, suffix = name.rpartition(".")
                     kv_scale = _KV_SCALE.fullmatch(name) if fmt is not None and fmt.kv_scales else None
                     if kv_scale is not None and int(kv_scale[1]) < cfg.num_layers:
-                        kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(f.get_tensor(name).float().max())
+                        kind = "kv".index(kv_scale[2] or kv_scale[3] or kv_scale[4])
+                        kv_scales[int(kv_scale[1]), kind] = float(f.get_tensor(name).float().max())
                         continue
                     if module in fp8_modules and suffix in fp8_suffixes:
                         pieces.setdefault(module, {})[suffix] = f.get_tensor(name)
@@ -333,8 +335,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
             filled[f"{ours}.weight"] = layer.out_features
         if fmt is not None and fmt.kv_scales:
             if kv_scales.isnan().any() or (kv_scales <= 0).any():
-                raise ModelLoadError(f"--model {folder}: its kv_cache_scheme needs a positive self_attn.k_scale and "
-                                     "v_scale in every layer; some are missing or not positive; re-export it")
+                raise ModelLoadError(f"--model {folder}: its FP8 KV scheme needs a positive k_scale and v_scale in "
+                                     "every layer's self_attn; some are missing or not positive; re-export it")
             fold_kv_scales(model, kv_scales)
             folded = tuple((k, v) for k, v in kv_scales.tolist())
         if fmt is not None:

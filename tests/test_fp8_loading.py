@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, read_format, to_per_channel
+from engine.fp8 import FP8, Fp8Linear, dequantize, to_per_channel
+from engine.fp8_formats import Fp8Format, read_format
 from engine.loader import ModelLoadError, build_preset, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
@@ -272,7 +273,7 @@ def test_other_quantizations_are_refused_naming_them(change: dict[str, object], 
 
 def test_dense_sparsity_and_no_transforms_are_read_as_plain_fp8() -> None:
     """What llm-compressor writes beside FP8 when nothing is sparse or rotated loads as FP8."""
-    from engine.fp8 import read_format
+    from engine.fp8_formats import read_format
 
     config = {**quantization_config("FP8_DYNAMIC"), "transform_config": {},
               "sparsity_config": {"format": "dense", "sparsity_structure": "unstructured", "global_sparsity": 0.0}}
@@ -431,7 +432,7 @@ def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path:
             assert rel_err(stored[1] * 0.05, plain.pool.storage[i, 1, slots]) < 0.05, (family, i)
         del weights["model.layers.2.self_attn.v_scale"]
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-        with pytest.raises(ModelLoadError, match="needs a positive self_attn.k_scale and v_scale in every layer"):
+        with pytest.raises(ModelLoadError, match="FP8 KV scheme needs a positive k_scale and v_scale in every layer"):
             load_checkpoint(folder, torch.device("cpu"), torch.float32)
 
 

@@ -1,0 +1,191 @@
+"""The FP8 checkpoint formats read: a checkpoint's quantization config as one `Fp8Format`, or a
+one-line refusal naming what it is.
+
+- compressed-tensors (llm-compressor), `format: float-quantized`, one config group on `Linear`:
+  weight strategy `channel` (`weight_scale` [N, 1]; FP8_DYNAMIC), `tensor` (`weight_scale` [1] with a
+  static per-tensor `input_scale`; FP8) or `block` (`weight_scale` [ceil(N/b0), ceil(K/b1)];
+  FP8_BLOCK); `ignore` names modules (or `re:` patterns) kept unquantized; a `kv_cache_scheme`'s
+  per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`).
+- transformers' `fp8` (Qwen3-*-FP8, DeepSeek): `weight_block_size` [b0, b1] blocks with fp32
+  `weight_scale_inv` [ceil(N/b0), ceil(K/b1)] (a multiplier, despite the name), dynamic activations;
+  `modules_to_not_convert` kept unquantized.
+- NVIDIA ModelOpt (the `nvidia/*-FP8` checkpoints), from config.json's `quantization_config`
+  (`quant_method: modelopt`) or, in older exports, `hf_quant_config.json` beside it: `quant_algo`
+  `FP8` (per-tensor `weight_scale` and static `input_scale`), `FP8_PER_CHANNEL_PER_TOKEN` (`weight_scale`
+  [N], dynamic activations) or `FP8_PB_WO` (128 x 128 blocks, `weight_scale` [N/128, 1, K/128, 1]);
+  `exclude_modules` (or `ignore`) are wildcard patterns; an FP8 `kv_cache_quant_algo` (or
+  `kv_cache_scheme`) comes with `self_attn.k_proj.k_scale` / `v_proj.v_scale` a layer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK), fp8 (block) and modelopt "
+             "(FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)")
+MODELOPT_FILE = "hf_quant_config.json"  # where ModelOpt exports before config.json's quantization_config kept it
+MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's block, which its config does not state
+
+
+class UnsupportedQuantization(ValueError):
+    """The quantization_config is not one this engine runs; the message names it."""
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    method: str                        # "compressed-tensors", "fp8" or "modelopt"
+    weight: str                        # "channel", "tensor" or "block": the checkpoint's scale granularity
+    block: tuple[int, int] | None      # rows, columns of a block
+    static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
+    ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
+    scale_name: str = "weight_scale"   # the scale tensor's suffix: weight_scale or weight_scale_inv
+    kv_scales: bool = False            # per-layer `self_attn.k_scale` / `v_scale` (a kv_cache_scheme)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
+        entry means what the tool that wrote it means: compressed-tensors' is a module's name or, after
+        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry is
+        a pattern matched from the start to a module boundary ("model.layers.1" takes
+        model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj"); ModelOpt's
+        is a wildcard pattern over the whole name, where a trailing `*` straight after a name
+        ("model.layers.1*") is how it writes a module and everything under it (not model.layers.11)."""
+        if self.method == "modelopt":
+            return not any(fnmatchcase(module, entry[:-1]) or fnmatchcase(module, entry[:-1] + ".*")
+                           if entry.endswith("*") and not entry.endswith(".*") else fnmatchcase(module, entry)
+                           for entry in self.ignore)
+        if self.method == "fp8":
+            return not any(re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(entry)
+                           for entry in self.ignore)
+        for entry in self.ignore:
+            if entry.startswith("re:") and re.match(entry[3:], module) or module == entry:
+                return False
+        return True
+
+
+def read_format(config: object) -> Fp8Format:
+    """A quantization_config as an `Fp8Format`, or `UnsupportedQuantization` naming what it is."""
+    if not isinstance(config, dict):
+        raise UnsupportedQuantization(f"quantization_config {config!r} is not an object")
+    method = config.get("quant_method")
+    if method == "fp8":
+        return _hf_fp8(config)
+    if method == "compressed-tensors":
+        return _compressed_tensors(config)
+    if method == "modelopt":
+        return _modelopt(config)
+    raise UnsupportedQuantization(f"quantization_config quant_method {method!r} is not supported (supported: "
+                                  f"{SUPPORTED})")
+
+
+def _refuse(method: str, what: str) -> UnsupportedQuantization:
+    return UnsupportedQuantization(f"quantization_config quant_method {method!r} with {what} is not supported "
+                                   f"(supported: {SUPPORTED})")
+
+
+def _hf_fp8(config: dict[str, Any]) -> Fp8Format:
+    if config.get("fmt", "e4m3") != "e4m3":
+        raise _refuse("fp8", f"fmt {config.get('fmt')!r}")
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise _refuse("fp8", f"activation_scheme {config.get('activation_scheme')!r}")
+    block = config.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse("fp8", f"weight_block_size {block!r} (a [rows, columns] block is needed)")
+    ignore = config.get("modules_to_not_convert") or []
+    assert isinstance(ignore, list)
+    # transformers never converts the output embeddings (its FP8 checkpoints keep lm_head in bf16)
+    return Fp8Format("fp8", "block", (block[0], block[1]), False, ("lm_head", *ignore), "weight_scale_inv")
+
+
+def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
+    method = "compressed-tensors"
+    groups = config.get("config_groups")
+    if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
+        raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
+                      "float-quantized group is supported)")
+    # 2:4 or bitmask-compressed weights are stored as other tensors than a dense `weight`; transforms
+    # (rotations such as SpinQuant's or QuIP's) are applied to activations at run time: neither runs here
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        shown = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        raise _refuse(method, f"sparse weights (sparsity_config format {shown!r})")
+    transforms = config.get("transform_config") or {}
+    if transforms and (not isinstance(transforms, dict) or transforms.get("config_groups", transforms)):
+        raise _refuse(method, "a transform_config (rotations applied to activations at run time)")
+    kv = config.get("kv_cache_scheme")
+    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False))
+               != ("float", 8, "tensor", False)):
+        raise _refuse(method, f"a kv_cache_scheme of {kv.get('type')} {kv.get('num_bits')}-bit "
+                      f"{kv.get('strategy')} scales")
+    group = next(iter(groups.values()))
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if group.get("format", "float-quantized") != "float-quantized":
+        raise _refuse(method, f"a config group in format {group.get('format')!r}")
+    if group.get("targets") != ["Linear"] or group.get("output_activations"):
+        raise _refuse(method, f"targets {group.get('targets')!r} or output activations")
+    if (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True),
+            weights.get("dynamic", False)) != ("float", 8, True, False):
+        raise _refuse(method, f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
+    strategy = weights.get("strategy")
+    block = weights.get("block_structure")
+    if strategy == "block":
+        if not (isinstance(block, list) and len(block) == 2):
+            raise _refuse(method, f"block_structure {block!r}")
+        block = (int(block[0]), int(block[1]))
+    elif strategy not in ("channel", "tensor"):
+        raise _refuse(method, f"weight strategy {strategy!r}")
+    static = False
+    if inputs:
+        if (inputs.get("type"), inputs.get("num_bits")) != ("float", 8):
+            raise _refuse(method, f"{inputs.get('type')} {inputs.get('num_bits')}-bit activations")
+        static = not inputs.get("dynamic", False)
+        if static and inputs.get("strategy") != "tensor":
+            raise _refuse(method, f"static {inputs.get('strategy')!r} activation scales")
+    ignore = config.get("ignore") or []
+    assert isinstance(ignore, list)
+    return Fp8Format(method, str(strategy), block if strategy == "block" else None, static, tuple(ignore),
+                     kv_scales=bool(kv))
+
+
+def _modelopt(config: dict[str, Any]) -> Fp8Format:
+    """config.json's form (`quant_algo`, `ignore`, `kv_cache_scheme`) or `hf_quant_config.json`'s
+    (`quantization`: `quant_algo`, `exclude_modules`, `kv_cache_quant_algo`)."""
+    method = "modelopt"
+    legacy = config.get("quantization")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise _refuse(method, f"quantization {legacy!r} (an object is needed)")
+    fields = legacy if legacy is not None else config
+    algo = str(fields.get("quant_algo") or "").upper()
+    ignore = fields.get("exclude_modules" if legacy is not None else "ignore") or []
+    if not isinstance(ignore, list):
+        raise _refuse(method, f"exclude_modules {ignore!r} (a list is needed)")
+    if legacy is not None:
+        kv_algo = fields.get("kv_cache_quant_algo")
+        kv = kv_algo is not None
+        if kv and str(kv_algo).upper() != "FP8":
+            raise _refuse(method, f"kv_cache_quant_algo {kv_algo!r}")
+    else:
+        scheme = config.get("kv_cache_scheme")
+        kv = scheme is not None
+        if kv and not (isinstance(scheme, dict) and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
+                       and not scheme.get("dynamic", False)):
+            raise _refuse(method, f"kv_cache_scheme {scheme!r}")
+    if algo == "FP8":
+        return Fp8Format(method, "tensor", None, True, tuple(ignore), kv_scales=kv)
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return Fp8Format(method, "channel", None, False, tuple(ignore), kv_scales=kv)
+    if algo == "FP8_PB_WO":
+        return Fp8Format(method, "block", MODELOPT_BLOCK, False, tuple(ignore), kv_scales=kv)
+    raise _refuse(method, f"quant_algo {fields.get('quant_algo')!r}")
+
+
+def scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
+    """The shapes a checkpoint stores an [n, k] weight's scale in; the first is the one `dequantize`
+    reads, and any other reshapes to it."""
+    if fmt.weight == "block":
+        assert fmt.block is not None
+        rows, cols = -(-n // fmt.block[0]), -(-k // fmt.block[1])
+        return [(rows, cols)] + ([(rows, 1, cols, 1)] if fmt.method == "modelopt" else [])
+    return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
