@@ -78,3 +78,17 @@ def test_the_w8a8_tiles_step_holds_a_warpgroup_mma_per_32_deep_slice() -> None:
         assert dict(cost.opcodes).get("QGMMA") == cfg.block_k // 32 * (2 if gated else 1)
         # the pipeline's stages hold the weights' and x's tiles (more with the epilogue's scratch)
         assert shared >= cfg.num_stages * (cfg.block_n * (2 if gated else 1) + 64) * cfg.block_k
+
+
+def test_the_sass_hash_follows_the_machine_code() -> None:
+    """Two compiles of one tile hash alike (what a tree-to-tree check relies on); another stage count, whose
+    code differs, does not."""
+    from bench.micro.kernel_sass import compile_split_kernel, loop_cost
+    from engine.kernels.paged_decode import DecodeTile
+
+    try:
+        first, again, deeper = (loop_cost(compile_split_kernel("bf16", tile)).sass_sha256
+                                for tile in (DecodeTile(64, 2, 4), DecodeTile(64, 2, 4), DecodeTile(64, 3, 4)))
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    assert len(first) == 64 and first == again != deeper

@@ -13,6 +13,9 @@ while HBM delivers that byte, the instructions, not the bytes, set its time. Ker
   programs an SM holds, beside the programs the shape launches, and the bytes of x each program reads
   again from L2 for each weight byte it streams from HBM (`--shapes`; `--gemv-tiles` compiles other
   tiles in the engine's place).
+Every row carries a hash of its whole disassembly, and the output one of them all (`sass_digest`), so a
+change meant to leave the machine code alone is checked by comparing trees
+(`python -m bench.ab run --trees . .ab/REV --keys sass_digest -- python -m bench.micro.kernel_sass --json {json}`).
 Each is compiled as the engine launches it, pointers and strides specialized as divisible by 16 as
 Triton's runtime does (the block table's row stride and the merge's strides are not). The device may
 run another Triton version, whose code can differ.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -57,6 +61,7 @@ class LoopCost:
     spilled_bytes: int
     per_warp: int                       # instructions one warp issues in a step
     opcodes: list[tuple[str, int]]      # the same by opcode, most first
+    sass_sha256: str = ""               # the whole program's disassembly, hashed: equal for the same machine code
 
 
 def _tool(name: str) -> str:
@@ -145,7 +150,7 @@ def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
     if not opcodes:
         raise RuntimeError(f"no loop with a {marker} in the disassembly")
     return LoopCost(int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0,
-                    sum(opcodes.values()), opcodes.most_common())
+                    sum(opcodes.values()), opcodes.most_common(), hashlib.sha256("\n".join(sass).encode()).hexdigest())
 
 
 def parse_tile(text: str) -> paged_decode.DecodeTile:
@@ -235,7 +240,7 @@ def _row(name: str, cost: LoopCost, per_byte: float, fields: dict[str, object]) 
           f"step, {per_byte:.3f} a byte | {top}", flush=True)
     return {**fields, "registers": cost.registers, "spilled_bytes": cost.spilled_bytes,
             "instructions_per_warp_step": cost.per_warp, "instructions_per_byte": round(per_byte, 4),
-            "opcodes": dict(cost.opcodes)}
+            "opcodes": dict(cost.opcodes), "sass_sha256": cost.sass_sha256}
 
 
 def main() -> None:
@@ -255,8 +260,13 @@ def main() -> None:
     rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
         (vector_rows() if "vector" in args.kernel else []) + \
         (gemv_rows(args.shapes, args.gemv_tiles) if "gemv" in args.kernel else [])
+    # one hash of every row's machine code: two trees (`python -m bench.ab run ... --keys sass_digest`) compile
+    # to the same kernels exactly where theirs match
+    digest = hashlib.sha256(" ".join(str(row["sass_sha256"]) for row in rows).encode()).hexdigest()
+    print(f"sass digest {digest}")
     if args.json:
-        write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows})
+        write_json(args.json, {**metadata(), "triton": triton.__version__, "target": "sm_90a", "rows": rows,
+                               "sass_digest": digest})
 
 
 if __name__ == "__main__":
