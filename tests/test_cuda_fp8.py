@@ -240,16 +240,22 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
 
 
 @pytest.mark.e2e
-def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> None:
-    """An HF block-FP8 tiny checkpoint: on CUDA (requantized per channel, FP8 matmuls) its prefill
-    logits are those of the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the
-    prefill's activations quantized per token, the block scales folded into row scales."""
+@pytest.mark.parametrize("export", ["hf-fp8", "modelopt-FP8"])
+def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path: Path) -> None:
+    """A tiny FP8 checkpoint, HF block-FP8 or ModelOpt's FP8 (per-tensor scales, static input scales): on
+    CUDA (requantized per channel, FP8 matmuls) its prefill and first decode step's logits are those of
+    the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the prefill's activations
+    quantized per token (or by the static scales), the block scales folded into row scales."""
     from engine.decode_batch import DecodeSeq
     from engine.offline import make_runner
     from tests.test_fp8_loading import write_fp8
+    from tests.test_fp8_modelopt import write_modelopt
 
     base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="qwen3", hidden_size=256, intermediate_size=512)
-    folder, _ = write_fp8(base, tmp_path / "fp8", "hf-fp8")
+    if export == "hf-fp8":
+        folder, _ = write_fp8(base, tmp_path / "fp8", "hf-fp8")
+    else:
+        folder = write_modelopt(base, tmp_path / "fp8", "FP8", legacy=False)
     prompt = [(i * 37 + 11) % 290 for i in range(70)]
     logits = {}
     for device, dtype in (("cpu", torch.float32), ("cuda:0", torch.bfloat16)):
@@ -259,7 +265,7 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(tmp_path: Path) -> Non
         step = runner.decode([DecodeSeq(int(first.argmax()), len(prompt), table)])[0][0]
         logits[device] = torch.cat([first.float().cpu(), step.float().cpu()])
     err = rel_err(logits["cuda:0"], logits["cpu"])
-    print(f"\nblock-FP8 tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
+    print(f"\n{export} tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
     # bf16 alone is 2e-2 on this tiny random model, prefill's per-token e4m3 activations 0.07-0.10 (a
     # float32 emulation on the CPU); the two measured 0.161 on an H200. Scales lost would be > 1.
     assert err < 0.25
