@@ -8,7 +8,10 @@ one-line refusal naming what it is.
   per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`).
 - transformers' `fp8` (Qwen3-*-FP8, DeepSeek): `weight_block_size` [b0, b1] blocks with fp32
   `weight_scale_inv` [ceil(N/b0), ceil(K/b1)] (a multiplier, despite the name), dynamic activations;
-  `modules_to_not_convert` kept unquantized.
+  `modules_to_not_convert` kept unquantized. Without blocks, AutoFP8's `fp8` (the 2024 `*-FP8`
+  checkpoints of Llama 3 and others): a per-tensor `weight_scale`, `activation_scheme` `static` (an
+  `input_scale` a module) or `dynamic`, `ignored_layers`, and with `kv_cache_scheme: static` each
+  layer's `self_attn.k_scale` / `v_scale` (older exports: `k_proj.output_scale` / `v_proj.output_scale`).
 - NVIDIA ModelOpt (the `nvidia/*-FP8` checkpoints), from config.json's `quantization_config`
   (`quant_method: modelopt`) or, in older exports, `hf_quant_config.json` beside it: `quant_algo`
   `FP8` (per-tensor `weight_scale` and static `input_scale`), `FP8_PER_CHANNEL_PER_TOKEN` (`weight_scale`
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK), fp8 (block) and modelopt "
-             "(FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)")
+SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK), fp8 (transformers' blocks or AutoFP8's "
+             "per-tensor scales) and modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)")
 MODELOPT_FILE = "hf_quant_config.json"  # where ModelOpt exports before config.json's quantization_config kept it
 MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's block, which its config does not state
 
@@ -86,17 +89,31 @@ def _refuse(method: str, what: str) -> UnsupportedQuantization:
 
 
 def _hf_fp8(config: dict[str, Any]) -> Fp8Format:
+    """transformers' block FP8 (`weight_block_size`), or without blocks AutoFP8's (vLLM's `fp8`): one
+    `weight_scale` a module, activations quantized per token or, `activation_scheme: static`, by each
+    module's `input_scale`, and with `kv_cache_scheme: static` a k and v scale a layer."""
+    method = "fp8"
     if config.get("fmt", "e4m3") != "e4m3":
-        raise _refuse("fp8", f"fmt {config.get('fmt')!r}")
-    if config.get("activation_scheme", "dynamic") != "dynamic":
-        raise _refuse("fp8", f"activation_scheme {config.get('activation_scheme')!r}")
+        raise _refuse(method, f"fmt {config.get('fmt')!r}")
+    scheme = config.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise _refuse(method, f"activation_scheme {scheme!r}")
+    ignore = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list):
+        raise _refuse(method, f"ignored_layers {ignore!r} (a list is needed)")
+    kv = config.get("kv_cache_scheme")
     block = config.get("weight_block_size")
+    if block is None:
+        if kv not in (None, "static"):
+            raise _refuse(method, f"kv_cache_scheme {kv!r}")
+        return Fp8Format(method, "tensor", None, scheme == "static", tuple(ignore), kv_scales=kv == "static")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise _refuse("fp8", f"weight_block_size {block!r} (a [rows, columns] block is needed)")
-    ignore = config.get("modules_to_not_convert") or []
-    assert isinstance(ignore, list)
+        raise _refuse(method, f"weight_block_size {block!r} (a [rows, columns] block is needed)")
+    if scheme != "dynamic" or kv is not None:
+        raise _refuse(method, f"activation_scheme {scheme!r} and kv_cache_scheme {kv!r} with weight_block_size "
+                      f"{block} (blocks take dynamic activations and no KV scales)")
     # transformers never converts the output embeddings (its FP8 checkpoints keep lm_head in bf16)
-    return Fp8Format("fp8", "block", (block[0], block[1]), False, ("lm_head", *ignore), "weight_scale_inv")
+    return Fp8Format(method, "block", (block[0], block[1]), False, ("lm_head", *ignore), "weight_scale_inv")
 
 
 def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:

@@ -33,8 +33,9 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# a kv_cache_scheme's per-layer scales: self_attn.k_scale (compressed-tensors) or self_attn.k_proj.k_scale (ModelOpt)
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:k_proj\.(k)|v_proj\.(v)|([kv]))_scale")
+# per-layer KV scales: self_attn.k_scale (compressed-tensors, AutoFP8), self_attn.k_proj.k_scale (ModelOpt) or
+# self_attn.k_proj.output_scale (older AutoFP8); the same for v
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_proj\.(?:\2_scale|output_scale)|([kv])_scale)")
 
 
 class ModelLoadError(Exception):
@@ -300,7 +301,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                     module, _, suffix = name.rpartition(".")
                     kv_scale = _KV_SCALE.fullmatch(name) if fmt is not None and fmt.kv_scales else None
                     if kv_scale is not None and int(kv_scale[1]) < cfg.num_layers:
-                        kind = "kv".index(kv_scale[2] or kv_scale[3] or kv_scale[4])
+                        kind = "kv".index(kv_scale[2] or kv_scale[3])
                         kv_scales[int(kv_scale[1]), kind] = float(f.get_tensor(name).float().max())
                         continue
                     if module in fp8_modules and suffix in fp8_suffixes:

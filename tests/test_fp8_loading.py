@@ -26,6 +26,7 @@ STEPS = 12
 FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
          "o_proj": "o_proj", "down_proj": "down"}
 E4M3_MAX = 448.0
+STATIC = ("FP8", "autofp8-static")  # the schemes with a static input scale a module
 
 
 def _group(scheme: str) -> dict[str, object]:
@@ -47,6 +48,9 @@ def _group(scheme: str) -> dict[str, object]:
 def quantization_config(scheme: str) -> dict[str, object]:
     if scheme == "hf-fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if scheme.startswith("autofp8-"):  # AutoFP8's save_quantized_model
+        return {"quant_method": "fp8", "activation_scheme": scheme.removeprefix("autofp8-"),
+                "ignored_layers": ["lm_head"]}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": _group(scheme)}, "ignore": ["lm_head"], "kv_cache_scheme": None,
             "global_compression_ratio": None, "sparsity_config": {}, "version": "0.10.2"}
@@ -64,8 +68,8 @@ def quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, 
     elif scheme == "FP8_DYNAMIC":
         scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)  # [N, 1], the model's dtype
         full = scale.float().expand_as(w)
-    else:
-        scale = (w.abs().amax() / E4M3_MAX).reshape(1)
+    else:  # one scale: [1] as llm-compressor stores it, 0-d as AutoFP8 does
+        scale = (w.abs().amax() / E4M3_MAX).reshape(() if scheme.startswith("autofp8-") else 1)
         full = scale.expand_as(w)
     q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     return q, scale, q.float() * full
@@ -85,7 +89,7 @@ def write_fp8(base: Path, folder: Path, scheme: str) -> tuple[Path, Path]:
         q, scale, deq = quantize(w, scheme)
         out[name], reference[name] = q, deq
         out[f"{module}.{'weight_scale_inv' if scheme == 'hf-fp8' else 'weight_scale'}"] = scale
-        if scheme == "FP8":  # calibrated per module: a range of activations, some of them clipped
+        if scheme in STATIC:  # calibrated per module: a range of activations, some of them clipped
             input_scales[module] = 2.0 / E4M3_MAX * (1 + 0.1 * (len(input_scales) % 5))
             out[f"{module}.input_scale"] = torch.tensor([input_scales[module]])
     raw = json.loads((base / "config.json").read_text())
@@ -132,7 +136,8 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(("scheme", "family"), [("FP8_DYNAMIC", "llama"), ("FP8", "llama"), ("FP8_BLOCK", "qwen3"),
                                                 ("hf-fp8", "qwen3"), ("FP8_DYNAMIC", "qwen2"), ("FP8", "qwen2"),
-                                                ("FP8_BLOCK", "mistral")])
+                                                ("FP8_BLOCK", "mistral"), ("autofp8-static", "llama"),
+                                                ("autofp8-dynamic", "mistral")])
 def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: str, bases: dict[str, Path],
                                                            tmp_path: Path) -> None:
     folder, dequantized = write_fp8(bases[family], tmp_path / f"{family}-{scheme}", scheme)
@@ -141,7 +146,7 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_weights(scheme: str, family: 
     layer = runner.model.layers[0]
     assert isinstance(layer.qkv, Fp8Linear) and isinstance(layer.down, Fp8Linear)
     assert not isinstance(runner.model.lm_head, Fp8Linear)  # ignored: kept as the checkpoint has it
-    assert (layer.qkv.input_scale is not None) == (scheme == "FP8")
+    assert (layer.qkv.input_scale is not None) == (scheme in STATIC)
     assert generate(runner, PROMPTS, STEPS) == want
     ignoring_scales = dict(load_file(dequantized / "model.safetensors"))  # what the loader used to serve
     assert not torch.equal(ignoring_scales["model.layers.0.mlp.down_proj.weight"],
@@ -385,6 +390,25 @@ def test_kv_cache_scales_keep_a_static_input_scale_on_what_it_was_calibrated_for
     runner = make_runner(model=str(folder), max_model_len=256)
     o_proj = runner.model.layers[0].o_proj
     assert isinstance(o_proj, Fp8Linear) and o_proj.input_scale is not None
+    assert generate(runner, PROMPTS, STEPS) == reference_greedy(dequantized)
+
+
+@pytest.mark.parametrize("names", ["self_attn.{kind}_scale", "self_attn.{kind}_proj.output_scale"])
+def test_autofp8_kv_scales_fold_under_either_name(names: str, bases: dict[str, Path], tmp_path: Path) -> None:
+    """AutoFP8 with `kv_cache_scheme: static`: a k and v scale a layer, under the name it saves them by
+    (`self_attn.k_scale`) or its earlier one (`k_proj.output_scale`), folded as compressed-tensors' are
+    (powers of two, so exactly: the static input scales clip); the tokens are the dequantized reference's."""
+    folder, dequantized = write_fp8(bases["llama"], tmp_path / "autofp8", "autofp8-static")
+    weights = load_file(folder / "model.safetensors")
+    for i, k_scale in enumerate([2.0**-5, 2.0**-6, 2.0**-4]):
+        weights[f"model.layers.{i}.{names.format(kind='k')}"] = torch.tensor(k_scale)
+        weights[f"model.layers.{i}.{names.format(kind='v')}"] = torch.tensor(2.0**-4)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"]["kv_cache_scheme"] = "static"
+    (folder / "config.json").write_text(json.dumps(raw))
+    runner = make_runner(model=str(folder), max_model_len=256)
+    assert runner.layout.model.partition("-kv-scales-")[2]
     assert generate(runner, PROMPTS, STEPS) == reference_greedy(dequantized)
 
 
