@@ -18,6 +18,7 @@ from engine.fp8_formats import read_format
 from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
+from tests.servers import ServerProcess, assert_disaggregated_tokens
 from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, reference_greedy
 
 PRODUCER = {"name": "modelopt", "version": "0.29.0"}
@@ -164,3 +165,22 @@ def test_missing_kv_scales_and_misshapen_block_scales_are_refused(bases: dict[st
     with pytest.raises(ModelLoadError, match=r"down_proj.weight_scale has shape \(2, 3, 1\); block scales of this "
                                              r"weight have \(2, 3\) or \(2, 1, 3, 1\)"):
         load_checkpoint(folder, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.e2e
+def test_modelopt_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
+    """A real prefill and decode server on an older ModelOpt export (hf_quant_config.json beside a plain
+    config.json, static input scales, KV scales): the reference's tokens, the KV handed over between them."""
+    folder = write_modelopt(bases["llama"], tmp_path / "served", "FP8", legacy=True,
+                            kv_scales=[2.0**-5, 2.0**-6, 2.0**-4])
+    want = reference_greedy(folder.with_name("served-dequantized"))
+    args = ["--model", str(folder), "--max-model-len", "256"]
+    prefill = ServerProcess("prefill_server", args, server_logs).start()
+    try:
+        decode = ServerProcess("decode_server", [*args, "--prefill-addr", prefill.address], server_logs).start()
+        try:
+            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()
