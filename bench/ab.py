@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, metadata, write_json
-from client.provenance import git_commit
+from client.provenance import EXPORT_MARKER, git_commit
 
 EXPORTS = REPO / ".ab"  # gitignored: exported trees travel as carried paths
 
@@ -38,16 +38,13 @@ def export(rev: str, into: Path = EXPORTS) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=REPO, capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    (folder / "COMMIT").write_text(commit + "\n")
+    (folder / EXPORT_MARKER).write_text(commit + "\n")
     print(f"{rev} ({commit}) -> {folder}")
     return folder
 
 
 def tree_commit(tree: Path) -> str:
     """The commit a tree's files are: its COMMIT file (an export), else its checkout's HEAD."""
-    marker = tree / "COMMIT"
-    if marker.exists():
-        return marker.read_text().strip()
     return git_commit(None if tree.resolve() == REPO else tree)
 
 

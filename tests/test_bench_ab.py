@@ -4,6 +4,7 @@ each in its own folder and naming its own commit, with the figures read back fro
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,20 @@ def test_export_writes_the_commits_tracked_files(tmp_path: Path) -> None:
     assert tracked and all((folder / name).is_file() for name in tracked)
     assert (folder / "bench" / "common.py").read_bytes() == subprocess.run(
         ["git", "show", "HEAD:bench/common.py"], cwd=ab.REPO, capture_output=True, check=True).stdout
+
+
+def test_a_benchmark_run_inside_an_export_records_the_exports_commit(tmp_path: Path) -> None:
+    """An export sits inside the checkout (.ab/REV), whose git HEAD is another commit: a benchmark run there
+    directly, not through `run`, records the export's COMMIT, not the checkout's HEAD."""
+    folder = tmp_path / "tree"
+    (folder / "client").mkdir(parents=True)
+    (folder / "client" / "provenance.py").write_bytes((ab.REPO / "client" / "provenance.py").read_bytes())
+    (folder / "COMMIT").write_text("abc1234\n")
+    probe = "import client.provenance as p; print(p.git_commit())"
+    env = {k: v for k, v in os.environ.items() if k != "PD_COMMIT"}
+    got = subprocess.run([sys.executable, "-c", probe], cwd=folder, env={**env, "PYTHONPATH": str(folder)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == "abc1234"
 
 
 def test_runs_alternate_and_each_names_its_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
