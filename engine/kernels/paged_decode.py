@@ -88,6 +88,19 @@ def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_words_to_f16(words, HEAD_DIM: tl.constexpr):
+    """[N, D / 4] 32-bit words of four e4m3 values each -> [N, D] float16 (exact), converted in the words'
+    own layout. Converted in the PV product's operand layout instead (`.to` on the loaded tile), each
+    thread gathered single bytes of consecutive tokens from shared memory: 64 byte loads a warp a step,
+    the most of a step's instructions (sm_90 SASS); in float16 the operand is one transposing load."""
+    b0, b1, b2, b3 = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 d0, d1; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 d0, lo; "
+        "cvt.rn.f16x2.e4m3x2 d1, hi; mov.b32 {$0, $1}, d0; mov.b32 {$2, $3}, d1; }",
+        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [words.shape[0], HEAD_DIM])  # bytes in order
+
+
+@triton.jit
 def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLOTS,
                   s_qb, s_qh, s_kv_kind, s_kv_slot, s_kv_head, s_bt, s_ob, s_oh, s_os, s_mb, s_mh, s_ms,
                   s_rb, s_rh, s_cos, scale_log2,
@@ -149,7 +162,12 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
         k = tl.load(base, mask=valid[:, None], other=0.0).to(q.dtype)  # an e4m3 pool converted as it loads
-        v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0).to(q.dtype)
+        if F16_MMA:  # V as 32-bit words (four e4m3 values of a token), to float16 before the operand's layout
+            rows = (KV + slot * s_kv_slot + kvh * s_kv_head + s_kv_kind).to(tl.pointer_type(tl.int32), bitcast=True)
+            v = _e4m3_words_to_f16(tl.load(rows[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :], mask=valid[:, None],
+                                           other=0), HEAD_DIM)
+        else:
+            v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -283,6 +301,10 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     positions, cos, sin, slots = rope if rope is not None else (context_lens,) * 4
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
+    f16_mma = kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    # an e4m3 pool's V is read as 32-bit words
+    assert not f16_mma or (dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
+                           and all(s % 4 == 0 for s in kv_layer.stride()[:3])), "e4m3 KV rows must be word-aligned"
     s_part = (partial.stride(0), partial.stride(1), partial.stride(2)) if splits > 1 else (0, 0, 0)
     s_ml = (ml.stride(0), ml.stride(1), ml.stride(2)) if splits > 1 else (0, 0, 0)
     _split_kernel[(batch, kv_heads, splits)](
@@ -297,7 +319,7 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
-        F16_MMA=kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        F16_MMA=f16_mma,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch.options(tile.max_registers))
     if splits == 1:
         return out, None
