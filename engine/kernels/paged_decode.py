@@ -92,7 +92,9 @@ def _e4m3_words_to_f16(words, HEAD_DIM: tl.constexpr):
     """[N, D / 4] 32-bit words of four e4m3 values each -> [N, D] float16 (exact), converted in the words'
     own layout. Converted in the PV product's operand layout instead (`.to` on the loaded tile), each
     thread gathered single bytes of consecutive tokens from shared memory: 64 byte loads a warp a step,
-    the most of a step's instructions (sm_90 SASS); in float16 the operand is one transposing load."""
+    the most of a step's instructions (sm_90 SASS); in float16 the operand is one transposing load.
+    K converted the same way saves a little more (`python -m bench.micro.kernel_sass`: 795 a warp a step,
+    640 with V's words, 590 with K's too, at the capped tile)."""
     b0, b1, b2, b3 = tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 d0, d1; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 d0, lo; "
         "cvt.rn.f16x2.e4m3x2 d1, hi; mov.b32 {$0, $1}, d0; mov.b32 {$2, $3}, d1; }",
@@ -161,12 +163,13 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
-        k = tl.load(base, mask=valid[:, None], other=0.0).to(q.dtype)  # an e4m3 pool converted as it loads
-        if F16_MMA:  # V as 32-bit words (four e4m3 values of a token), to float16 before the operand's layout
-            rows = (KV + slot * s_kv_slot + kvh * s_kv_head + s_kv_kind).to(tl.pointer_type(tl.int32), bitcast=True)
-            v = _e4m3_words_to_f16(tl.load(rows[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :], mask=valid[:, None],
-                                           other=0), HEAD_DIM)
+        if F16_MMA:  # K and V as 32-bit words (four e4m3 values of a token), to float16 before the operands' layout
+            rows = (KV + slot * s_kv_slot + kvh * s_kv_head).to(tl.pointer_type(tl.int32), bitcast=True)
+            words = rows[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]
+            k = _e4m3_words_to_f16(tl.load(words, mask=valid[:, None], other=0), HEAD_DIM)
+            v = _e4m3_words_to_f16(tl.load(words + s_kv_kind // 4, mask=valid[:, None], other=0), HEAD_DIM)
         else:
+            k = tl.load(base, mask=valid[:, None], other=0.0).to(q.dtype)
             v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
