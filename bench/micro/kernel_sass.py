@@ -93,7 +93,7 @@ def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
     """The split kernel's PTX for sm_90a."""
     consts = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=HEAD_DIM,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=tile.block_n, NUM_SPLITS=2, ROPE=True, STRIDE_ON_DEVICE=True,
-                  PRECISION="tf32", F16_MMA=kv == "fp8", PDL=True)
+                  PRECISION="tf32", F16_MMA=kv == "fp8", E4M3_WORDS=kv == "fp8", WORDS_ASM=True, PDL=True)
     types = {**POINTERS, "KV": KV_TYPES[kv][0], "scale_log2": "fp32"}
     options = _options(tile.num_warps, tile.num_stages, tile.max_registers)
     return str(_compile(paged_decode._split_kernel, consts, types, options).asm["ptx"])

@@ -88,17 +88,26 @@ def _rotated(ROW, heads, mask, offs_d, c, s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_words_to_f16(words, HEAD_DIM: tl.constexpr):
+def _e4m3_words_to_f16(words, HEAD_DIM: tl.constexpr, ASM: tl.constexpr):
     """[N, D / 4] 32-bit words of four e4m3 values each -> [N, D] float16 (exact), converted in the words'
     own layout. Converted in the PV product's operand layout instead (`.to` on the loaded tile), each
     thread gathered single bytes of consecutive tokens from shared memory: 64 byte loads a warp a step,
     the most of a step's instructions (sm_90 SASS); in float16 the operand is one transposing load.
     K converted the same way saves a little more (`python -m bench.micro.kernel_sass`: 795 a warp a step,
-    640 with V's words, 590 with K's too, at the capped tile)."""
-    b0, b1, b2, b3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 d0, d1; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 d0, lo; "
-        "cvt.rn.f16x2.e4m3x2 d1, hi; mov.b32 {$0, $1}, d0; mov.b32 {$2, $3}, d1; }",
-        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    640 with V's words, 590 with K's too, at the capped tile). ASM: the conversion instruction, two values
+    at a time (a GPU); else each byte shifted out and read as e4m3 (Triton's interpreter, which runs no
+    inline assembly), the same values in the same order."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 d0, d1; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 d0, lo; "
+            "cvt.rn.f16x2.e4m3x2 d1, hi; mov.b32 {$0, $1}, d0; mov.b32 {$2, $3}, d1; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+    else:  # little-endian: a word's first byte is the lowest dim
+        b0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [words.shape[0], HEAD_DIM])  # bytes in order
 
 
@@ -110,6 +119,7 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
                   STRIDE_ON_DEVICE: tl.constexpr, PRECISION: tl.constexpr, F16_MMA: tl.constexpr,
+                  E4M3_WORDS: tl.constexpr, WORDS_ASM: tl.constexpr,
                   PDL: tl.constexpr):
     # The step's metadata and the rope tables are written before the step starts and by no kernel in
     # it: read while the kernel before drains, then wait for it (engine.kernels.launch) to read q.
@@ -163,11 +173,12 @@ def _split_kernel(Q, KV, BT, BT_STRIDE, CTX, OUT, ML, RESULT, POS, COS, SIN, SLO
         block = tl.load(BT + b * s_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         base = KV + slot[:, None] * s_kv_slot + kvh * s_kv_head + offs_d[None, :]
-        if F16_MMA:  # K and V as 32-bit words (four e4m3 values of a token), to float16 before the operands' layout
+        if E4M3_WORDS:  # K and V as 32-bit words (four e4m3 values of a token), to float16 before the operands' layout
             rows = (KV + slot * s_kv_slot + kvh * s_kv_head).to(tl.pointer_type(tl.int32), bitcast=True)
             words = rows[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]
-            k = _e4m3_words_to_f16(tl.load(words, mask=valid[:, None], other=0), HEAD_DIM)
-            v = _e4m3_words_to_f16(tl.load(words + s_kv_kind // 4, mask=valid[:, None], other=0), HEAD_DIM)
+            k = _e4m3_words_to_f16(tl.load(words, mask=valid[:, None], other=0), HEAD_DIM, WORDS_ASM).to(q.dtype)
+            v = _e4m3_words_to_f16(tl.load(words + s_kv_kind // 4, mask=valid[:, None], other=0), HEAD_DIM,
+                                   WORDS_ASM).to(q.dtype)
         else:
             k = tl.load(base, mask=valid[:, None], other=0.0).to(q.dtype)
             v = tl.load(base + s_kv_kind, mask=valid[:, None], other=0.0).to(q.dtype)
@@ -304,10 +315,9 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     positions, cos, sin, slots = rope if rope is not None else (context_lens,) * 4
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
-    f16_mma = kv_layer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-    # an e4m3 pool's V is read as 32-bit words
-    assert not f16_mma or (dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
-                           and all(s % 4 == 0 for s in kv_layer.stride()[:3])), "e4m3 KV rows must be word-aligned"
+    words = kv_layer.dtype == torch.float8_e4m3fn  # an e4m3 pool's K and V are read as 32-bit words
+    assert not words or (dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
+                         and all(s % 4 == 0 for s in kv_layer.stride()[:3])), "e4m3 KV rows must be word-aligned"
     s_part = (partial.stride(0), partial.stride(1), partial.stride(2)) if splits > 1 else (0, 0, 0)
     s_ml = (ml.stride(0), ml.stride(1), ml.stride(2)) if splits > 1 else (0, 0, 0)
     _split_kernel[(batch, kv_heads, splits)](
@@ -322,7 +332,8 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
-        F16_MMA=f16_mma,
+        F16_MMA=words and q.dtype == torch.bfloat16,
+        E4M3_WORDS=words, WORDS_ASM=kv_layer.is_cuda,  # Triton's interpreter runs kernels on CPU tensors
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch.options(tile.max_registers))
     if splits == 1:
         return out, None
