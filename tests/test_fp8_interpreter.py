@@ -136,7 +136,8 @@ def check_paged_decode() -> None:
     q = torch.randn(2, heads, dim)
     tables = torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([40, 20], dtype=torch.int32)
-    for splits, tile in [(1, None), (2, None), (2, DecodeTile(16, 3)), (1, DecodeTile(128, 3))]:
+    for splits, tile in [(1, None), (2, None), (2, DecodeTile(16, 3)), (1, DecodeTile(128, 3)),
+                         (2, DecodeTile(16, 3, word_loads=True)), (1, DecodeTile(64, 5, 2, word_loads=True))]:
         for e4m3_rows in (False, True):  # True: the merge of a sequence's heads in one program, its e4m3 rows too
             out, rows = paged_decode_attention(q, pool, tables, lens, block, splits=splits, tile=tile,
                                                e4m3_rows=e4m3_rows)

@@ -58,6 +58,7 @@ def test_a_tile_is_read_from_the_command_line() -> None:
     assert parse_tile("64:5:4:128") == DecodeTile(64, 5, 4, 128)
     assert parse_tile("128:3:4") == DecodeTile(128, 3, 4, None)
     assert parse_tile("128:3:4:0") == DecodeTile(128, 3, 4, None)
+    assert parse_tile("64:5:2:0:words") == DecodeTile(64, 5, 2, None, word_loads=True)
     with pytest.raises(argparse.ArgumentTypeError):
         parse_tile("64:5")
 

@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=None, help="warps a program (default: the engine's)")
     p.add_argument("--max-registers", type=int, nargs="+", default=None,
                    help="registers a thread at most, 0 for the compiler's choice (default: the engine's)")
+    p.add_argument("--word-loads", choices=["no", "yes"], nargs="+", default=None,
+                   help="an e4m3 pool's K and V read as 32-bit words (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
@@ -72,9 +74,10 @@ def main() -> None:
             chosen = num_splits_for(batch, KV_HEADS)
             long = {"long_context": longest} if args.long_context else {}
             engine_tile = decode_tile(kv_dtype, batch)
-            tiles = [DecodeTile(n, st, w, r or None) for n in args.block_n or [engine_tile.block_n]
+            tiles = [DecodeTile(n, st, w, r or None, words == "yes") for n in args.block_n or [engine_tile.block_n]
                      for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]
-                     for r in args.max_registers or [engine_tile.max_registers]]
+                     for r in args.max_registers or [engine_tile.max_registers]
+                     for words in args.word_loads or ["yes" if engine_tile.word_loads else "no"]]
             for tile in tiles:
                 for splits in args.splits:
                     us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
@@ -82,14 +85,16 @@ def main() -> None:
                     out, _ = paged_decode_attention(q, layers[0], tables, lens, BLOCK, None, splits, tile)
                     bits = hashlib.sha256(out.cpu().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
                     ours = splits == chosen and tile == engine_tile
-                    shape = f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
+                    shape = (f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
+                             f"{' words' if tile.word_loads else ''}")
                     print(f"ctx {ctx:>6} batch {batch:>3} tile {shape} splits {splits:>3}: "
                           f"{us:8.1f} us  floor {floor_us:7.1f} ({floor_us / us:4.0%}){' <- engine' if ours else ''}",
                           flush=True)
                     rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
                                  "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
                                  "block_n": tile.block_n, "num_stages": tile.num_stages,
-                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers, "digest": bits})
+                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers,
+                                 "word_loads": tile.word_loads, "digest": bits})
             del layers
             torch.cuda.empty_cache()
     if args.json:

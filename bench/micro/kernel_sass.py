@@ -93,7 +93,8 @@ def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
     """The split kernel's PTX for sm_90a."""
     consts = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=HEAD_DIM,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=tile.block_n, NUM_SPLITS=2, ROPE=True, STRIDE_ON_DEVICE=True,
-                  PRECISION="tf32", F16_MMA=kv == "fp8", E4M3_WORDS=kv == "fp8", WORDS_ASM=True, PDL=True)
+                  PRECISION="tf32", F16_MMA=kv == "fp8", E4M3_WORDS=kv == "fp8" and tile.word_loads, WORDS_ASM=True,
+                  PDL=True)
     types = {**POINTERS, "KV": KV_TYPES[kv][0], "scale_log2": "fp32"}
     options = _options(tile.num_warps, tile.num_stages, tile.max_registers)
     return str(_compile(paged_decode._split_kernel, consts, types, options).asm["ptx"])
@@ -154,11 +155,17 @@ def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
 
 
 def parse_tile(text: str) -> paged_decode.DecodeTile:
-    """block_n:stages:warps[:max_registers]"""
-    parts = [int(p) for p in text.split(":")]
-    if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"tile {text!r}: block_n:stages:warps[:max_registers] expected")
-    return paged_decode.DecodeTile(parts[0], parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None)
+    """block_n:stages:warps[:max_registers[:words]], `words` for an e4m3 pool's word loads"""
+    fields = text.split(":")
+    words = len(fields) == 5 and fields.pop() == "words"
+    try:
+        parts = [int(p) for p in fields]
+    except ValueError:
+        parts = []
+    if len(parts) not in (3, 4) or len(fields) != len(parts):
+        raise argparse.ArgumentTypeError(f"tile {text!r}: block_n:stages:warps[:max_registers[:words]] expected")
+    return paged_decode.DecodeTile(parts[0], parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None,
+                                   words)
 
 
 def attention_rows(kvs: list[str], tiles: list[paged_decode.DecodeTile] | None) -> list[dict[str, object]]:

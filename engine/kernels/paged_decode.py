@@ -36,6 +36,7 @@ class DecodeTile:
     num_stages: int = 2
     num_warps: int = 4
     max_registers: int | None = None
+    word_loads: bool = False  # an e4m3 pool's K and V read as 32-bit words (`_e4m3_words_to_f16`)
 
 
 # per pool dtype: an e4m3 tile of 64 tokens holds half the bytes of a 16-bit one, so half as many are
@@ -43,17 +44,20 @@ class DecodeTile:
 # H200 (bench/results/decode-attention-fp8-tiles-h200.json; bf16's 64-token tile: 43.8 us)
 DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(128, 3)}
 
-# From batch 32 on, tiles capped at 128 registers a thread. Uncapped, the e4m3 tile's program holds
-# 207 (ncu), so two programs (8 warps) share an SM. Capped, four fit, and a layer at batch 64 and a 1k
-# context takes 33.7 us where it took 36.8 (64 tokens a step, e4m3), 39.3 where 40.8 (bf16); at batch
-# 32, 20.6 against 23.6 and 24.9 against 25.2 (bench/results/paged-attention-registers-h200.json).
+# From batch 32 on, other tiles. bf16's is capped at 128 registers a thread: a layer at batch 64 and a 1k
+# context 40.8 -> 39.3 us, batch 32 25.2 -> 24.9 (bench/results/paged-attention-registers-h200.json); the
+# byte-loading e4m3 tile capped so took 33.7 us where it took 36.8 uncapped (207 registers, two programs an SM).
 # At batches 1-8 the cap was slower (e4m3: 5.8-8.8 -> 6.8-11.7 us), its programs being few anyway.
 # The e4m3 tile pipelines five stages: the block table's load, a stage ahead of the KV loads it addresses,
 # takes a buffer of its own, so three or four stages keep one KV tile in flight and five keep two. At batch
 # 64 and a 4k context 112.7 -> 105.7 us, at 1k 33.3 -> 32.6, batch 32 at 1k 20.7 -> 20.9; the bf16 tile at
 # five stages holds two 32 KB tiles and lost, 39.3 -> 49.1 us (bench/results/paged-attention-depth-h200.json)
+# The e4m3 tile from batch 32 reads K and V as words on two warps, uncapped: a layer at batch 64 and a 1k
+# context 32.9 -> 29.5 us, 4k 105.0 -> 91.4; batch 32 21.0 -> 19.3 and 57.6 -> 51.4 (four splits)
+# (bench/results/decode-attention-e4m3-words-h200.json). Below 32 the byte loads stay: words measured
+# 8.7 -> 9.9 us at batch 8 and a 1k context on the 128-token tile.
 CAPPED_FROM_BATCH = 32
-CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 5, 4, max_registers=128),
+CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 5, 2, word_loads=True),
                                                torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
 
 
@@ -315,7 +319,8 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     positions, cos, sin, slots = rope if rope is not None else (context_lens,) * 4
     scale_log2 = (dim ** -0.5) * 1.4426950408889634
-    words = kv_layer.dtype == torch.float8_e4m3fn  # an e4m3 pool's K and V are read as 32-bit words
+    e4m3 = kv_layer.dtype == torch.float8_e4m3fn
+    words = e4m3 and tile.word_loads
     assert not words or (dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
                          and all(s % 4 == 0 for s in kv_layer.stride()[:3])), "e4m3 KV rows must be word-aligned"
     s_part = (partial.stride(0), partial.stride(1), partial.stride(2)) if splits > 1 else (0, 0, 0)
@@ -332,7 +337,7 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         # an e4m3 pool under bfloat16 q: the products in float16, which holds every e4m3 value and every
         # bfloat16 one from 2^-14 to 65504 exactly; the sums are float32 either way
-        F16_MMA=words and q.dtype == torch.bfloat16,
+        F16_MMA=e4m3 and q.dtype == torch.bfloat16,
         E4M3_WORDS=words, WORDS_ASM=kv_layer.is_cuda,  # Triton's interpreter runs kernels on CPU tensors
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch.options(tile.max_registers))
     if splits == 1:
