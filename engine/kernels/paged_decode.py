@@ -54,7 +54,7 @@ DECODE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(1
 # five stages holds two 32 KB tiles and lost, 39.3 -> 49.1 us (bench/results/paged-attention-depth-h200.json)
 # The e4m3 tile from batch 32 reads K and V as words on two warps, uncapped: a layer at batch 64 and a 1k
 # context 32.9 -> 29.5 us, 4k 105.0 -> 91.4; batch 32 21.0 -> 19.3 and 57.6 -> 51.4 (four splits)
-# (bench/results/decode-attention-e4m3-words-h200.json). Below 32 the byte loads stay: words measured
+# (bench/results/paged-attention-e4m3-words-h200.json). Below 32 the byte loads stay: words measured
 # 8.7 -> 9.9 us at batch 8 and a 1k context on the 128-token tile.
 CAPPED_FROM_BATCH = 32
 CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 5, 2, word_loads=True),
