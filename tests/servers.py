@@ -76,6 +76,21 @@ def refused_at_pairing(address: str, prompt: list[int]) -> str:
 
 
 @contextmanager
+def served_pair(args: list[str], log_dir: Path) -> Iterator[str]:
+    """A prefill server and a decode server paired with it, both started with `args`; yields the decode
+    server's address."""
+    prefill = ServerProcess("prefill_server", args, log_dir).start()
+    try:
+        decode = ServerProcess("decode_server", [*args, "--prefill-addr", prefill.address], log_dir).start()
+        try:
+            yield decode.address
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()
+
+
+@contextmanager
 def pair_and_stranger(prefill_args: list[str], decode_args: list[str], stranger_args: list[str],
                       log_dir: Path) -> Iterator[tuple[str, str]]:
     """A prefill server, a decode server that pairs with it and one that should not (both given its

@@ -19,7 +19,13 @@ from engine.fp8_formats import Fp8Format, read_format
 from engine.loader import ModelLoadError, build_preset, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
-from tests.servers import ServerProcess, assert_disaggregated_tokens, pair_and_stranger, refused_at_pairing
+from tests.servers import (
+    ServerProcess,
+    assert_disaggregated_tokens,
+    pair_and_stranger,
+    refused_at_pairing,
+    served_pair,
+)
 
 PROMPTS = [[1, 5, 9, 200, 31, 7], [(i * 37 + 11) % 290 for i in range(70)]]
 STEPS = 12
@@ -320,16 +326,8 @@ def test_fp8_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: P
 
     folder, dequantized = write_fp8(bases["qwen3"], tmp_path / "served", "hf-fp8")
     want = reference_greedy(dequantized)
-    prefill = ServerProcess("prefill_server", ["--model", str(folder), "--max-model-len", "256"], server_logs).start()
-    try:
-        decode = ServerProcess("decode_server", ["--model", str(folder), "--max-model-len", "256", "--prefill-addr",
-                                                 prefill.address], server_logs).start()
-        try:
-            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
-        finally:
-            decode.stop()
-    finally:
-        prefill.stop()
+    with served_pair(["--model", str(folder), "--max-model-len", "256"], server_logs) as decode:
+        assert_disaggregated_tokens(decode, PROMPTS, want, STEPS)
 
 
 @pytest.mark.e2e

@@ -18,7 +18,7 @@ from engine.fp8_formats import read_format
 from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
-from tests.servers import ServerProcess, assert_disaggregated_tokens
+from tests.servers import assert_disaggregated_tokens, served_pair
 from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, reference_greedy
 
 PRODUCER = {"name": "modelopt", "version": "0.29.0"}
@@ -174,13 +174,5 @@ def test_modelopt_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_pa
     folder = write_modelopt(bases["llama"], tmp_path / "served", "FP8", legacy=True,
                             kv_scales=[2.0**-5, 2.0**-6, 2.0**-4])
     want = reference_greedy(folder.with_name("served-dequantized"))
-    args = ["--model", str(folder), "--max-model-len", "256"]
-    prefill = ServerProcess("prefill_server", args, server_logs).start()
-    try:
-        decode = ServerProcess("decode_server", [*args, "--prefill-addr", prefill.address], server_logs).start()
-        try:
-            assert_disaggregated_tokens(decode.address, PROMPTS, want, STEPS)
-        finally:
-            decode.stop()
-    finally:
-        prefill.stop()
+    with served_pair(["--model", str(folder), "--max-model-len", "256"], server_logs) as decode:
+        assert_disaggregated_tokens(decode, PROMPTS, want, STEPS)
