@@ -6,42 +6,31 @@ three FP8 algorithms, KV scales under `k_proj` / `v_proj`, and `exclude_modules`
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fp8 import FP8, Fp8Linear
+from engine.fp8 import Fp8Linear
 from engine.fp8_formats import read_format
 from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
 from tests.servers import assert_disaggregated_tokens, served_pair
-from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, reference_greedy
+from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, quantize, reference_greedy
 
 PRODUCER = {"name": "modelopt", "version": "0.29.0"}
 
 
 def _quantize(w: torch.Tensor, algo: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, its scale as ModelOpt stores it, the dequantized float32 values)."""
-    n, k = w.shape
-    if algo == "FP8_PB_WO":  # 128 x 128 blocks, the scale [N/128, 1, K/128, 1]
-        padded = torch.zeros(math.ceil(n / 128) * 128, math.ceil(k / 128) * 128)
-        padded[:n, :k] = w
-        blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
-        block_scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
-        full = block_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-        scale = block_scale[:, None, :, None]
-    elif algo == "FP8_PER_CHANNEL_PER_TOKEN":  # [N]
-        scale = w.abs().amax(dim=1) / E4M3_MAX
-        full = scale[:, None].expand_as(w)
-    else:  # FP8: one scale, a 0-d tensor
-        scale = w.abs().amax() / E4M3_MAX
-        full = scale.expand_as(w)
-    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-    return q, scale.float(), q.float() * full
+    """(e4m3 weight, its scale as ModelOpt stores it, the dequantized float32 values): `quantize`'s for the
+    same granularity, the scale in ModelOpt's shape (blocks [N/128, 1, K/128, 1], channels [N], one 0-d)."""
+    scheme = {"FP8_PB_WO": "FP8_BLOCK", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_DYNAMIC", "FP8": "FP8"}[algo]
+    q, scale, deq = quantize(w, scheme)
+    if algo == "FP8_PB_WO":
+        return q, scale.float()[:, None, :, None], deq
+    return q, scale.float().reshape(-1 if algo == "FP8_PER_CHANNEL_PER_TOKEN" else ()), deq
 
 
 def write_modelopt(base: Path, folder: Path, algo: str, *, legacy: bool, kv_scales: list[float] | None = None,
