@@ -20,7 +20,7 @@ def git_commit(folder: Path | None = None) -> str:
     if marker.is_file():
         return marker.read_text().strip()
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder or Path(__file__).parent,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder or ROOT,
                              capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -45,7 +45,7 @@ class Fp8Format:
     static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
     ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
     scale_name: str = "weight_scale"   # the scale tensor's suffix: weight_scale or weight_scale_inv
-    kv_scales: bool = False            # per-layer `self_attn.k_scale` / `v_scale` (a kv_cache_scheme)
+    kv_scales: bool = False            # a k and v scale a layer (names: `loader._KV_SCALE`)
 
     def quantizes(self, module: str) -> bool:
         """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
