@@ -240,20 +240,19 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
     assert err < 0.5  # reported; garbage (scales lost) is > 1
 
 
-# Static input scales that clip activations (2-2.8 here, where the tiny model's reach past them): on an H200
-# at d972b62 CUDA's logits left the CPU reference's by 0.42 (prefill) and 1.30 (first decode step), for
-# compressed-tensors' FP8 and ModelOpt's alike, where scales that clip nothing gave 0.13 and 0.12
-# (bench/NOTES.md); not yet explained, so the clipping case is expected to fail until it is.
-CLIPPING = pytest.mark.xfail(strict=True, reason="static input scales that clip: CUDA departs from the CPU reference")
-
-
 @pytest.mark.e2e
-@pytest.mark.parametrize("export", ["hf-fp8", "modelopt-FP8", pytest.param("modelopt-FP8-clipping", marks=CLIPPING)])
+@pytest.mark.parametrize("export", ["hf-fp8", "modelopt-FP8", "modelopt-FP8-clipping"])
 def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path: Path) -> None:
     """A tiny FP8 checkpoint, HF block-FP8 or ModelOpt's FP8 (per-tensor scales, static input scales): on
     CUDA (requantized per channel, FP8 matmuls) its prefill and first decode step's logits are those of
-    the CPU reference path (dequantized at load) to FP8 and bf16 rounding: the prefill's activations
-    quantized per token (or by the static scales), the block scales folded into row scales."""
+    the CPU reference path (dequantized at load, float32) to FP8 and bf16 rounding: the prefill's
+    activations quantized per token (or by the static scales), the block scales folded into row scales.
+    Both decode steps take the reference's token, so a flipped argmax does not change the input.
+    How far bf16 alone moves the logits depends on the checkpoint: static scales that clip (2-2.8 here,
+    27-31% of the down projections' inputs) shrink each layer's signal and not its rounding, so the CPU
+    reference run in bf16 departs from itself in float32 by 0.41 where scales that clip nothing give
+    0.15 (bench/NOTES.md). The bound is that distance with a margin: CUDA is no further from the
+    reference than the reference's own bf16 run, and scales lost would be > 1."""
     from engine.decode_batch import DecodeSeq
     from engine.offline import make_runner
     from tests.test_fp8_loading import write_fp8
@@ -270,17 +269,22 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path:
                        for name, t in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     prompt = [(i * 37 + 11) % 290 for i in range(70)]
     logits = {}
-    for device, dtype in (("cpu", torch.float32), ("cuda:0", torch.bfloat16)):
+    token = None  # the reference's first token, fed to every run's decode step
+    for run, device, dtype in (("reference", "cpu", torch.float32), ("reference-bf16", "cpu", torch.bfloat16),
+                               ("cuda", "cuda:0", torch.bfloat16)):
         runner = make_runner(model=str(folder), device=device, dtype=dtype, max_model_len=256)
         table = runner.pool.allocator.allocate(runner.pool.blocks_needed(100))
         first = runner.prefill(prompt, table, 0)
-        step = runner.decode([DecodeSeq(int(first.argmax()), len(prompt), table)])[0][0]
-        logits[device] = torch.cat([first.float().cpu(), step.float().cpu()])
-    err = rel_err(logits["cuda:0"], logits["cpu"])
-    print(f"\n{export} tiny checkpoint, CUDA against the CPU reference: logits rel err {err:.3e}")
+        token = int(first.argmax()) if token is None else token
+        step = runner.decode([DecodeSeq(token, len(prompt), table)])[0][0]
+        logits[run] = torch.cat([first.float().cpu(), step.float().cpu()])
+    err = rel_err(logits["cuda"], logits["reference"])
+    own = rel_err(logits["reference-bf16"], logits["reference"])
+    print(f"\n{export} tiny checkpoint, logits rel err against the float32 reference: CUDA {err:.3e}, "
+          f"the reference in bf16 {own:.3e}")
     # bf16 alone is 2e-2 on this tiny random model, prefill's per-token e4m3 activations 0.07-0.10 (a
-    # float32 emulation on the CPU); the two measured 0.161 on an H200. Scales lost would be > 1.
-    assert err < 0.25
+    # float32 emulation on the CPU); the block-FP8 case measured 0.161 on an H200
+    assert err < max(0.25, 1.5 * own)
 
 
 @pytest.mark.parametrize("columns", [18944, 40000])  # a row held whole; one past MAX_WHOLE_ROW, in two passes

@@ -6,9 +6,11 @@ L2, as in a real step), divided by the layer count.
 
 With `--fp8` the weights are e4m3 with a float32 scale per output row (`engine.fp8`): the skinny
 matmul reads them with bf16 activations (W8A16) or, for tiles with `quantize_x` (`--quantize-x yes`),
-quantizes the activations per row to e4m3 and runs FP8 tensor cores (W8A8; the quantization is
-counted), against `torch._scaled_mm` (cuBLASLt FP8, row-wise scales) on activations already
-quantized per token (its quantization not counted); the floor is then one byte a weight. Without
+runs FP8 tensor cores on activations quantized per row to e4m3 (W8A8), against `torch._scaled_mm`
+(cuBLASLt FP8, row-wise scales); the floor is then one byte a weight. Both matmuls take the same
+e4m3 rows, quantized before the timing, as the engine's norm writes them for qkv and gate/up; the
+64-row tile's time with its own quantization kernel first (o_proj's and down's case in the engine)
+is `gemv_quantizing_us`. The 16-row tile quantizes x inside, so its time includes it. Without
 `--sweep`, the rows the engine runs on CUDA cores (`engine.kernels.gemv_vector`, 1-2 rows) are timed
 there, so each row of the table is the kernel a decode step of that batch runs.
 """
@@ -29,6 +31,7 @@ from engine.kernels import gemv_vector
 from engine.kernels.gemv import (
     MAX_ROWS,
     WIDE_ROWS,
+    E4m3Rows,
     GemvConfig,
     config_for,
     gated_config_for,
@@ -77,6 +80,20 @@ def _vector_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.
     def call(w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
         assert s is not None
         return gemv_vector.gemv_vector(x, w, s, cfg, bias=b, gated=gated)
+
+    err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
+    return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
+
+
+def _skinny_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+               biases: list[torch.Tensor | None], cfg: GemvConfig | None, gated: bool, ref: torch.Tensor,
+               x_e4m3: E4m3Rows | None) -> tuple[float, float]:
+    """The MMA tile's microseconds a layer (`x_e4m3`: x's rows quantized already, else the tile's own
+    quantization counted), and its first layer's largest difference from `ref`."""
+    def call(w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        if gated:
+            return gemv_silu(x, w, cfg, scale=s, x_e4m3=x_e4m3)
+        return gemv(x, w, b, cfg, scale=s, x_e4m3=x_e4m3)
 
     err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
     return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
@@ -192,19 +209,17 @@ def main() -> None:
                                  "cublas_us": round(cublas, 2), "gemv_us": None, "gemv_config": None})
                 continue
             best: tuple[float, GemvConfig | None] | None = None
+            wide_w8a8 = args.fp8 and tile_rows(weights[0], m) == WIDE_ROWS  # such tiles take x's e4m3 rows
+            e4m3_rows = (xq, x_scale) if args.fp8 else None
             for cfg in configs:
                 if cfg is not None and not cfg.fits(k):
                     continue
                 if gated and cfg is not None and cfg.split_k > 1:
                     continue  # the gated tile is unsplit
                 try:
-                    got = (gemv_silu(x, weights[0], cfg, scale=scales[0]) if gated
-                           else gemv(x, weights[0], biases[0], cfg, scale=scales[0]))
-                    err = (got.float() - ref[0].float()).abs().max().item()
-                    calls = ([partial(gemv_silu, x, w, cfg, scale=s) for w, s in zip(weights, scales, strict=True)]
-                             if gated else [partial(gemv, x, w, b, cfg, scale=s)
-                                            for (w, b), s in zip(pairs, scales, strict=True)])
-                    us = graph_us(calls)
+                    tile = cfg or engine_cfg
+                    rows = e4m3_rows if wide_w8a8 and tile is not None and tile.quantize_x else None
+                    us, err = _skinny_us(x, weights, scales, biases, cfg, gated, ref[0], rows)
                 except Exception as e:  # a tile that does not fit this GPU's shared memory
                     print(f"  {name} m={m} {cfg}: failed ({str(e).splitlines()[0][:80]})")
                     continue
@@ -219,11 +234,15 @@ def main() -> None:
             assert best is not None
             chosen = best[1] or engine_cfg
             assert chosen is not None
+            quantizing = (_skinny_us(x, weights, scales, biases, chosen, gated, ref[0], None)[0]
+                          if wide_w8a8 and chosen.quantize_x else None)
             print(f"{label:<8} m={m:<3} floor {floor_us:7.1f} us | cuBLAS {cublas:7.1f} us ({floor_us / cublas:4.0%}) "
-                  f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}", flush=True)
+                  f"| gemv {best[0]:7.1f} us ({floor_us / best[0]:4.0%}) {chosen}"
+                  + ("" if quantizing is None else f" | {quantizing:.1f} us with its quantization"), flush=True)
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                              "cublas_us": round(cublas, 2), "gemv_us": round(best[0], 2), "gemv_config": vars(chosen),
-                             "route": "skinny", "gated": gated})
+                             "route": "skinny", "gated": gated,
+                             "gemv_quantizing_us": None if quantizing is None else round(quantizing, 2)})
         del weights, biases, scales
         torch.cuda.empty_cache()
     if args.json:
