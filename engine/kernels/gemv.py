@@ -121,12 +121,13 @@ FP8_NARROW_ROW_TILES: dict[str, GemvConfig] = {
 # Strips narrower than the tile (`python -m bench.micro.gemv --fp8 --sweep --rows 64 --wide-strip-n ...`,
 # bench/results/gemv-fp8-w8a8-strips-h200.json): gate/up's 48-column gated strips, 395 programs for three an
 # SM, 40.2 -> 37.6 us. down's best (56 columns: 26.0 -> 25.5 us) is not taken, a gain within the spread that
-# fits one shape's strip count to the SMs; qkv and o_proj lost on them.
+# fits one shape's strip count to the SMs; qkv and o_proj lost on them. o_proj on 32-column tiles, 112 programs
+# where 64 columns made 56 (bench/results/gemv-fp8-o-proj-sweep-h200.json, x's e4m3 rows given): 6.9-7.1 -> 6.0-6.1 us.
 FP8_WIDE_ROW_TILES: dict[str, GemvConfig] = {
     "wide": GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, quantize_x=True,
                        strip_n=48),  # gate_up, gated (the gated tile 64 columns, its strip 48)
     "tall": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=5, quantize_x=True),   # qkv
-    "square": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=5, quantize_x=True),  # o_proj
+    "square": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=6, quantize_x=True),  # o_proj
     "deep": GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=5, split_k=2, quantize_x=True),  # down
 }
 
