@@ -8,9 +8,9 @@ With `--fp8` the weights are e4m3 with a float32 scale per output row (`engine.f
 matmul reads them with bf16 activations (W8A16) or, for tiles with `quantize_x` (`--quantize-x yes`),
 runs FP8 tensor cores on activations quantized per row to e4m3 (W8A8), against `torch._scaled_mm`
 (cuBLASLt FP8, row-wise scales); the floor is then one byte a weight. Both matmuls take the same
-e4m3 rows, quantized before the timing, as the engine's norm writes them for qkv and gate/up; the
-64-row tile's time with its own quantization kernel first (o_proj's and down's case in the engine)
-is `gemv_quantizing_us`. The 16-row tile quantizes x inside, so its time includes it. Without
+e4m3 rows, quantized before the timing, as the engine's norms write them for qkv and gate/up and the
+attention's merge for o_proj; the 64-row tile's time with its own quantization kernel first (down's
+case in the engine) is `gemv_quantizing_us`. The 16-row tile quantizes x inside, so its time includes it. Without
 `--sweep`, the rows the engine runs on CUDA cores (`engine.kernels.gemv_vector`, 1-2 rows) are timed
 there, so each row of the table is the kernel a decode step of that batch runs.
 """
