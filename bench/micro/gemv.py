@@ -72,6 +72,17 @@ def scaled_mm_linear(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
     return silu_mul(out) if gated else out
 
 
+LayerCall = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def _layers_us(call: LayerCall, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+               biases: list[torch.Tensor | None], ref: torch.Tensor) -> tuple[float, float]:
+    """`call(weight, scale, bias)`'s microseconds a layer over every layer's weights in one graph, and its
+    first layer's largest difference from `ref`."""
+    err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
+    return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
+
+
 def _vector_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                biases: list[torch.Tensor | None], cfg: gemv_vector.VectorConfig, gated: bool,
                ref: torch.Tensor) -> tuple[float, float]:
@@ -81,8 +92,7 @@ def _vector_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.
         assert s is not None
         return gemv_vector.gemv_vector(x, w, s, cfg, bias=b, gated=gated)
 
-    err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
-    return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
+    return _layers_us(call, weights, scales, biases, ref)
 
 
 def _skinny_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -95,8 +105,7 @@ def _skinny_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.
             return gemv_silu(x, w, cfg, scale=s, x_e4m3=x_e4m3)
         return gemv(x, w, b, cfg, scale=s, x_e4m3=x_e4m3)
 
-    err = (call(weights[0], scales[0], biases[0]).float() - ref.float()).abs().max().item()
-    return graph_us([partial(call, w, s, b) for w, s, b in zip(weights, scales, biases, strict=True)]), err
+    return _layers_us(call, weights, scales, biases, ref)
 
 
 def main() -> None:
