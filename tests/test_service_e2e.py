@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.offline import generate, make_runner
-from tests.servers import ROOT, ServerProcess
+from tests.servers import ROOT, ServerProcess, served_pair
 
 pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
@@ -206,17 +206,10 @@ def test_checkpoint_served_end_to_end(tiny_checkpoint: Path, server_logs: Path) 
     """A real checkpoint folder through both servers equals transformers' greedy tokens."""
     from tests.test_parity import hf_greedy
 
-    prefill = ServerProcess("prefill_server", ["--model", str(tiny_checkpoint)], server_logs).start()
-    decode = ServerProcess("decode_server", ["--model", str(tiny_checkpoint), "--prefill-addr", prefill.address],
-                           server_logs).start()
-    try:
+    with served_pair(["--model", str(tiny_checkpoint)], server_logs) as decode:
         p = prompt(30)
-        replies = run_stream(decode.address, decode_pb2.GenerateRequest(token_ids=p, max_new_tokens=20,
-                                                                         ignore_eos=True))
+        replies = run_stream(decode, decode_pb2.GenerateRequest(token_ids=p, max_new_tokens=20, ignore_eos=True))
         assert [r.token_id for r in replies] == hf_greedy(tiny_checkpoint, p, 20)
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_kv_checksum_on_checks_every_handoff(pair, server_logs: Path) -> None:  # type: ignore[no-untyped-def]
