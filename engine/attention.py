@@ -155,18 +155,20 @@ def prepare_prefill_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtyp
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pool: KVPool, layer: int, meta: DecodeMeta, num_heads: int, num_kv_heads: int,
-                     head_dim: int, e4m3_rows: bool = False) -> Activations:
+                     head_dim: int, e4m3_rows: bool = False, e4m3_bound: float | None = None) -> Activations:
     """A decode step's rope, KV write and attention: qkv [B, (H + 2 Hkv) D] unrotated (one new token
     per sequence) -> [B, H * D]. With `meta.use_kernel` one Triton kernel does all three; otherwise
     `ops.rope_and_store`, then the gather path. `e4m3_rows` (o_proj takes x in e4m3): where the
-    kernel's merge can write them too, the rows come with their e4m3 values (`QuantizedRows`)."""
+    kernel's merge can write them too, the rows come with their e4m3 values (`QuantizedRows`), their
+    scales bounded by `e4m3_bound` (o_proj's `input_bound`)."""
     rows = qkv.shape[0]
     if meta.use_kernel:
         from engine.kernels.paged_decode import paged_decode_attention_rope
 
         out, e4m3 = paged_decode_attention_rope(qkv, num_heads, positions, cos, sin, meta.new_slots,
                                                 pool.layers[layer], meta.block_tables, meta.context_lens,
-                                                pool.layout.block_size, meta.table_stride, e4m3_rows=e4m3_rows)
+                                                pool.layout.block_size, meta.table_stride, e4m3_rows=e4m3_rows,
+                                                e4m3_bound=e4m3_bound)
         return out.view(rows, -1) if e4m3 is None else QuantizedRows(out.view(rows, -1), e4m3)
     q, _, _ = rope_and_store(qkv, positions, cos, sin, pool.layers[layer], meta.new_slots, num_heads, num_kv_heads,
                              head_dim)

@@ -68,6 +68,13 @@ def to_per_channel(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) ->
     return weight.contiguous(), scale.float().reshape(-1).expand(weight.shape[0]).contiguous()
 
 
+def bound_rows(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """x clamped to +-`bound`: what a per-token scale bounded by `bound` / 448 does to a row, less the
+    e4m3 rounding (magnitudes past the bound saturate at e4m3's largest times that scale). The reference
+    path's, where dynamic activations are not rounded to e4m3."""
+    return x if bound is None else x.clamp(-bound, bound)
+
+
 def fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """Activations as a static per-tensor `input_scale` quantizes them: e4m3 of x / scale, times scale."""
     return ((x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * input_scale).to(x.dtype)
@@ -77,12 +84,15 @@ class Fp8Linear(nn.Module):
     """A linear layer whose checkpoint weights are FP8. With `keep_fp8` (CUDA) `weight` is e4m3 with
     `weight_scale` [N] per output channel; without (the CPU reference path) `weight` holds the
     dequantized values in the compute dtype and `weight_scale` is None. `input_scale`, where the
-    checkpoint quantizes activations statically, is applied on every path."""
+    checkpoint quantizes activations statically, and `input_bound`, where it bounds the dynamic
+    per-token scales (fbgemm_fp8), are applied on every path."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 keep_fp8: bool, static_input: bool) -> None:
+                 keep_fp8: bool, static_input: bool, input_bound: float | None = None) -> None:
         super().__init__()
+        assert not (static_input and input_bound is not None), "a bound is for dynamic scales"
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, dtype
+        self.input_bound = input_bound
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8 if keep_fp8 else dtype,
                                                device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
@@ -110,7 +120,8 @@ class Fp8Linear(nn.Module):
         return (self.weight.float() * self.weight_scale[:, None]).to(self.compute_dtype)
 
 
-def replace_linears(model: nn.Module, names: Iterable[str], keep_fp8: bool, static_input: bool) -> None:
+def replace_linears(model: nn.Module, names: Iterable[str], keep_fp8: bool, static_input: bool,
+                    input_bound: float | None = None) -> None:
     """Swap each named nn.Linear of `model` (e.g. layers.0.qkv) for an empty `Fp8Linear` of its shape."""
     for name in names:
         parent_name, _, attr = name.rpartition(".")
@@ -118,7 +129,7 @@ def replace_linears(model: nn.Module, names: Iterable[str], keep_fp8: bool, stat
         old = getattr(parent, attr)
         assert isinstance(old, nn.Linear), name
         setattr(parent, attr, Fp8Linear(old.in_features, old.out_features, old.bias is not None, old.weight.dtype,
-                                        old.weight.device, keep_fp8, static_input))
+                                        old.weight.device, keep_fp8, static_input, input_bound))
 
 
 def quantize_model(model: nn.Module, layer_names: Iterable[str], keep_fp8: bool) -> None:
@@ -147,18 +158,21 @@ def scaled_mm_supports(x: torch.Tensor, layer: Fp8Linear) -> bool:
 def scaled_matmul(x: torch.Tensor, layer: Fp8Linear,
                   x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ the layer's e4m3 weight on FP8 tensor cores (`torch._scaled_mm`, row-wise
-    scales): activations quantized per token (largest magnitude to e4m3's largest; `x_e4m3` when the
-    norm before wrote them), or with the checkpoint's static `input_scale`; float32 accumulation
-    with the bias, then bf16."""
+    scales): activations quantized per token (largest magnitude to e4m3's largest, or to the layer's
+    `input_bound`; `x_e4m3` when the norm before wrote them), or with the checkpoint's static
+    `input_scale`; float32 accumulation with the bias, then bf16."""
     assert layer.weight_scale is not None
     if x_e4m3 is not None:
         assert layer.input_scale is None, "a static input scale quantizes x itself"
         xq, x_scale = x_e4m3
     elif layer.input_scale is None and _quantize_rows is not None and x.stride(1) == 1:
-        xq, x_scale = _quantize_rows(x)  # one kernel
+        xq, x_scale = _quantize_rows(x, layer.input_bound)  # one kernel
     else:
         if layer.input_scale is None:
-            x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+            amax = x.abs().amax(dim=1, keepdim=True).float()
+            if layer.input_bound is not None:
+                amax = amax.clamp(max=layer.input_bound)
+            x_scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         else:
             x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -18,6 +18,10 @@ one-line refusal naming what it is.
   [N], dynamic activations) or `FP8_PB_WO` (128 x 128 blocks, `weight_scale` [N/128, 1, K/128, 1]);
   `exclude_modules` (or `ignore`) are wildcard patterns; an FP8 `kv_cache_quant_algo` (or
   `kv_cache_scheme`) comes with `self_attn.k_proj.k_scale` / `v_proj.v_scale` a layer.
+- FBGEMM's `fbgemm_fp8` (Meta's `Llama-3.1-*-FP8`): `weight_scale` [N, 1] a channel, activations
+  quantized per token with each row's scale bounded by `activation_scale_ub` (so a row's magnitudes
+  past the bound saturate: the layer sees its input clamped to +-bound), `modules_to_not_convert`
+  read as transformers reads it, and the output embeddings kept unquantized.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 SUPPORTED = ("compressed-tensors FP8 (FP8_DYNAMIC, FP8, FP8_BLOCK), fp8 (transformers' blocks or AutoFP8's "
-             "per-tensor scales) and modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)")
+             "per-tensor scales), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) and fbgemm_fp8")
 MODELOPT_FILE = "hf_quant_config.json"  # where ModelOpt exports before config.json's quantization_config kept it
 MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's block, which its config does not state
+FBGEMM_BOUND = 1200.0  # `activation_scale_ub` where an fbgemm_fp8 config leaves it out: transformers' default
 
 
 class UnsupportedQuantization(ValueError):
@@ -39,18 +44,20 @@ class UnsupportedQuantization(ValueError):
 
 @dataclass(frozen=True)
 class Fp8Format:
-    method: str                        # "compressed-tensors", "fp8" or "modelopt"
+    method: str                        # "compressed-tensors", "fp8", "modelopt" or "fbgemm_fp8"
     weight: str                        # "channel", "tensor" or "block": the checkpoint's scale granularity
     block: tuple[int, int] | None      # rows, columns of a block
     static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
     ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
     scale_name: str = "weight_scale"   # the scale tensor's suffix: weight_scale or weight_scale_inv
     kv_scales: bool = False            # a k and v scale a layer (names: `loader._KV_SCALE`)
+    input_bound: float | None = None   # dynamic activations: a row's scale at most this / 448 (fbgemm_fp8)
 
     def quantizes(self, module: str) -> bool:
         """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
         entry means what the tool that wrote it means: compressed-tensors' is a module's name or, after
-        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry is
+        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry (in `fp8` and
+        `fbgemm_fp8`) is
         a pattern matched from the start to a module boundary ("model.layers.1" takes
         model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj"); ModelOpt's
         is a wildcard pattern over the whole name, where a trailing `*` straight after a name
@@ -59,7 +66,7 @@ class Fp8Format:
             return not any(fnmatchcase(module, entry[:-1]) or fnmatchcase(module, entry[:-1] + ".*")
                            if entry.endswith("*") and not entry.endswith(".*") else fnmatchcase(module, entry)
                            for entry in self.ignore)
-        if self.method == "fp8":
+        if self.method in ("fp8", "fbgemm_fp8"):
             return not any(re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(entry)
                            for entry in self.ignore)
         for entry in self.ignore:
@@ -79,6 +86,8 @@ def read_format(config: object) -> Fp8Format:
         return _compressed_tensors(config)
     if method == "modelopt":
         return _modelopt(config)
+    if method == "fbgemm_fp8":
+        return _fbgemm(config)
     raise UnsupportedQuantization(f"quantization_config quant_method {method!r} is not supported (supported: "
                                   f"{SUPPORTED})")
 
@@ -206,3 +215,17 @@ def scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
         rows, cols = -(-n // fmt.block[0]), -(-k // fmt.block[1])
         return [(rows, cols)] + ([(rows, 1, cols, 1)] if fmt.method == "modelopt" else [])
     return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
+
+
+def _fbgemm(config: dict[str, Any]) -> Fp8Format:
+    """FBGEMM's row-wise FP8: per-channel weight scales, per-token activations whose scales are
+    bounded by `activation_scale_ub` (transformers' default where the config leaves it out)."""
+    method = "fbgemm_fp8"
+    bound = config.get("activation_scale_ub", FBGEMM_BOUND)
+    if isinstance(bound, bool) or not isinstance(bound, int | float) or not 0 < bound < float("inf"):
+        raise _refuse(method, f"activation_scale_ub {bound!r} (a positive number is needed)")
+    ignore = config.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
+        raise _refuse(method, f"modules_to_not_convert {ignore!r} (a list of module names is needed)")
+    # as in transformers' `fp8`, the output embeddings are never converted
+    return Fp8Format(method, "channel", None, False, ("lm_head", *ignore), input_bound=float(bound))

@@ -284,7 +284,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     keep_fp8 = device.type == "cuda"
     fp8_layers = _fp8_layers(folder, cfg, fmt) if fmt is not None else {}
     if fmt is not None:
-        replace_linears(model, fp8_layers, keep_fp8, fmt.static_input)
+        replace_linears(model, fp8_layers, keep_fp8, fmt.static_input, fmt.input_bound)
     fp8_modules = {theirs for parts in fp8_layers.values() for theirs, _ in parts}
     fp8_suffixes = () if fmt is None else ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ())
     pieces: dict[str, dict[str, torch.Tensor]] = {}  # FP8 module -> its weight and scales, read in any order
@@ -343,7 +343,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
         if fmt is not None:
             kept = len(linear_parts(cfg)) - len(fp8_layers)
             log.info("FP8 weights (%s, %s scales%s): %d projections %s%s%s", fmt.method, fmt.weight,
-                     ", static input scales" if fmt.static_input else "", len(fp8_layers),
+                     ", static input scales" if fmt.static_input else
+                     f", input scales bounded by {fmt.input_bound:g} / 448" if fmt.input_bound else "", len(fp8_layers),
                      "in e4m3" if keep_fp8 else f"dequantized to {dtype} (the reference path)",
                      f", {kept} unquantized as the checkpoint has them" if kept else "",
                      "; KV scales folded into the weights" if folded else "")

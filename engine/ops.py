@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fp8 import Fp8Linear, fake_quantize, scaled_matmul, scaled_matmul_quantized, scaled_mm_supports
+from engine.fp8 import (
+    Fp8Linear,
+    bound_rows,
+    fake_quantize,
+    scaled_matmul,
+    scaled_matmul_quantized,
+    scaled_mm_supports,
+)
 from engine.kv_cache import as_bytes, to_kv_dtype
 
 try:
@@ -151,9 +158,15 @@ def norm_feeding(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     projection fewer: batch 64's FP8 step has 56 of them, a prefill's 54)."""
     if not plan(x, layer, kernels, gated).takes_e4m3:
         return add_rms_norm(x, weight, eps, delta)
-    out, e4m3 = _fused.add_rms_norm(x, weight, eps, delta, quantize=True)
+    out, e4m3 = _fused.add_rms_norm(x, weight, eps, delta, quantize=True, bound=input_bound(layer))
     assert e4m3 is not None
     return QuantizedRows(out, e4m3), x
+
+
+def input_bound(layer: Linear) -> float | None:
+    """The bound on an FP8 layer's dynamic per-token scales (fbgemm_fp8's `activation_scale_ub`), which
+    every kernel that quantizes or reads its x applies; None where there is none."""
+    return layer.input_bound if isinstance(layer, Fp8Linear) else None
 
 
 def _static_x(layer: Linear) -> bool:
@@ -193,19 +206,21 @@ def _run(p: Plan, x: torch.Tensor, x_e4m3: tuple[torch.Tensor, torch.Tensor] | N
         x, scale = _kernel_operands(x, layer)
         assert scale is not None
         return _gemv_vector.gemv_vector(x, layer.weight, scale, p.tile, bias=layer.bias, gated=gated,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, x_bound=input_bound(layer))
     if p.route is Route.SKINNY:
         assert isinstance(p.tile, _gemv.GemvConfig)
         x, scale = _kernel_operands(x, layer)  # decode: SiLU·mul in the matmul's epilogue when gated
+        bound = input_bound(layer)
         if gated:
-            return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=p.tile, x_e4m3=x_e4m3)
-        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale, cfg=p.tile, x_e4m3=x_e4m3)
+            return _gemv.gemv_silu(x, layer.weight, scale=scale, cfg=p.tile, x_e4m3=x_e4m3, x_bound=bound)
+        return _gemv.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, scale=scale, cfg=p.tile, x_e4m3=x_e4m3,
+                          x_bound=bound)
     if p.route is Route.SCALED_MM:
         assert isinstance(layer, Fp8Linear)
         out = scaled_matmul(x, layer, x_e4m3)
     elif isinstance(layer, Fp8Linear):
         x, _ = _kernel_operands(x, layer)
-        out = F.linear(x, layer.dequantized(), layer.bias)
+        out = F.linear(bound_rows(x, layer.input_bound), layer.dequantized(), layer.bias)
     else:
         out = F.linear(x, layer.weight, layer.bias)
     return out if out_dtype is None else out.to(out_dtype)
@@ -222,7 +237,8 @@ def linear_argmax(x: torch.Tensor, layer: Linear, kernels: KernelOptions,
         cfg = _gemv.config_for(layer.weight, x.shape[0], _static_x(layer))
         if cfg is not None and cfg.split_k == 1:
             x, scale = _kernel_operands(x, layer)
-            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale)
+            return _gemv.gemv_argmax(x, layer.weight, out_dtype=torch.float32, cfg=cfg, tokens=tokens, scale=scale,
+                                     x_bound=input_bound(layer))
     logits = linear(x, layer, kernels, out_dtype=torch.float32)
     if tokens is None:
         return logits, logits.argmax(dim=-1)
@@ -245,7 +261,7 @@ def mlp(x: Activations, gate_up: Linear, down: Linear, kernels: KernelOptions) -
     gate_up_plan = plan(rows, gate_up, kernels, gated=True)
     if (isinstance(down, Fp8Linear) and down.input_scale is None and _fast(rows)
             and gate_up_plan.route is Route.SCALED_MM and scaled_mm_supports(rows, down)):
-        xq, x_scale = _fp8_quant.silu_mul_quantize_rows(_run(gate_up_plan, rows, x_e4m3, gate_up))
+        xq, x_scale = _fp8_quant.silu_mul_quantize_rows(_run(gate_up_plan, rows, x_e4m3, gate_up), down.input_bound)
         return scaled_matmul_quantized(xq, x_scale, down, rows.dtype)
     return linear(gate_up_silu(x, gate_up, kernels), down, kernels)
 

@@ -287,6 +287,46 @@ def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path:
     assert err < max(0.25, 1.5 * own)
 
 
+def _prefill_and_step(folder: Path, device: str, dtype: torch.dtype, prompts: list[list[int]],
+                      tokens: list[int] | None) -> tuple[torch.Tensor, list[int]]:
+    """Each prompt's prefill logits and one decode step of all of them together (each fed `tokens`, the
+    reference's first tokens, where given), in float32 [2 B, vocab]; and the first tokens."""
+    from engine.decode_batch import DecodeSeq
+    from engine.offline import make_runner
+
+    runner = make_runner(model=str(folder), device=device, dtype=dtype, max_model_len=256)
+    tables = [runner.pool.allocator.allocate(runner.pool.blocks_needed(100)) for _ in prompts]
+    firsts = torch.stack([runner.prefill(p, t, 0).float().cpu().reshape(-1) for p, t in zip(prompts, tables,
+                                                                                             strict=True)])
+    tokens = tokens or firsts.argmax(-1).tolist()
+    step = runner.decode([DecodeSeq(tok, len(p), t) for tok, p, t in zip(tokens, prompts, tables, strict=True)])[0]
+    return torch.cat([firsts, step.float().cpu()]), tokens
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("batch", [1, 3, 20])
+def test_fbgemm_input_bound_holds_in_every_cuda_path(batch: int, tmp_path: Path) -> None:
+    """An fbgemm_fp8 checkpoint whose `activation_scale_ub` clips its projections' inputs: on CUDA (prefill
+    on `torch._scaled_mm` with the bounded per-token quantization and SiLU·mul's; a decode step of 1 row on
+    the CUDA-core tile with x clamped, 3 on the 16-row tile quantizing in the kernel, 20 on the 64-row one
+    taking the norm's and the attention merge's bounded e4m3 rows) the logits are the CPU reference's
+    (inputs clamped to the bound) to FP8 and bf16 rounding, and far from the same weights unbounded."""
+    from tests.test_fp8_fbgemm import write_fbgemm
+
+    base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="llama", hidden_size=256, intermediate_size=512)
+    bounded = write_fbgemm(base, tmp_path / "bounded")
+    unbounded = write_fbgemm(base, tmp_path / "unbounded", bound=None)  # 1200: never reached here
+    prompts = [[(i * 37 + 11 * j) % 290 for i in range(40 + j)] for j in range(batch)]
+    reference, tokens = _prefill_and_step(bounded, "cpu", torch.float32, prompts, None)
+    own, _ = _prefill_and_step(bounded, "cpu", torch.bfloat16, prompts, tokens)
+    free, _ = _prefill_and_step(unbounded, "cpu", torch.float32, prompts, tokens)
+    cuda, _ = _prefill_and_step(bounded, "cuda:0", torch.bfloat16, prompts, tokens)
+    err, own_err, bound_effect = rel_err(cuda, reference), rel_err(own, reference), rel_err(free, reference)
+    print(f"\nfbgemm, batch {batch}: CUDA {err:.3e} from the bounded reference, its bf16 run {own_err:.3e}, "
+          f"the unbounded weights {bound_effect:.3e}")
+    assert bound_effect > 0.5 and err < max(0.25, 1.5 * own_err) and err < bound_effect / 2
+
+
 @pytest.mark.parametrize("columns", [18944, 40000])  # a row held whole; one past MAX_WHOLE_ROW, in two passes
 def test_per_token_quantization_kernel_is_the_pytorch_one(columns: int) -> None:
     """The activation quantization (one kernel) against the same steps in PyTorch: equal scales,

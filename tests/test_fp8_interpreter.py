@@ -2,7 +2,8 @@
 against the dequantized reference: the skinny matmul on e4m3 weights (plain, split-K, gated,
 argmax; its MMA tiles and its CUDA-core one), SiLU·mul with its per-token quantization (against
 the two kernels in turn), the norm that writes its output's e4m3 rows (against the norm, then the
-quantization), and the paged decode attention over an e4m3 pool. Runs where the `triton` package is
+quantization), the paged decode attention over an e4m3 pool, and a layer's bound on its input's
+scales in each of them. Runs where the `triton` package is
 installed: `make install` adds it beside the CPU build of torch, which does not bring it.
 
 The interpreter computes in NumPy, which has no bfloat16, so activations are float16 (the matmul)
@@ -154,10 +155,68 @@ def check_paged_decode() -> None:
                 assert torch.equal(rows[0].view(torch.uint8), want_q.view(torch.uint8))
 
 
+
+def check_input_bound() -> None:
+    """A layer's `input_bound` (fbgemm_fp8's `activation_scale_ub`) in every kernel that quantizes or reads
+    its x: each row's scale capped at bound / 448, its magnitudes past the bound saturated. x is on e4m3's
+    grid over the bounded scale 2^-8, so the interpreter's cast is exact, and some values are past it."""
+    from engine.kernels.fp8_quant import quantize_rows, silu_mul_quantize_rows
+    from engine.kernels.fused import add_rms_norm, silu_mul
+    from engine.kernels.gemv import GemvConfig, gemv, gemv_silu
+    from engine.kernels.gemv_vector import VectorConfig, gemv_vector
+    from engine.kernels.paged_decode import paged_decode_attention
+
+    torch.manual_seed(4)
+    bound, k = 448 * 2.0**-8, 256
+    grid = (torch.randn(20, k) * 150).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 2.0**-8
+    grid[:, :8] *= 4  # past the bound in every row (largest 7.0 > 1.75)
+    x = grid.half()
+    q, scale = quantize_rows(x, bound)
+    assert torch.equal(scale, torch.full((20, 1), 2.0**-8))
+    assert torch.equal(q.float(), (grid * 2.0**8).clamp(-448, 448))
+    unbounded, wide = quantize_rows(x)
+    assert (wide > scale).all() and not torch.equal(unbounded, q)
+    clamped = x.float().clamp(-bound, bound)
+    w, w_scale, deq, bias = fp8_matrix(96, k, seed=5)
+    want = F.linear(clamped, deq, bias.float())
+    for m in (1, 3, 20):  # in the 16-row tile (1-16) or by quantize_rows first (the 64-row one)
+        for cfg in (GemvConfig(32, 128, 4, 2, 1, quantize_x=True), GemvConfig(32, 128, 4, 2, 1),
+                    GemvConfig(32, 64, 4, 2, 2, f16_mma=True)):  # W8A8, then 16-bit x clamped
+            got = gemv(x[:m], w, bias, cfg, scale=w_scale, x_bound=bound)
+            assert rel(got, want[:m]) < 2e-3, (m, cfg)
+            assert rel(gemv(x[:m], w, bias, cfg, scale=w_scale), want[:m]) > 0.05, (m, cfg)
+    gate, up = F.linear(clamped[:3], deq).half().chunk(2, dim=-1)
+    gated = (F.silu(gate.float()).half().float() * up.float()).half()
+    assert rel(gemv_silu(x[:3], w, GemvConfig(16, 128, 4, 2, 1, quantize_x=True), scale=w_scale,
+                         x_bound=bound), gated) < 2e-3
+    assert rel(gemv_vector(x[:2], w, w_scale, VectorConfig(8, 256, 4, 1, 1), bias=bias, x_bound=bound),
+               want[:2]) < 2e-3
+    # the kernels that write e4m3 rows for the projection after them: `quantize_rows(rows, bound)`'s bits
+    gu = torch.randn(3, 2 * 1500, dtype=torch.float16) * 4
+    fused_q, fused_scale = silu_mul_quantize_rows(gu, bound, block=512, programs=2)
+    want_q, want_scale = quantize_rows(silu_mul(gu), bound)
+    assert torch.equal(fused_scale, want_scale) and (want_scale == bound / 448).any()
+    assert torch.equal(fused_q.view(torch.uint8), want_q.view(torch.uint8))
+    norm_in, weight = torch.randn(4, 384, dtype=torch.float16), torch.rand(384, dtype=torch.float16) * 4
+    out, rows = add_rms_norm(norm_in, weight, 1e-6, None, quantize=True, bound=bound)
+    want_q, want_scale = quantize_rows(out, bound)
+    assert rows is not None and torch.equal(rows[1], want_scale) and (want_scale == bound / 448).any()
+    assert torch.equal(rows[0].view(torch.uint8), want_q.view(torch.uint8))
+    pool = (torch.randn(2, 64 * 16, 2, 16) * 8).to(torch.float8_e4m3fn)
+    attn, merged = paged_decode_attention(torch.randn(2, 4, 16), pool,
+                                          torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32),
+                                          torch.tensor([40, 20], dtype=torch.int32), 16, splits=2,
+                                          e4m3_rows=True, e4m3_bound=0.5)
+    want_q, want_scale = quantize_rows(attn.reshape(2, -1), 0.5)
+    assert merged is not None and torch.equal(merged[1], want_scale) and (want_scale == 0.5 / 448).any()
+    assert torch.equal(merged[0].view(torch.uint8), want_q.view(torch.uint8))
+
+
 if __name__ == "__main__":
     check_gemv()
     check_gemv_vector()
     check_silu_mul_quantize()
     check_norm_quantize()
     check_paged_decode()
+    check_input_bound()
     print("fp8 kernels ok")

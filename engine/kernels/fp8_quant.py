@@ -1,5 +1,6 @@
 """Per-token FP8 quantization of activations for `torch._scaled_mm` and the skinny matmul's W8A8
-tiles: each row scaled so its largest magnitude is e4m3's largest, in one kernel that reads x once
+tiles: each row scaled so its largest magnitude (or the layer's bound, where that is smaller) is
+e4m3's largest, in one kernel that reads x once
 (a row of up to 32k columns held in registers) and writes the e4m3 rows and a float32 scale a
 row. The same in PyTorch ops is about six passes over a float32 copy: at a 32k-token prefill's
 MLP input, milliseconds a layer.
@@ -21,8 +22,8 @@ MAX_WHOLE_ROW = 32768  # up to this many columns a row is held whole, 32 values 
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
-                          PDL: tl.constexpr):
+def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BOUND: tl.constexpr, BLOCK: tl.constexpr,
+                          WHOLE_ROW: tl.constexpr, PDL: tl.constexpr):
     """A row a program. WHOLE_ROW: the row is read once into registers (BLOCK covers it); else two
     passes of BLOCK steps, the second meant to come from L2."""
     if PDL:  # the kernel before has finished (engine.kernels.launch)
@@ -33,13 +34,13 @@ def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_R
     if WHOLE_ROW:
         mask = offs < K
         x = tl.load(X + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-        store_e4m3_row(x, Q + row * s_q + offs, SCALE + row, mask)
+        store_e4m3_row(x, Q + row * s_q + offs, SCALE + row, mask, BOUND)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = e4m3_scale(tl.max(amax, axis=0))
+        scale = e4m3_scale(tl.max(amax, axis=0), BOUND)
         tl.store(SCALE + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + offs < K
@@ -47,8 +48,9 @@ def _quantize_rows_kernel(X, Q, SCALE, K, s_x, s_q, BLOCK: tl.constexpr, WHOLE_R
             tl.store(Q + row * s_q + k0 + offs, to_e4m3_range(x, scale).to(Q.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (16-bit, rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), x ~ e4m3 * scale."""
+def quantize_rows(x: torch.Tensor, bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (16-bit, rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), x ~ e4m3 * scale;
+    with `bound`, no scale is above bound / 448 (x clamped to +-bound, then quantized)."""
     assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -56,8 +58,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         whole = k <= MAX_WHOLE_ROW
         block = triton.next_power_of_2(k) if whole else BLOCK
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, WHOLE_ROW=whole,
-                                    num_warps=_whole_row_warps(block), **launch.options())
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BOUND=bound or 0.0, BLOCK=block,
+                                    WHOLE_ROW=whole, num_warps=_whole_row_warps(block), **launch.options())
     return q, scale
 
 
@@ -76,7 +78,8 @@ SILU_PROGRAMS_PER_SM = 6
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GU, Q, SCALE, M, INTER, s_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_quantize_kernel(GU, Q, SCALE, M, INTER, s_q, BOUND: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
     """Persistent: each program takes rows M apart by the grid. A row in two passes of BLOCK steps,
     SiLU(gate) * up as `fused.silu_mul` computes it both times: its largest magnitude, then the e4m3
     values; the second pass is meant to find the row in L2. A row held whole in registers instead
@@ -91,7 +94,7 @@ def _silu_mul_quantize_kernel(GU, Q, SCALE, M, INTER, s_q, BLOCK: tl.constexpr, 
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK):
             amax = tl.maximum(amax, tl.abs(_silu_mul_step(gu, k0, offs, INTER)))
-        scale = e4m3_scale(tl.max(amax, axis=0))
+        scale = e4m3_scale(tl.max(amax, axis=0), BOUND)
         tl.store(SCALE + row, scale)
         q = Q + row * s_q
         for k0 in range(0, INTER, BLOCK):
@@ -109,10 +112,11 @@ def _silu_mul_step(gu, k0, offs, INTER):
     return h.to(tl.float32)
 
 
-def silu_mul_quantize_rows(gate_up: torch.Tensor, block: int = SILU_BLOCK, programs: int | None = None,
+def silu_mul_quantize_rows(gate_up: torch.Tensor, bound: float | None = None, block: int = SILU_BLOCK,
+                           programs: int | None = None,
                            num_warps: int = SILU_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] = [gate | up] (16-bit, contiguous) -> `quantize_rows(silu_mul(gate_up))`, the
-    same bits, in one kernel: SiLU·mul's 16-bit result is never written. `programs`: the grid (by
+    """gate_up [M, 2I] = [gate | up] (16-bit, contiguous) -> `quantize_rows(silu_mul(gate_up), bound)`,
+    the same bits, in one kernel: SiLU·mul's 16-bit result is never written. `programs`: the grid (by
     default SILU_PROGRAMS_PER_SM an SM); `block`, `num_warps`: a step's columns and the warps (for
     `bench.micro.quantize_rows --silu`)."""
     assert gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
@@ -122,8 +126,9 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor, block: int = SILU_BLOCK, progr
     if m:
         if programs is None:
             programs = SILU_PROGRAMS_PER_SM * _sm_count(gate_up.device)
-        _silu_mul_quantize_kernel[(min(m, programs),)](gate_up, q, scale, m, inter, q.stride(0), BLOCK=block,
-                                                        num_warps=num_warps, **launch.options())
+        _silu_mul_quantize_kernel[(min(m, programs),)](gate_up, q, scale, m, inter, q.stride(0),
+                                                        BOUND=bound or 0.0, BLOCK=block, num_warps=num_warps,
+                                                        **launch.options())
     return q, scale
 
 

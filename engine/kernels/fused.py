@@ -16,9 +16,12 @@ _TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: an 
 
 
 @triton.jit
-def e4m3_scale(amax):
+def e4m3_scale(amax, BOUND: tl.constexpr):
     """A row's float32 scale from its largest magnitude: every per-token quantization's (the
-    kernels here, `fp8_quant`'s and the skinny matmul's)."""
+    kernels here, `fp8_quant`'s and the skinny matmul's). BOUND > 0 (the layer's `input_bound`,
+    fbgemm_fp8's `activation_scale_ub`) caps the magnitude the scale takes: larger values saturate."""
+    if BOUND > 0:
+        amax = tl.minimum(amax, BOUND)
     return tl.maximum(amax / _E4M3_MAX, _TINY)
 
 
@@ -29,16 +32,17 @@ def to_e4m3_range(x, scale):
 
 
 @triton.jit
-def store_e4m3_row(h, Q, SCALE, mask):
-    """One row's float32 values `h` (masked lanes zero) to e4m3 at Q and its scale (float32) at SCALE."""
-    scale = e4m3_scale(tl.max(tl.abs(h), axis=0))
+def store_e4m3_row(h, Q, SCALE, mask, BOUND: tl.constexpr):
+    """One row's float32 values `h` (masked lanes zero) to e4m3 at Q and its scale (float32) at SCALE,
+    the scale bounded by BOUND (`e4m3_scale`)."""
+    scale = e4m3_scale(tl.max(tl.abs(h), axis=0), BOUND)
     tl.store(SCALE, scale)
     tl.store(Q, to_e4m3_range(h, scale).to(Q.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, OUT, Q, SCALE, N, eps, HAS_DELTA: tl.constexpr, QUANTIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         BOUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(W + offs, mask=mask, other=0.0)  # a weight no kernel writes: loaded while the one before drains
@@ -56,14 +60,15 @@ def _add_rms_norm_kernel(X, DELTA, W, OUT, Q, SCALE, N, eps, HAS_DELTA: tl.const
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(OUT + row * N + offs, out, mask=mask)
     if QUANTIZE:  # the rounded output's e4m3 row too, as `fp8_quant.quantize_rows` would write it
-        store_e4m3_row(out.to(tl.float32), Q + row * N + offs, SCALE + row, mask)
+        store_e4m3_row(out.to(tl.float32), Q + row * N + offs, SCALE + row, mask, BOUND)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
-                 quantize: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                 quantize: bool = False, bound: float | None = None,
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """x [T, N] (updated in place to x + delta when delta is given) -> (rms_norm(x) * weight, None);
-    with `quantize`, the second is that output's `fp8_quant.quantize_rows` (e4m3 [T, N], float32
-    scales [T, 1]), the same bits, from the same kernel: the x of a W8A8 projection that follows."""
+    with `quantize`, the second is that output's `fp8_quant.quantize_rows(out, bound)` (e4m3 [T, N],
+    float32 scales [T, 1]), the same bits, from the same kernel: the x of a W8A8 projection that follows."""
     rows, n = x.shape
     out = torch.empty_like(x)
     q = scale = out
@@ -71,8 +76,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, q, scale, n, eps,
-                                  HAS_DELTA=delta is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=8, **launch.options())
+                                  HAS_DELTA=delta is not None, QUANTIZE=quantize, BOUND=bound or 0.0,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=8, **launch.options())
     return out, ((q, scale) if quantize else None)
 
 

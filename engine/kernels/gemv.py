@@ -168,12 +168,14 @@ def config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> G
 @triton.jit
 def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_COL, M, N, K, s_xm, s_wn, s_om,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr,
-                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, ROUND: tl.constexpr,
+                 SPLIT_K: tl.constexpr, X_MODE: tl.constexpr, X_BOUND: tl.constexpr, ROUND: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIP_N: tl.constexpr,
                  PDL: tl.constexpr):
     """X_MODE: X_16BIT (16-bit x, times 16-bit or e4m3 weights), X_E4M3 (x already e4m3 with a
     float32 scale a row in X_SCALE) or X_QUANTIZE (16-bit x quantized per row here, as
-    `fp8_quant.quantize_rows` does); ROUND: the model's dtype, to which the output is rounded.
+    `fp8_quant.quantize_rows` does); X_BOUND > 0: the layer's `input_bound`, x clamped to +-X_BOUND
+    (16-bit x) or its row scales capped at X_BOUND / 448 (x quantized here; e4m3 x comes bounded);
+    ROUND: the model's dtype, to which the output is rounded.
     X_F16: bfloat16 x and e4m3 weights multiplied in float16, which holds every e4m3 value and every
     bfloat16 one from 2^-14 to 65504 exactly, and takes e4m3 in one conversion a pair of values where
     bfloat16 takes three; a row of a tile whose x passes F16_SAFE is scaled by a power of two (exact)
@@ -203,11 +205,13 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
         for k0 in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)),
                                            axis=1))
-        x_scale = e4m3_scale(amax)  # as `quantize_rows` quantizes
+        x_scale = e4m3_scale(amax, X_BOUND)  # as `quantize_rows` quantizes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        if X_BOUND > 0 and X_MODE != X_E4M3 and X_MODE != X_QUANTIZE:  # 16-bit x: clamped
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -X_BOUND), X_BOUND).to(x.dtype)
         if X_MODE == X_QUANTIZE:
             x = to_e4m3_range(x.to(tl.float32), x_scale[:, None]).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
@@ -283,20 +287,23 @@ E4m3Rows = tuple[torch.Tensor, torch.Tensor]  # x's e4m3 rows [M, K] and float32
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None,
-         scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None,
+         x_bound: float | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K], bias [N] or None -> [M, N] in x's dtype, or stored as
     `out_dtype` after that rounding (float32 logits without a conversion kernel). Rows run in a 16-row
     or a 64-row tile (`tile_rows`: 16-bit weights 1-16 and 17-64, e4m3 1-2 and 3-64), so a row's result
     is the same for every M of its class. An e4m3 weight comes with `scale` [N] (float32), one per
-    output row; `x_e4m3`, x's rows already quantized, where the tile quantizes x first (the 64-row one)."""
+    output row; `x_e4m3`, x's rows already quantized, where the tile quantizes x first (the 64-row one);
+    `x_bound`, the layer's `input_bound` (x clamped to +-x_bound, or its e4m3 scales capped)."""
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None, f"no tile for {tuple(weight.shape)} at {x.shape[0]} rows: cuBLAS does these"
-    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale, x_e4m3=x_e4m3)[0]
+    return _launch(x, weight, bias, cfg, gated=False, out_dtype=out_dtype, scale=scale, x_e4m3=x_e4m3,
+                   x_bound=x_bound)[0]
 
 
 def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
                 cfg: GemvConfig | None = None, tokens: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: torch.Tensor | None = None, x_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv` (no bias) and each row's argmax over the stored values ([M] int64, the first column
     among equal maxima, as torch.argmax): the lm_head of a greedy decode step, whose epilogue keeps
     each strip's best so the logits are not read again; the tokens go to `tokens` [M] when given.
@@ -304,18 +311,19 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | 
     cfg = cfg or config_for(weight, x.shape[0])
     assert cfg is not None and cfg.split_k == 1, f"no unsplit tile for {tuple(weight.shape)} at {x.shape[0]} rows"
     out, picked = _launch(x, weight, None, cfg, gated=False, out_dtype=out_dtype, argmax=True, tokens=tokens,
-                          scale=scale)
+                          scale=scale, x_bound=x_bound)
     assert picked is not None
     return out, picked
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig | None = None,
-              scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None) -> torch.Tensor:
+              scale: torch.Tensor | None = None, x_e4m3: E4m3Rows | None = None,
+              x_bound: float | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for weight [2I, K] = [gate; up] -> [M, I], with the same rounding
     as `gemv` followed by SiLU·mul: each program streams a strip of gate rows and the matching up rows."""
     cfg = cfg or gated_config_for(weight, x.shape[0])
     assert cfg is not None, f"no gated tile for {tuple(weight.shape)} at {x.shape[0]} rows"
-    return _launch(x, weight, None, cfg, gated=True, scale=scale, x_e4m3=x_e4m3)[0]
+    return _launch(x, weight, None, cfg, gated=True, scale=scale, x_e4m3=x_e4m3, x_bound=x_bound)[0]
 
 
 def gated_config_for(weight: torch.Tensor, rows: int = 1, static_x: bool = False) -> GemvConfig | None:
@@ -331,7 +339,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
             gated: bool, out_dtype: torch.dtype | None = None,
             argmax: bool = False, tokens: torch.Tensor | None = None,
             scale: torch.Tensor | None = None,
-            x_e4m3: E4m3Rows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            x_e4m3: E4m3Rows | None = None,
+            x_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "e4m3 weights come with their row scales"
     assert scale is None or (scale.dtype == torch.float32 and scale.shape == (weight.shape[0],))
@@ -363,14 +372,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     if cfg.quantize_x:
         x_mode = X_QUANTIZE if block_m == MAX_ROWS else X_E4M3
         if x_mode == X_E4M3:
-            x_in, x_scale = x_e4m3 if x_e4m3 is not None else fp8_quant.quantize_rows(x)
+            x_in, x_scale = x_e4m3 if x_e4m3 is not None else fp8_quant.quantize_rows(x, x_bound)
     assert x_e4m3 is None or x_mode == X_E4M3, "e4m3 rows are taken where the tile quantizes x first (64-row tile)"
     _gemv_kernel[(strips, cfg.split_k)](
         x_in, x_scale, weight, scale if scale is not None else out, bias if bias is not None else weight, out,
         partial, counts, best, best_col, m, n, k,
         x_in.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, ARGMAX=argmax, SPLIT_K=cfg.split_k,
-        X_MODE=x_mode, ROUND=ROUND_TYPES[x.dtype],
+        X_MODE=x_mode, X_BOUND=x_bound or 0.0, ROUND=ROUND_TYPES[x.dtype],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STRIP_N=cfg.strip, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch.options(cfg.max_registers))

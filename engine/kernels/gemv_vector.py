@@ -79,8 +79,9 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Ve
 
 @triton.jit
 def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_om,
-                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, ROUND: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, X_BOUND: tl.constexpr,
+                   ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
@@ -98,6 +99,8 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
+        if X_BOUND > 0:  # the layer's `input_bound`: x clamped, as its bounded e4m3 scales would saturate it
+            x = tl.minimum(tl.maximum(x, -X_BOUND), X_BOUND)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x
         if GATED:
@@ -133,10 +136,11 @@ def supports(x: torch.Tensor, weight: torch.Tensor, cfg: VectorConfig) -> bool:
 
 def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: VectorConfig,
                 bias: torch.Tensor | None = None, gated: bool = False,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, x_bound: float | None = None) -> torch.Tensor:
     """x [M, K] 16-bit, weight [N, K] e4m3 with `scale` [N] float32 (one per output row) -> [M, N] in
     x's dtype, stored as `out_dtype` after that rounding where given; `gated`: weight is [gate; up]
-    and the result SiLU(gate) * up, [M, N / 2], rounded where the unfused path rounds."""
+    and the result SiLU(gate) * up, [M, N / 2], rounded where the unfused path rounds; `x_bound`: the
+    layer's `input_bound`, x clamped to +-x_bound."""
     m = x.shape[0]
     n, k = weight.shape
     assert supports(x, weight, cfg), f"no vector tile {cfg} for {tuple(x.shape)} x {tuple(weight.shape)}"
@@ -153,7 +157,8 @@ def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     _vector_kernel[(m, strips, cfg.split_k)](
         x, weight, scale, bias if bias is not None else scale, out, partial, counts, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, ROUND=ROUND_TYPES[x.dtype],
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, X_BOUND=x_bound or 0.0,
+        ROUND=ROUND_TYPES[x.dtype],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **launch.options())
     return out

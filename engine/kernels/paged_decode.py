@@ -234,10 +234,11 @@ def _merge_kernel(OUT, ML, RESULT, CTX, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob
 @triton.jit
 def _merge_rows_kernel(OUT, ML, RESULT, CTX, Q8, SCALE, s_ob, s_oh, s_os, s_mb, s_mh, s_ms, s_Ob, s_Oh, s_q8,
                        HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, BOUND: tl.constexpr, PDL: tl.constexpr):
     """The merge of a sequence's every head in one program, which then has the whole row: it also
-    writes the row's e4m3 values and scale (`fp8_quant.quantize_rows`' bits of the stored row), the
-    x of a W8A8 o_proj. The slices are added in split order."""
+    writes the row's e4m3 values and scale (`fp8_quant.quantize_rows`' bits of the stored row, the
+    scale bounded by BOUND where o_proj has an `input_bound`), the x of a W8A8 o_proj. The slices are
+    added in split order."""
     b = tl.program_id(0)
     ctx = tl.load(CTX + b)
     if PDL:
@@ -266,7 +267,7 @@ def _merge_rows_kernel(OUT, ML, RESULT, CTX, Q8, SCALE, s_ob, s_oh, s_os, s_mb, 
     tl.store(RESULT + b * s_Ob + offs_h[:, None] * s_Oh + offs_d[None, :], o, mask=head_ok[:, None])
     row = tl.arange(0, HEADS_PAD * HEAD_DIM)  # the row as o_proj reads it: head after head
     store_e4m3_row(tl.reshape(o.to(tl.float32), [HEADS_PAD * HEAD_DIM]), Q8 + b * s_q8 + row, SCALE + b,
-                   row < HEADS * HEAD_DIM)
+                   row < HEADS * HEAD_DIM, BOUND)
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
@@ -277,36 +278,38 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
                            table_stride: torch.Tensor | None = None, splits: int | None = None,
-                           tile: DecodeTile | None = None,
-                           e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
+                           tile: DecodeTile | None = None, e4m3_rows: bool = False,
+                           e4m3_bound: float | None = None) -> tuple[torch.Tensor, E4m3Rows | None]:
     """q [B, H, D]; kv_layer [2, slots, Hkv, D]; block_tables [B, max_blocks] int32 with unit column
     stride; context_lens [B] int32 -> ([B, H, D], None). `table_stride` (a device int32 scalar), when
     given, overrides the tables' row stride; `splits` the context splits `num_splits_for` picks, `tile`
-    the one `decode_tile` picks; `e4m3_rows` as `paged_decode_attention_rope`'s. Shapes only, no host
-    sync: safe inside a CUDA graph."""
+    the one `decode_tile` picks; `e4m3_rows` and `e4m3_bound` as `paged_decode_attention_rope`'s. Shapes
+    only, no host sync: safe inside a CUDA graph."""
     return _attend(q, q.shape[1], None, kv_layer, block_tables, context_lens, block_size, table_stride, splits,
-                   tile, e4m3_rows)
+                   tile, e4m3_rows, e4m3_bound)
 
 
 def paged_decode_attention_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, slots: torch.Tensor, kv_layer: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                                 table_stride: torch.Tensor | None = None, splits: int | None = None,
-                                e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
+                                e4m3_rows: bool = False,
+                                e4m3_bound: float | None = None) -> tuple[torch.Tensor, E4m3Rows | None]:
     """`ops.rope_and_store` then `paged_decode_attention` for a decode step, in one kernel: qkv
     [B, (H + 2 Hkv) D] unrotated, positions and slots [B] of each sequence's new token (the last
     of its context_lens), cos and sin the float32 tables [positions, D]. Returns ([B, H, D], None);
     with `e4m3_rows`, where the context is split, the merge takes each sequence's heads in one
-    program and the second is the result's rows in e4m3 (`quantize_rows`' bits: o_proj's W8A8 x)."""
+    program and the second is the result's rows in e4m3 (`quantize_rows(rows, e4m3_bound)`' bits:
+    o_proj's W8A8 x)."""
     assert qkv.stride(1) == 1 and cos.stride() == sin.stride()
     return _attend(qkv, num_heads, (positions, cos, sin, slots), kv_layer, block_tables, context_lens, block_size,
-                   table_stride, splits, None, e4m3_rows)
+                   table_stride, splits, None, e4m3_rows, e4m3_bound)
 
 
 def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, kv_layer: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
             table_stride: torch.Tensor | None, splits: int | None, tile: DecodeTile | None,
-            e4m3_rows: bool = False) -> tuple[torch.Tensor, E4m3Rows | None]:
+            e4m3_rows: bool = False, e4m3_bound: float | None = None) -> tuple[torch.Tensor, E4m3Rows | None]:
     batch, dim = q.shape[0], kv_layer.shape[3]
     tile = tile or decode_tile(kv_layer.dtype, batch)
     kv_heads = kv_layer.shape[2]
@@ -352,5 +355,5 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
     _merge_rows_kernel[(batch,)](
         partial, ml, out, context_lens, q8, scale, *s_part, *s_ml, out.stride(0), out.stride(1), q8.stride(0),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_N=tile.block_n, NUM_SPLITS=splits,
-        num_warps=8, **launch.options())
+        BOUND=e4m3_bound or 0.0, num_warps=8, **launch.options())
     return out, (q8, scale)

@@ -108,7 +108,8 @@ class DecoderLayer(nn.Module):
             o_proj_x = qkv[:, :self.num_heads * self.head_dim]
             attn = decode_attention(qkv, positions, rope.cos, rope.sin, pool, layer, meta, self.num_heads,
                                     self.num_kv_heads, self.head_dim,
-                                    e4m3_rows=ops.plan(o_proj_x, self.o_proj, kernels).takes_e4m3)
+                                    e4m3_rows=ops.plan(o_proj_x, self.o_proj, kernels).takes_e4m3,
+                                    e4m3_bound=ops.input_bound(self.o_proj))
         else:
             heads, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
             attn = heads.reshape(x.shape[0], -1)
