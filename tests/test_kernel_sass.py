@@ -43,6 +43,23 @@ def test_the_vector_tiles_step_holds_an_ffma_a_weight() -> None:
     assert opcodes.get("FFMA") == per_thread and opcodes.get("F2FP") == per_thread // 2  # two e4m3 a conversion
 
 
+def test_an_input_bound_adds_its_clamp_and_leaves_the_weights_loop() -> None:
+    """fbgemm_fp8's `activation_scale_ub` in the vector tile: x clamped (min/max instructions that were not
+    there), the FFMA a weight and the conversions as they were."""
+    from bench.micro.kernel_sass import compile_vector_kernel, loop_cost
+    from engine.kernels.gemv_vector import TILES
+
+    tile = TILES["deep"]
+    try:
+        free, bounded = (dict(loop_cost(compile_vector_kernel(tile, gated=False, x_bound=bound), marker="FFMA").opcodes)
+                         for bound in (0.0, 1200.0))
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    clamps = ("HMNMX2", "FMNMX")
+    assert not any(free.get(op) for op in clamps) and any(bounded.get(op) for op in clamps)
+    assert bounded["FFMA"] == free["FFMA"] and bounded.get("F2FP") == free.get("F2FP")
+
+
 def test_a_tile_is_read_from_the_command_line() -> None:
     import argparse
 

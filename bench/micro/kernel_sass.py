@@ -100,10 +100,11 @@ def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
     return str(_compile(paged_decode._split_kernel, consts, types, options).asm["ptx"])
 
 
-def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool) -> str:
-    """The CUDA-core skinny matmul's PTX for sm_90a (e4m3 weights, bf16 x, no bias, unsplit)."""
-    consts = dict(HAS_BIAS=False, GATED=gated, SPLIT_K=1, ROUND=triton.language.bfloat16, BLOCK_N=tile.block_n,
-                  BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PDL=True)
+def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool, x_bound: float = 0.0) -> str:
+    """The CUDA-core skinny matmul's PTX for sm_90a (e4m3 weights, bf16 x, no bias, unsplit; x clamped to
+    +-x_bound where it is above 0, a layer's `input_bound`)."""
+    consts = dict(HAS_BIAS=False, GATED=gated, SPLIT_K=1, X_BOUND=x_bound, ROUND=triton.language.bfloat16,
+                  BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PDL=True)
     types = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*fp32", "OUT": "*bf16", "PARTIAL": "*fp32",
              "COUNTS": "*i32"}
     return str(_compile(gemv_vector._vector_kernel, consts, types, {"num_warps": tile.num_warps}).asm["ptx"])
@@ -113,8 +114,8 @@ def compile_gemv_kernel(cfg: gemv.GemvConfig, gated: bool, bias: bool) -> tuple[
     """The 64-row W8A8 tile's PTX for sm_90a as the engine launches it (x in e4m3 with its row scales)
     and the shared memory a program takes. A gated `cfg` is `gemv.gated_config_for`'s (each strip's half)."""
     consts = dict(HAS_SCALE=True, HAS_BIAS=bias, GATED=gated, ARGMAX=False, SPLIT_K=cfg.split_k, X_MODE=gemv.X_E4M3,
-                  ROUND=triton.language.bfloat16, BLOCK_M=gemv.WIDE_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  STRIP_N=cfg.strip, PDL=True)
+                  X_BOUND=0.0, ROUND=triton.language.bfloat16, BLOCK_M=gemv.WIDE_ROWS, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, STRIP_N=cfg.strip, PDL=True)
     types = {"X": "*fp8e4nv", "X_SCALE": "*fp32", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16",
              "OUT": "*bf16", "PARTIAL": "*fp32", "COUNTS": "*i32", "BEST": "*fp32", "BEST_COL": "*i32"}
     compiled = _compile(gemv._gemv_kernel, consts, types, _options(cfg.num_warps, cfg.num_stages, cfg.max_registers))

@@ -210,7 +210,7 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up rows, N rows below the gate's
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        if X_BOUND > 0 and X_MODE != X_E4M3 and X_MODE != X_QUANTIZE:  # 16-bit x: clamped
+        if X_BOUND > 0 and (X_MODE != X_E4M3 and X_MODE != X_QUANTIZE):  # 16-bit x (one "and" a pair, for older Triton)
             x = tl.minimum(tl.maximum(x.to(tl.float32), -X_BOUND), X_BOUND).to(x.dtype)
         if X_MODE == X_QUANTIZE:
             x = to_e4m3_range(x.to(tl.float32), x_scale[:, None]).to(W.dtype.element_ty)
