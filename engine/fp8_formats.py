@@ -5,19 +5,23 @@ one-line refusal naming what it is.
   weight strategy `channel` (`weight_scale` [N, 1]; FP8_DYNAMIC), `tensor` (`weight_scale` [1] with a
   static per-tensor `input_scale`; FP8) or `block` (`weight_scale` [ceil(N/b0), ceil(K/b1)];
   FP8_BLOCK); `ignore` names modules (or `re:` patterns) kept unquantized; a `kv_cache_scheme`'s
-  per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`).
+  per-layer `k_scale` / `v_scale` are folded into the weights (`loader.fold_kv_scales`); with no config
+  group that targets anything, the checkpoint quantizes only its KV cache and its weights are 16-bit.
 - transformers' `fp8` (Qwen3-*-FP8, DeepSeek): `weight_block_size` [b0, b1] blocks with fp32
   `weight_scale_inv` [ceil(N/b0), ceil(K/b1)] (a multiplier, despite the name), dynamic activations;
   `modules_to_not_convert` kept unquantized. Without blocks, AutoFP8's `fp8` (the 2024 `*-FP8`
   checkpoints of Llama 3 and others): a per-tensor `weight_scale`, `activation_scheme` `static` (an
   `input_scale` a module) or `dynamic`, `ignored_layers`, and with `kv_cache_scheme: static` each
   layer's `self_attn.k_scale` / `v_scale` (older exports: `k_proj.output_scale` / `v_proj.output_scale`).
+  KV-only configs (compressed-tensors' or ModelOpt's KV scheme with no weight quantization) keep the
+  weights in 16 bits and fold the KV scales into them.
 - NVIDIA ModelOpt (the `nvidia/*-FP8` checkpoints), from config.json's `quantization_config`
   (`quant_method: modelopt`) or, in older exports, `hf_quant_config.json` beside it: `quant_algo`
   `FP8` (per-tensor `weight_scale` and static `input_scale`), `FP8_PER_CHANNEL_PER_TOKEN` (`weight_scale`
   [N], dynamic activations) or `FP8_PB_WO` (128 x 128 blocks, `weight_scale` [N/128, 1, K/128, 1]);
   `exclude_modules` (or `ignore`) are wildcard patterns; an FP8 `kv_cache_quant_algo` (or
-  `kv_cache_scheme`) comes with `self_attn.k_proj.k_scale` / `v_proj.v_scale` a layer.
+  `kv_cache_scheme`) comes with `self_attn.k_proj.k_scale` / `v_proj.v_scale` a layer; without a
+  `quant_algo`, only the KV cache is quantized.
 - FBGEMM's `fbgemm_fp8` (Meta's `Llama-3.1-*-FP8`): `weight_scale` [N, 1] a channel, activations
   quantized per token with each row's scale bounded by `activation_scale_ub` (so a row's magnitudes
   past the bound saturate: the layer sees its input clamped to +-bound), `modules_to_not_convert`
@@ -45,7 +49,7 @@ class UnsupportedQuantization(ValueError):
 @dataclass(frozen=True)
 class Fp8Format:
     method: str                        # "compressed-tensors", "fp8", "modelopt" or "fbgemm_fp8"
-    weight: str                        # "channel", "tensor" or "block": the checkpoint's scale granularity
+    weight: str                        # "channel", "tensor", "block" (the scale granularity) or "none" (KV only)
     block: tuple[int, int] | None      # rows, columns of a block
     static_input: bool                 # a per-tensor `input_scale` quantizes each layer's activations
     ignore: tuple[str, ...] = ()       # modules kept unquantized: names, or "re:" + a pattern
@@ -61,7 +65,10 @@ class Fp8Format:
         a pattern matched from the start to a module boundary ("model.layers.1" takes
         model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj"); ModelOpt's
         is a wildcard pattern over the whole name, where a trailing `*` straight after a name
-        ("model.layers.1*") is how it writes a module and everything under it (not model.layers.11)."""
+        ("model.layers.1*") is how it writes a module and everything under it (not model.layers.11).
+        A KV-only config quantizes no module."""
+        if self.weight == "none":
+            return False
         if self.method == "modelopt":
             return not any(fnmatchcase(module, entry[:-1]) or fnmatchcase(module, entry[:-1] + ".*")
                            if entry.endswith("*") and not entry.endswith(".*") else fnmatchcase(module, entry)
@@ -128,9 +135,6 @@ def _hf_fp8(config: dict[str, Any]) -> Fp8Format:
 def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
     method = "compressed-tensors"
     groups = config.get("config_groups")
-    if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
-        raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
-                      "float-quantized group is supported)")
     # 2:4 or bitmask-compressed weights are stored as other tensors than a dense `weight`; transforms
     # (rotations such as SpinQuant's or QuIP's) are applied to activations at run time: neither runs here
     sparsity = config.get("sparsity_config") or {}
@@ -141,10 +145,17 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Format:
     if transforms and (not isinstance(transforms, dict) or transforms.get("config_groups", transforms)):
         raise _refuse(method, "a transform_config (rotations applied to activations at run time)")
     kv = config.get("kv_cache_scheme")
-    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False))
-               != ("float", 8, "tensor", False)):
-        raise _refuse(method, f"a kv_cache_scheme of {kv.get('type')} {kv.get('num_bits')}-bit "
-                      f"{kv.get('strategy')} scales")
+    if kv and (not isinstance(kv, dict) or (kv.get("type"), kv.get("num_bits"), kv.get("strategy"),
+                                            kv.get("dynamic", False)) != ("float", 8, "tensor", False)):
+        shown = f"{kv.get('type')} {kv.get('num_bits')}-bit {kv.get('strategy')}" if isinstance(kv, dict) else kv
+        raise _refuse(method, f"a kv_cache_scheme of {shown} scales")
+    targeted = [g for g in (groups.values() if isinstance(groups, dict) else ()) if isinstance(g, dict)
+                and g.get("targets")]
+    if kv and (groups is None or isinstance(groups, dict)) and not targeted:  # llm-compressor's KV-only recipe
+        return Fp8Format(method, "none", None, False, kv_scales=True)
+    if config.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
+        raise _refuse(method, f"format {config.get('format')!r} and {len(groups or {})} config groups (one "
+                      "float-quantized group is supported)")
     group = next(iter(groups.values()))
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     if group.get("format", "float-quantized") != "float-quantized":
@@ -198,6 +209,8 @@ def _modelopt(config: dict[str, Any]) -> Fp8Format:
         if kv and not (isinstance(scheme, dict) and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
                        and not scheme.get("dynamic", False)):
             raise _refuse(method, f"kv_cache_scheme {scheme!r}")
+    if not algo and kv:  # the KV cache alone quantized
+        return Fp8Format(method, "none", None, False, kv_scales=True)
     if algo == "FP8":
         return Fp8Format(method, "tensor", None, True, tuple(ignore), kv_scales=kv)
     if algo == "FP8_PER_CHANNEL_PER_TOKEN":

@@ -269,10 +269,11 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     folder = Path(path)
     cfg = read_config(folder)
     fmt = read_quantization(folder)
-    if fmt is not None and quantization is not None:
+    fp8_weights = fmt is not None and fmt.weight != "none"  # not a KV-only config
+    if fmt is not None and fp8_weights and quantization is not None:
         raise ModelLoadError(f"--model {folder} is already quantized ({fmt.method}); drop --quantization")
-    if (fmt is not None or quantization == "fp8") and (problem := device_problem(device)):
-        what = f"--model {folder} has FP8 weights" if fmt is not None else "--quantization fp8 makes FP8 weights"
+    if (fp8_weights or quantization == "fp8") and (problem := device_problem(device)):
+        what = f"--model {folder} has FP8 weights" if fp8_weights else "--quantization fp8 makes FP8 weights"
         raise ModelLoadError(f"{what}, but {problem}; serve a 16-bit checkpoint on this GPU")
     extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
     cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
@@ -340,7 +341,9 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                                      "every layer's self_attn; some are missing or not positive; re-export it")
             fold_kv_scales(model, kv_scales)
             folded = tuple((k, v) for k, v in kv_scales.tolist())
-        if fmt is not None:
+        if fmt is not None and not fp8_weights:
+            log.info("KV scales (%s): folded into the 16-bit weights; the checkpoint quantizes no weight", fmt.method)
+        elif fmt is not None:
             kept = len(linear_parts(cfg)) - len(fp8_layers)
             log.info("FP8 weights (%s, %s scales%s): %d projections %s%s%s", fmt.method, fmt.weight,
                      ", static input scales" if fmt.static_input else

@@ -458,11 +458,77 @@ def test_kv_cache_scales_fold_into_the_weights(bases: dict[str, Path], tmp_path:
             load_checkpoint(folder, torch.device("cpu"), torch.float32)
 
 
+def _kv_only(base: Path, folder: Path, quantization: dict[str, object] | None,
+             modelopt: dict[str, object] | None = None) -> Path:
+    """`base`'s 16-bit weights with a k and v scale a layer (powers of two: folded exactly) and a config
+    that quantizes the KV cache alone: in config.json, or as an older ModelOpt export's hf_quant_config.json."""
+    shutil.copytree(base, folder)
+    weights = load_file(folder / "model.safetensors")
+    for i in range(3):
+        weights[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(2.0**-(4 + i))
+        weights[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(2.0**-3)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    if quantization is not None:
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization}))
+    if modelopt is not None:
+        (folder / "hf_quant_config.json").write_text(json.dumps(modelopt))
+    return folder
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "compressed-tensors-empty-group", "modelopt",
+                                    "modelopt-legacy"])
+def test_a_kv_only_checkpoint_keeps_16_bit_weights_and_folds_its_kv_scales(export: str, bases: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """llm-compressor's KV-cache-only recipe (a kv_cache_scheme, no config group that targets a module) and
+    ModelOpt's (an FP8 KV algorithm, no quant_algo): the weights stay as the checkpoint has them, the KV
+    scales are folded into them and name the layout, and the tokens are the weights' own; `--quantization
+    fp8` quantizes those weights at load as for any 16-bit checkpoint."""
+    ct: dict[str, object] = {"quant_method": "compressed-tensors", "format": "dense", "kv_cache_scheme": KV_SCHEME,
+                             "quantization_status": "compressed", "config_groups": {}, "ignore": []}
+    if export == "compressed-tensors-empty-group":
+        ct = {**ct, "format": "float-quantized", "config_groups": {"group_0": {"targets": []}}}
+    quantization, legacy = {
+        "compressed-tensors": (ct, None), "compressed-tensors-empty-group": (ct, None),
+        "modelopt": ({"quant_method": "modelopt", "quant_algo": None, "ignore": [],
+                      "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, None),
+        "modelopt-legacy": (None, {"producer": {"name": "modelopt"},
+                                   "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}),
+    }[export]
+    folder = _kv_only(bases["llama"], tmp_path / export, quantization, legacy)
+    runner = make_runner(model=str(folder), max_model_len=256)
+    assert not any(isinstance(m, Fp8Linear) for m in runner.model.modules())
+    assert runner.layout.model.partition("-kv-scales-")[2]
+    assert generate(runner, PROMPTS, STEPS) == generate(make_runner(model=str(bases["llama"]), max_model_len=256),
+                                                        PROMPTS, STEPS)
+    assert isinstance(load_checkpoint(folder, torch.device("cpu"), torch.float32, quantization="fp8"
+                                      ).model.layers[0].qkv, Fp8Linear)
+
+
+def test_a_config_that_quantizes_nothing_is_refused(bases: dict[str, Path], tmp_path: Path) -> None:
+    folder = _kv_only(bases["llama"], tmp_path / "nothing", None,
+                      {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None}})
+    with pytest.raises(ModelLoadError, match="quant_method 'modelopt' with quant_algo None is not supported"):
+        load_checkpoint(folder, torch.device("cpu"), torch.float32)
+
+
 @pytest.fixture
 def an_a100(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA calls answer as an A100 (compute capability 8.0) would: no e4m3 in Triton or cuBLASLt there."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that loading gets past the check to no GPU")
+def test_a_kv_only_checkpoint_is_not_refused_on_a_gpu_without_e4m3(bases: dict[str, Path], tmp_path: Path,
+                                                                  an_a100: None) -> None:
+    """Its weights are 16-bit and its KV scales fold into them: nothing needs e4m3, so the load goes on
+    (and here, with no GPU to load onto, fails at torch's first CUDA allocation, not at our check)."""
+    folder = _kv_only(bases["llama"], tmp_path / "kv", {"quant_method": "compressed-tensors", "format": "dense",
+                                                         "kv_cache_scheme": KV_SCHEME, "config_groups": {}})
+    with pytest.raises((RuntimeError, AssertionError)) as e:
+        load_checkpoint(folder, torch.device("cuda:0"), torch.bfloat16)
+    assert not isinstance(e.value, ModelLoadError) and "FP8" not in str(e.value)
 
 
 def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_before_loading(bases: dict[str, Path], tmp_path: Path,
