@@ -488,13 +488,14 @@ def test_a_kv_only_checkpoint_keeps_16_bit_weights_and_folds_its_kv_scales(expor
                              "quantization_status": "compressed", "config_groups": {}, "ignore": []}
     if export == "compressed-tensors-empty-group":
         ct = {**ct, "format": "float-quantized", "config_groups": {"group_0": {"targets": []}}}
-    quantization, legacy = {
+    configs: dict[str, tuple[dict[str, object] | None, dict[str, object] | None]] = {
         "compressed-tensors": (ct, None), "compressed-tensors-empty-group": (ct, None),
         "modelopt": ({"quant_method": "modelopt", "quant_algo": None, "ignore": [],
                       "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, None),
         "modelopt-legacy": (None, {"producer": {"name": "modelopt"},
                                    "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}),
-    }[export]
+    }
+    quantization, legacy = configs[export]
     folder = _kv_only(bases["llama"], tmp_path / export, quantization, legacy)
     runner = make_runner(model=str(folder), max_model_len=256)
     assert not any(isinstance(m, Fp8Linear) for m in runner.model.modules())
