@@ -225,6 +225,11 @@ def _fill_fp8(folder: Path, layer: Fp8Linear, parts: list[tuple[str, slice]],
             layer.set_rows(rows, dequantize(weight, scale, fmt), None)
         if layer.input_scale is not None:
             layer.input_scale.fill_(max(float(layer.input_scale), float(got["input_scale"].float().max())))
+        # transformers' FbgemmFp8Linear once saved its bound as a parameter: the config's, or a contradiction
+        if "input_scale_ub" in got and not torch.allclose(got["input_scale_ub"].float(),
+                                                          torch.tensor(fmt.input_bound or 0.0)):
+            raise ModelLoadError(f"--model {folder}: {theirs}.input_scale_ub is {got['input_scale_ub'].tolist()} but "
+                                 f"the quantization_config's activation_scale_ub is {fmt.input_bound}; make them agree")
 
 
 def fold_kv_scales(model: DecoderModel, scales: torch.Tensor) -> None:
@@ -287,7 +292,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     if fmt is not None:
         replace_linears(model, fp8_layers, keep_fp8, fmt.static_input, fmt.input_bound)
     fp8_modules = {theirs for parts in fp8_layers.values() for theirs, _ in parts}
-    fp8_suffixes = () if fmt is None else ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ())
+    fp8_suffixes = () if fmt is None else ("weight", fmt.scale_name) + (("input_scale",) if fmt.static_input else ()) \
+        + (("input_scale_ub",) if fmt.input_bound is not None else ())
     pieces: dict[str, dict[str, torch.Tensor]] = {}  # FP8 module -> its weight and scales, read in any order
     params = dict(model.named_parameters())
     names = weight_map(cfg)

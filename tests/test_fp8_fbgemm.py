@@ -134,6 +134,24 @@ def test_a_missing_weight_scale_is_refused(bases: dict[str, Path], tmp_path: Pat
         load_checkpoint(folder, torch.device("cpu"), torch.float32)
 
 
+def test_a_saved_input_scale_ub_must_be_the_configs(bases: dict[str, Path], tmp_path: Path) -> None:
+    """transformers' FbgemmFp8Linear once saved its bound as a parameter a module (`input_scale_ub` [1]):
+    equal to the config's it loads as before; another value is a contradiction, refused in one line."""
+    folder = write_fbgemm(bases["llama"], tmp_path / "saved")
+    weights = load_file(folder / "model.safetensors")
+    for name in [n for n in weights if n.endswith(".weight_scale")]:
+        weights[name.replace(".weight_scale", ".input_scale_ub")] = torch.tensor([BOUND])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    want = bounded_greedy(folder.with_name("saved-dequantized"), BOUND)
+    assert generate(make_runner(model=str(folder), max_model_len=256), PROMPTS, STEPS) == want
+    weights["model.layers.1.mlp.down_proj.input_scale_ub"] = torch.tensor([2 * BOUND])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as e:
+        load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    assert str(e.value).endswith("model.layers.1.mlp.down_proj.input_scale_ub is [0.5] but the quantization_config's "
+                                 "activation_scale_ub is 0.25; make them agree") and "\n" not in str(e.value)
+
+
 @pytest.mark.e2e
 def test_fbgemm_checkpoint_served_disaggregated(bases: dict[str, Path], tmp_path: Path, server_logs: Path) -> None:
     """A real prefill and decode server on an fbgemm_fp8 checkpoint: the bounded reference's tokens,
