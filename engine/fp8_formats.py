@@ -25,7 +25,8 @@ one-line refusal naming what it is.
 - FBGEMM's `fbgemm_fp8` (Meta's `Llama-3.1-*-FP8`): `weight_scale` [N, 1] a channel, activations
   quantized per token with each row's scale bounded by `activation_scale_ub` (so a row's magnitudes
   past the bound saturate: the layer sees its input clamped to +-bound), `modules_to_not_convert`
-  read as transformers reads it, and the output embeddings kept unquantized.
+  read as transformers reads it, and the output embeddings kept unquantized. Older transformers saved
+  the bound as each module's `input_scale_ub` too; it must be the config's.
 """
 
 from __future__ import annotations
