@@ -61,11 +61,10 @@ class Fp8Format:
     def quantizes(self, module: str) -> bool:
         """Whether the transformers module `module` (e.g. model.layers.0.mlp.down_proj) is FP8. An ignore
         entry means what the tool that wrote it means: compressed-tensors' is a module's name or, after
-        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry (in `fp8` and
-        `fbgemm_fp8`) is
-        a pattern matched from the start to a module boundary ("model.layers.1" takes
-        model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj"); ModelOpt's
-        is a wildcard pattern over the whole name, where a trailing `*` straight after a name
+        "re:", a pattern matched from the name's start; transformers' `modules_to_not_convert` entry (in
+        `fp8` and `fbgemm_fp8`) is a pattern matched from the start to a module boundary ("model.layers.1"
+        takes model.layers.1.mlp.up_proj, not model.layers.11's), or the end of the name ("down_proj");
+        ModelOpt's is a wildcard pattern over the whole name, where a trailing `*` straight after a name
         ("model.layers.1*") is how it writes a module and everything under it (not model.layers.11).
         A KV-only config quantizes no module."""
         if self.weight == "none":
@@ -221,16 +220,6 @@ def _modelopt(config: dict[str, Any]) -> Fp8Format:
     raise _refuse(method, f"quant_algo {fields.get('quant_algo')!r}")
 
 
-def scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
-    """The shapes a checkpoint stores an [n, k] weight's scale in; the first is the one `dequantize`
-    reads, and any other reshapes to it."""
-    if fmt.weight == "block":
-        assert fmt.block is not None
-        rows, cols = -(-n // fmt.block[0]), -(-k // fmt.block[1])
-        return [(rows, cols)] + ([(rows, 1, cols, 1)] if fmt.method == "modelopt" else [])
-    return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
-
-
 def _fbgemm(config: dict[str, Any]) -> Fp8Format:
     """FBGEMM's row-wise FP8: per-channel weight scales, per-token activations whose scales are
     bounded by `activation_scale_ub` (transformers' default where the config leaves it out)."""
@@ -243,3 +232,14 @@ def _fbgemm(config: dict[str, Any]) -> Fp8Format:
         raise _refuse(method, f"modules_to_not_convert {ignore!r} (a list of module names is needed)")
     # as in transformers' `fp8`, the output embeddings are never converted
     return Fp8Format(method, "channel", None, False, ("lm_head", *ignore), input_bound=float(bound))
+
+
+def scale_shapes(fmt: Fp8Format, n: int, k: int) -> list[tuple[int, ...]]:
+    """The shapes a checkpoint stores an [n, k] weight's scale in; the first is the one `dequantize`
+    reads, and any other reshapes to it."""
+    if fmt.weight == "block":
+        assert fmt.block is not None
+        rows, cols = -(-n // fmt.block[0]), -(-k // fmt.block[1])
+        return [(rows, cols)] + ([(rows, 1, cols, 1)] if fmt.method == "modelopt" else [])
+    return [(n, 1), (n,)] if fmt.weight == "channel" else [(1,), ()]
+

@@ -351,9 +351,10 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
             log.info("KV scales (%s): folded into the 16-bit weights; the checkpoint quantizes no weight", fmt.method)
         elif fmt is not None:
             kept = len(linear_parts(cfg)) - len(fp8_layers)
-            log.info("FP8 weights (%s, %s scales%s): %d projections %s%s%s", fmt.method, fmt.weight,
-                     ", static input scales" if fmt.static_input else
-                     f", input scales bounded by {fmt.input_bound:g} / 448" if fmt.input_bound else "", len(fp8_layers),
+            inputs = ", static input scales" if fmt.static_input else \
+                f", input scales bounded by {fmt.input_bound:g} / 448" if fmt.input_bound else ""
+            log.info("FP8 weights (%s, %s scales%s): %d projections %s%s%s", fmt.method, fmt.weight, inputs,
+                     len(fp8_layers),
                      "in e4m3" if keep_fp8 else f"dequantized to {dtype} (the reference path)",
                      f", {kept} unquantized as the checkpoint has them" if kept else "",
                      "; KV scales folded into the weights" if folded else "")

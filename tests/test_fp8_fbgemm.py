@@ -91,7 +91,8 @@ def test_fbgemm_checkpoint_decodes_as_its_weights_with_inputs_bounded(family: st
     assert generate(runner, PROMPTS, STEPS) == want
 
 
-def test_modules_to_not_convert_and_the_default_bound(bases: dict[str, Path], tmp_path: Path) -> None:
+def test_modules_to_not_convert_and_the_default_bound(bases: dict[str, Path], tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     """`modules_to_not_convert` as transformers reads it ("model.layers.1" is all of layer 1, not layer 11);
     a config without `activation_scale_ub` takes transformers' default, 1200, which these activations
     never reach: the tokens are the dequantized weights' own."""
@@ -100,7 +101,10 @@ def test_modules_to_not_convert_and_the_default_bound(bases: dict[str, Path], tm
     assert not fmt.quantizes("model.layers.1.mlp.up_proj") and fmt.quantizes("model.layers.11.mlp.up_proj")
     assert not fmt.quantizes("lm_head")
     folder = write_fbgemm(bases["llama"], tmp_path / "kept", bound=None, not_converted=("model.layers.1",))
-    runner = make_runner(model=str(folder), max_model_len=256)
+    with caplog.at_level("INFO", logger="engine.loader"):
+        runner = make_runner(model=str(folder), max_model_len=256)
+    assert ("FP8 weights (fbgemm_fp8, channel scales, input scales bounded by 1200 / 448): 8 projections dequantized "
+            "to torch.float32 (the reference path), 4 unquantized as the checkpoint has them") in caplog.text
     for i, layer in enumerate(runner.model.layers):
         assert isinstance(layer.qkv, Fp8Linear) == (i != 1) and isinstance(layer.down, Fp8Linear) == (i != 1)
     assert generate(runner, PROMPTS, STEPS) == bounded_greedy(folder.with_name("kept-dequantized"), None)

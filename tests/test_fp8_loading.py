@@ -479,7 +479,8 @@ def _kv_only(base: Path, folder: Path, quantization: dict[str, object] | None,
 @pytest.mark.parametrize("export", ["compressed-tensors", "compressed-tensors-empty-group", "modelopt",
                                     "modelopt-legacy"])
 def test_a_kv_only_checkpoint_keeps_16_bit_weights_and_folds_its_kv_scales(export: str, bases: dict[str, Path],
-                                                                            tmp_path: Path) -> None:
+                                                                            tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
     """llm-compressor's KV-cache-only recipe (a kv_cache_scheme, no config group that targets a module) and
     ModelOpt's (an FP8 KV algorithm, no quant_algo): the weights stay as the checkpoint has them, the KV
     scales are folded into them and name the layout, and the tokens are the weights' own; `--quantization
@@ -497,7 +498,10 @@ def test_a_kv_only_checkpoint_keeps_16_bit_weights_and_folds_its_kv_scales(expor
     }
     quantization, legacy = configs[export]
     folder = _kv_only(bases["llama"], tmp_path / export, quantization, legacy)
-    runner = make_runner(model=str(folder), max_model_len=256)
+    with caplog.at_level("INFO", logger="engine.loader"):
+        runner = make_runner(model=str(folder), max_model_len=256)
+    method = export.split("-")[0].replace("compressed", "compressed-tensors")
+    assert f"KV scales ({method}): folded into the 16-bit weights; the checkpoint quantizes no weight" in caplog.text
     assert not any(isinstance(m, Fp8Linear) for m in runner.model.modules())
     assert runner.layout.model.partition("-kv-scales-")[2]
     assert generate(runner, PROMPTS, STEPS) == generate(make_runner(model=str(bases["llama"]), max_model_len=256),
