@@ -19,7 +19,7 @@ from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
 from tests.servers import assert_disaggregated_tokens, served_pair
-from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS
+from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, save_with_reference
 
 BOUND = 0.25  # below the tiny models' larger activations (about 1-3), so the bound changes what they decode
 
@@ -46,15 +46,8 @@ def write_fbgemm(base: Path, folder: Path, bound: float | None = BOUND,
     config: dict[str, object] = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": list(not_converted)}
     if bound is not None:
         config["activation_scale_ub"] = bound
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
-    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
-    dequantized = folder.with_name(folder.name + "-dequantized")
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(reference, dequantized / "model.safetensors", metadata={"format": "pt"})
-    (dequantized / "quantized.json").write_text(json.dumps(quantized))
-    return folder
+    return save_with_reference(folder, {**raw, "quantization_config": config}, out, reference,
+                               ("quantized.json", quantized))
 
 
 def bounded_greedy(folder: Path, bound: float | None) -> list[list[int]]:

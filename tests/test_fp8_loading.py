@@ -108,6 +108,23 @@ def write_fp8(base: Path, folder: Path, scheme: str) -> tuple[Path, Path]:
     return folder, folder.with_name(folder.name + "-dequantized")
 
 
+def save_with_reference(folder: Path, config: dict[str, object], tensors: dict[str, torch.Tensor],
+                        reference: dict[str, torch.Tensor], note: tuple[str, object]) -> Path:
+    """`folder` with `config` as its config.json and `tensors`, and beside it `folder`-dequantized: the
+    config without its quantization, the `reference` tensors, and a JSON file (`note`: name, contents)
+    that the reference's run reads."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    dequantized = folder.with_name(folder.name + "-dequantized")
+    dequantized.mkdir()
+    plain = {key: value for key, value in config.items() if key != "quantization_config"}
+    (dequantized / "config.json").write_text(json.dumps(plain))
+    save_file(reference, dequantized / "model.safetensors", metadata={"format": "pt"})
+    (dequantized / note[0]).write_text(json.dumps(note[1]))
+    return folder
+
+
 def reference_greedy(folder: Path) -> list[list[int]]:
     """transformers on the dequantized weights; a static scheme's activations quantized before each
     projection with its fused group's largest input scale (the loader's choice, as vLLM's)."""

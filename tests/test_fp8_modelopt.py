@@ -18,7 +18,7 @@ from engine.loader import ModelLoadError, load_checkpoint
 from engine.offline import generate, make_runner
 from tests.conftest import write_tiny_checkpoint
 from tests.servers import assert_disaggregated_tokens, served_pair
-from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, quantize, reference_greedy
+from tests.test_fp8_loading import E4M3_MAX, FUSED, PROMPTS, STEPS, quantize, reference_greedy, save_with_reference
 
 PRODUCER = {"name": "modelopt", "version": "0.29.0"}
 
@@ -56,26 +56,18 @@ def write_modelopt(base: Path, folder: Path, algo: str, *, legacy: bool, kv_scal
         out[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(k_scale)
         out[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(kv_scales[-1] if kv_scales else 1.0)
     raw = json.loads((base / "config.json").read_text())
-    folder.mkdir()
     if legacy:
+        save_with_reference(folder, raw, out, reference, ("input_scales.json", input_scales))
         (folder / "hf_quant_config.json").write_text(json.dumps({"producer": PRODUCER, "quantization": {
             "quant_algo": algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
             "exclude_modules": list(exclude)}}))
-        config = raw
-    else:
-        quantization: dict[str, object] = {"ignore": list(exclude), "quant_algo": algo, "producer": PRODUCER,
-                                           "quant_method": "modelopt"}
-        if kv_scales:
-            quantization["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-        config = {**raw, "quantization_config": quantization}
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
-    dequantized = folder.with_name(folder.name + "-dequantized")
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(reference, dequantized / "model.safetensors", metadata={"format": "pt"})
-    (dequantized / "input_scales.json").write_text(json.dumps(input_scales))
-    return folder
+        return folder
+    quantization: dict[str, object] = {"ignore": list(exclude), "quant_algo": algo, "producer": PRODUCER,
+                                       "quant_method": "modelopt"}
+    if kv_scales:
+        quantization["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return save_with_reference(folder, {**raw, "quantization_config": quantization}, out, reference,
+                               ("input_scales.json", input_scales))
 
 
 @pytest.fixture(scope="module")
