@@ -307,10 +307,11 @@ def _prefill_and_step(folder: Path, device: str, dtype: torch.dtype, prompts: li
 @pytest.mark.parametrize("batch", [1, 3, 20])
 def test_fbgemm_input_bound_holds_in_every_cuda_path(batch: int, tmp_path: Path) -> None:
     """An fbgemm_fp8 checkpoint whose `activation_scale_ub` clips its projections' inputs: on CUDA (prefill
-    on `torch._scaled_mm` with the bounded per-token quantization and SiLU·mul's; a decode step of 1 row on
-    the CUDA-core tile with x clamped, 3 on the 16-row tile quantizing in the kernel, 20 on the 64-row one
-    taking the norm's and the attention merge's bounded e4m3 rows) the logits are the CPU reference's
-    (inputs clamped to the bound) to FP8 and bf16 rounding, and far from the same weights unbounded."""
+    on `torch._scaled_mm` with the bounded per-token quantization and SiLU·mul's; a decode step of one
+    row on the 16-bit-x tiles, which clamp x; of 3 and 20 rows on the 64-row W8A8 tiles, which take the
+    norm's, the attention merge's and `quantize_rows`' bounded e4m3 rows) the logits are the CPU
+    reference's (inputs clamped to the bound) to FP8 and bf16 rounding, and far from the same weights
+    unbounded."""
     from tests.test_fp8_fbgemm import write_fbgemm
 
     base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="llama", hidden_size=256, intermediate_size=512)
