@@ -10,7 +10,7 @@ Each run's working directory and first import path is its tree, and `PD_COMMIT` 
 (its `COMMIT` file, written by `export`, or git's HEAD), so the benchmark records it. `{json}` in the
 command is replaced by a file of that run's own; `--keys` names the figures read back from it (a
 top-level key, or a dotted path into it: `decode_ms.64`), printed tree beside tree and recorded with
-every run's whole output.
+every run's whole output (its `command` naming that file `{json}`, not the scratch file it was).
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def run(trees: list[Path], command: list[str], rounds: int, keys: list[str],
                 if done.returncode != 0:
                     raise SystemExit(f"{tree}: the command exited {done.returncode}; no comparison is made")
                 doc = json.loads(out.read_text()) if out.exists() else None
+                if isinstance(doc, dict) and isinstance(doc.get("command"), str):  # the scratch file, as {json}
+                    doc["command"] = doc["command"].replace(str(out), "{json}")
                 runs.append({"tree": str(tree), "commit": env["PD_COMMIT"], "round": round_ + 1,
                              "figures": figures(doc, keys), "output": doc})
     return runs

@@ -21,7 +21,7 @@ value = float(Path("VALUE").read_text())
 with open(os.environ["AB_LOG"], "a") as log:
     log.write(Path.cwd().name + "\\n")
 Path(sys.argv[1]).write_text(json.dumps({"ms": {"1": value, "64": value * 2}, "rate": value * 10,
-                                         "commit": os.environ["PD_COMMIT"]}))
+                                         "commit": os.environ["PD_COMMIT"], "command": " ".join(sys.argv)}))
 """
 
 
@@ -73,6 +73,7 @@ def test_runs_alternate_and_each_names_its_tree(tmp_path: Path, monkeypatch: pyt
     doc = json.loads(record.read_text())
     assert [r["commit"] for r in doc["runs"]] == ["aaaaaaa", "bbbbbbb"] * 2
     assert [r["output"]["commit"] for r in doc["runs"]] == ["aaaaaaa", "bbbbbbb"] * 2  # PD_COMMIT reached it
+    assert {r["output"]["command"] for r in doc["runs"]} == {"probe.py {json}"}  # not the run's scratch file
     assert doc["runs"][1]["figures"] == {"ms.1": 1.5, "ms.64": 3.0, "rate": 15.0, "missing": None}
     assert doc["trees"] == [{"tree": str(before), "commit": "aaaaaaa"}, {"tree": str(after), "commit": "bbbbbbb"}]
     printed = capsys.readouterr().out
