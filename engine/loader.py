@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.byte_tokenizer import byte_tokenizer
-from engine.checkpoint_names import is_harmless, unused_weight_message
+from engine.checkpoint_names import LINEARS, is_harmless, linear_parts, unused_weight_message, weight_map
 from engine.fp8 import (
     FP8,
     Fp8Linear,
@@ -90,37 +90,6 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
     return LoadedModel(model, cfg, tokenizer, f"preset:{name}")
 
 
-def weight_map(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
-    """Every transformers weight name of this config -> our parameter name and, for a fused weight,
-    its rows (q, k, v stacked in `qkv`; gate and up in `gate_up`)."""
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    names: dict[str, tuple[str, slice | None]] = {"model.embed_tokens.weight": ("embed.weight", None),
-                                                  "model.norm.weight": ("norm.weight", None)}
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = ("lm_head.weight", None)
-    per_layer: dict[str, tuple[str, slice | None]] = {
-        "input_layernorm.weight": ("input_norm.weight", None),
-        "post_attention_layernorm.weight": ("post_norm.weight", None),
-        "self_attn.o_proj.weight": ("o_proj.weight", None),
-        "mlp.down_proj.weight": ("down.weight", None),
-        "mlp.gate_proj.weight": ("gate_up.weight", slice(0, i)),
-        "mlp.up_proj.weight": ("gate_up.weight", slice(i, 2 * i)),
-    }
-    for kind, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
-        per_layer[f"self_attn.{kind}_proj.weight"] = ("qkv.weight", rows)
-        if cfg.qkv_bias:
-            per_layer[f"self_attn.{kind}_proj.bias"] = ("qkv.bias", rows)
-    if cfg.qk_norm:
-        per_layer["self_attn.q_norm.weight"] = ("q_norm.weight", None)
-        per_layer["self_attn.k_norm.weight"] = ("k_norm.weight", None)
-    for layer in range(cfg.num_layers):
-        for theirs, (ours, part) in per_layer.items():
-            names[f"model.layers.{layer}.{theirs}"] = (f"layers.{layer}.{ours}", part)
-    return names
-
-
 def read_config(folder: Path) -> ModelConfig:
     """The folder's config.json as our config, refusing what the engine does not implement."""
     from transformers import AutoConfig
@@ -168,20 +137,6 @@ def read_quantization(folder: Path, raw: dict[str, object] | None = None) -> Fp8
     except UnsupportedQuantization as e:
         raise ModelLoadError(f"--model {folder}: {e}; use an unquantized (bf16, fp16 or fp32) checkpoint or one "
                              "of those") from e
-
-
-LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the decoder layer's projections, in memory
-
-
-def linear_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, slice]]]:
-    """Each linear layer of ours (layers.0.qkv, lm_head) -> its transformers modules and their rows."""
-    parts: dict[str, list[tuple[str, slice]]] = {}
-    for theirs, (ours, rows) in weight_map(cfg).items():
-        module = ours.removesuffix(".weight")
-        if theirs.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEARS or module == "lm_head"):
-            n = cfg.vocab_size if module == "lm_head" else None
-            parts.setdefault(module, []).append((theirs.removesuffix(".weight"), rows or slice(0, n)))
-    return parts
 
 
 def _fp8_layers(folder: Path, cfg: ModelConfig, fmt: Fp8Format) -> dict[str, list[tuple[str, slice]]]:

@@ -28,7 +28,7 @@ def transformers_view(runner: ModelRunner) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from engine.loader import weight_map
+    from engine.checkpoint_names import weight_map
 
     cfg = runner.config
     assert cfg.family == "llama" and cfg.rope_scaling is not None
