@@ -42,6 +42,15 @@ def device_problem(device: torch.device) -> str | None:
             f"and FP8 (e4m3) runs on {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (Ada, Hopper)")
 
 
+def dtype_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FP8 weights can't run with `dtype` activations on `device`, or None: on a GPU the FP8 kernels
+    multiply 16-bit activations, and float32 ones would take each weight dequantized at every step."""
+    if device.type != "cuda" or dtype != torch.float32:
+        return None
+    return ("--dtype float32 on a GPU would dequantize every FP8 weight at every step; use --dtype bfloat16 (or "
+            "auto), whose activations the FP8 kernels multiply")
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """The checkpoint's float32 values: e4m3 times its scale (a row's, the tensor's or a block's)."""
     w = weight.float()

@@ -18,6 +18,7 @@ from engine.fp8 import (
     Fp8Linear,
     dequantize,
     device_problem,
+    dtype_problem,
     quantize_model,
     replace_linears,
     scale_rows,
@@ -66,8 +67,11 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
-    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8" and (problem := device_problem(device)):
-        raise ModelLoadError(f"preset {name} has FP8 weights, but {problem}; use a 16-bit preset on this GPU")
+    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8":
+        if problem := device_problem(device):
+            raise ModelLoadError(f"preset {name} has FP8 weights, but {problem}; use a 16-bit preset on this GPU")
+        if problem := dtype_problem(device, dtype):
+            raise ModelLoadError(f"preset {name} has FP8 weights: {problem}")
     model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     gen = torch.Generator(device=device).manual_seed(PRESET_SEED)
     with torch.no_grad():
@@ -232,9 +236,12 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     fp8_weights = fmt is not None and fmt.weight != "none"  # not a KV-only config
     if fmt is not None and fp8_weights and quantization is not None:
         raise ModelLoadError(f"--model {folder} is already quantized ({fmt.method}); drop --quantization")
-    if (fp8_weights or quantization == "fp8") and (problem := device_problem(device)):
+    if fp8_weights or quantization == "fp8":
         what = f"--model {folder} has FP8 weights" if fp8_weights else "--quantization fp8 makes FP8 weights"
-        raise ModelLoadError(f"{what}, but {problem}; serve a 16-bit checkpoint on this GPU")
+        if problem := device_problem(device):
+            raise ModelLoadError(f"{what}, but {problem}; serve a 16-bit checkpoint on this GPU")
+        if problem := dtype_problem(device, dtype):
+            raise ModelLoadError(f"{what}: {problem}")
     extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
     cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
     files = sorted(folder.glob("*.safetensors"))

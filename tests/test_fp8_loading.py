@@ -572,6 +572,24 @@ def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_before_loading(bases: dic
         build_preset("qwen2.5-7b-fp8", gpu, torch.bfloat16)
 
 
+def test_fp8_weights_with_float32_activations_on_a_gpu_are_refused(bases: dict[str, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H100 the FP8 kernels multiply 16-bit activations; float32 ones would dequantize every weight at
+    every step: one line saying so and what to pass, before anything is loaded. The CPU (the reference
+    path) takes float32."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda:0")
+    folder, _ = write_fp8(bases["llama"], tmp_path / "llama-FP8_DYNAMIC", "FP8_DYNAMIC")
+    advice = r"--dtype float32 on a GPU would dequantize every FP8 weight at every step; use --dtype bfloat16"
+    with pytest.raises(ModelLoadError, match=rf"has FP8 weights: {advice}"):
+        load_checkpoint(folder, gpu, torch.float32)
+    with pytest.raises(ModelLoadError, match=rf"^--quantization fp8 makes FP8 weights: {advice}"):
+        load_checkpoint(bases["llama"], gpu, torch.float32, quantization="fp8")
+    with pytest.raises(ModelLoadError, match=rf"^preset qwen2.5-7b-fp8 has FP8 weights: {advice}"):
+        build_preset("qwen2.5-7b-fp8", gpu, torch.float32)
+    assert isinstance(load_checkpoint(folder, torch.device("cpu"), torch.float32).model.layers[0].qkv, Fp8Linear)
+
+
 def test_a_gpu_with_e4m3_takes_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.fp8 import device_problem
 
