@@ -553,41 +553,39 @@ def test_a_kv_only_checkpoint_is_not_refused_on_a_gpu_without_e4m3(bases: dict[s
     assert not isinstance(e.value, ModelLoadError) and "FP8" not in str(e.value)
 
 
-def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_before_loading(bases: dict[str, Path], tmp_path: Path,
-                                                                      an_a100: None) -> None:
-    """An FP8 checkpoint, `--quantization fp8` and the FP8 preset on a GPU below compute capability 8.9: one
-    line naming the GPU and what to serve instead, raised before anything is put on the device (this
-    machine has none to put it on)."""
+A100 = r"cuda:0 \(NVIDIA A100-SXM4-80GB\) is compute capability 8\.0, and FP8 \(e4m3\) runs on 8\.9 or newer"
+FLOAT32 = r"--dtype float32 on a GPU would dequantize every FP8 weight at every step; use --dtype bfloat16"
+
+
+@pytest.mark.parametrize(("gpu", "dtype", "refusal"), [
+    ("a100", torch.bfloat16, (f", but {A100}", "; serve a 16-bit checkpoint", "; use a 16-bit preset")),
+    ("h100", torch.float32, (f": {FLOAT32}", "", "")),
+])
+def test_fp8_weights_a_gpu_cannot_run_are_refused_before_loading(gpu: str, dtype: torch.dtype,
+                                                                 refusal: tuple[str, str, str],
+                                                                 bases: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 checkpoint, `--quantization fp8` and the FP8 preset where they can't run: on a GPU below
+    compute capability 8.9 (no e4m3 in Triton or cuBLASLt), or with float32 activations on one that has
+    it (the FP8 kernels multiply 16-bit ones; float32 would dequantize every weight at every step). One
+    line naming the cause and what to serve instead, raised before anything is put on the device (this
+    machine has none to put it on). The CPU, the reference path, takes both."""
     from engine.fp8 import device_problem
 
-    gpu = torch.device("cuda:0")
+    capability, name = ((8, 0), "NVIDIA A100-SXM4-80GB") if gpu == "a100" else ((9, 0), "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda:0")
     assert device_problem(torch.device("cpu")) is None
+    why, checkpoint_advice, preset_advice = refusal
     folder, _ = write_fp8(bases["llama"], tmp_path / "llama-FP8_DYNAMIC", "FP8_DYNAMIC")
-    a100 = r"cuda:0 \(NVIDIA A100-SXM4-80GB\) is compute capability 8\.0, and FP8 \(e4m3\) runs on 8\.9 or newer"
-    with pytest.raises(ModelLoadError, match=rf"has FP8 weights, but {a100}.*; serve a 16-bit checkpoint"):
-        load_checkpoint(folder, gpu, torch.bfloat16)
-    with pytest.raises(ModelLoadError, match=rf"^--quantization fp8 makes FP8 weights, but {a100}"):
-        load_checkpoint(bases["llama"], gpu, torch.bfloat16, quantization="fp8")
-    with pytest.raises(ModelLoadError, match=rf"^preset qwen2.5-7b-fp8 has FP8 weights, but {a100}"):
-        build_preset("qwen2.5-7b-fp8", gpu, torch.bfloat16)
-
-
-def test_fp8_weights_with_float32_activations_on_a_gpu_are_refused(bases: dict[str, Path], tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an H100 the FP8 kernels multiply 16-bit activations; float32 ones would dequantize every weight at
-    every step: one line saying so and what to pass, before anything is loaded. The CPU (the reference
-    path) takes float32."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    gpu = torch.device("cuda:0")
-    folder, _ = write_fp8(bases["llama"], tmp_path / "llama-FP8_DYNAMIC", "FP8_DYNAMIC")
-    advice = r"--dtype float32 on a GPU would dequantize every FP8 weight at every step; use --dtype bfloat16"
-    with pytest.raises(ModelLoadError, match=rf"has FP8 weights: {advice}"):
-        load_checkpoint(folder, gpu, torch.float32)
-    with pytest.raises(ModelLoadError, match=rf"^--quantization fp8 makes FP8 weights: {advice}"):
-        load_checkpoint(bases["llama"], gpu, torch.float32, quantization="fp8")
-    with pytest.raises(ModelLoadError, match=rf"^preset qwen2.5-7b-fp8 has FP8 weights: {advice}"):
-        build_preset("qwen2.5-7b-fp8", gpu, torch.float32)
-    assert isinstance(load_checkpoint(folder, torch.device("cpu"), torch.float32).model.layers[0].qkv, Fp8Linear)
+    with pytest.raises(ModelLoadError, match=rf"has FP8 weights{why}.*{checkpoint_advice}"):
+        load_checkpoint(folder, cuda, dtype)
+    with pytest.raises(ModelLoadError, match=rf"^--quantization fp8 makes FP8 weights{why}.*{checkpoint_advice}"):
+        load_checkpoint(bases["llama"], cuda, dtype, quantization="fp8")
+    with pytest.raises(ModelLoadError, match=rf"^preset qwen2.5-7b-fp8 has FP8 weights{why}.*{preset_advice}"):
+        build_preset("qwen2.5-7b-fp8", cuda, dtype)
+    assert isinstance(load_checkpoint(folder, torch.device("cpu"), dtype).model.layers[0].qkv, Fp8Linear)
 
 
 def test_a_gpu_with_e4m3_takes_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
