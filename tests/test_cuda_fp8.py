@@ -240,53 +240,6 @@ def test_fp8_preset_graphs_equal_eager_and_logits_near_bf16() -> None:
     assert err < 0.5  # reported; garbage (scales lost) is > 1
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("export", ["hf-fp8", "modelopt-FP8", "modelopt-FP8-clipping"])
-def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path: Path) -> None:
-    """A tiny FP8 checkpoint, HF block-FP8 or ModelOpt's FP8 (per-tensor scales, static input scales): on
-    CUDA (requantized per channel, FP8 matmuls) its prefill and first decode step's logits are those of
-    the CPU reference path (dequantized at load, float32) to FP8 and bf16 rounding: the prefill's
-    activations quantized per token (or by the static scales), the block scales folded into row scales.
-    Both decode steps take the reference's token, so a flipped argmax does not change the input.
-    How far bf16 alone moves the logits depends on the checkpoint: static scales that clip (2-2.8 here,
-    27-31% of the down projections' inputs) cut those inputs' norm far more than the difference the
-    layers before carried, so the CPU reference run in bf16 departs from itself in float32 by 0.38 where
-    scales that clip nothing give 0.14 (bench/NOTES.md). The bound is that distance with a margin: CUDA
-    is no further from the reference than the reference's own bf16 run, and scales lost would be > 1."""
-    from engine.decode_batch import DecodeSeq
-    from engine.offline import make_runner
-    from tests.test_fp8_loading import write_fp8
-    from tests.test_fp8_modelopt import write_modelopt
-
-    base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="qwen3", hidden_size=256, intermediate_size=512)
-    if export == "hf-fp8":
-        folder, _ = write_fp8(base, tmp_path / "fp8", "hf-fp8")
-    else:
-        folder = write_modelopt(base, tmp_path / "fp8", "FP8", legacy=False)
-        if not export.endswith("-clipping"):  # scales wide enough that no activation clips
-            weights = load_file(folder / "model.safetensors")
-            save_file({name: torch.full_like(t, 100.0 / 448) if name.endswith("input_scale") else t
-                       for name, t in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    prompt = [(i * 37 + 11) % 290 for i in range(70)]
-    logits = {}
-    token = None  # the reference's first token, fed to every run's decode step
-    for run, device, dtype in (("reference", "cpu", torch.float32), ("reference-bf16", "cpu", torch.bfloat16),
-                               ("cuda", "cuda:0", torch.bfloat16)):
-        runner = make_runner(model=str(folder), device=device, dtype=dtype, max_model_len=256)
-        table = runner.pool.allocator.allocate(runner.pool.blocks_needed(100))
-        first = runner.prefill(prompt, table, 0)
-        token = int(first.argmax()) if token is None else token
-        step = runner.decode([DecodeSeq(token, len(prompt), table)])[0][0]
-        logits[run] = torch.cat([first.float().cpu(), step.float().cpu()])
-    err = rel_err(logits["cuda"], logits["reference"])
-    own = rel_err(logits["reference-bf16"], logits["reference"])
-    print(f"\n{export} tiny checkpoint, logits rel err against the float32 reference: CUDA {err:.3e}, "
-          f"the reference in bf16 {own:.3e}")
-    # bf16 alone is 2e-2 on this tiny random model, prefill's per-token e4m3 activations 0.07-0.10 (a
-    # float32 emulation on the CPU); the block-FP8 case measured 0.161 on an H200
-    assert err < max(0.25, 1.5 * own)
-
-
 def _prefill_and_step(folder: Path, device: str, dtype: torch.dtype, prompts: list[list[int]],
                       tokens: list[int] | None) -> tuple[torch.Tensor, list[int]]:
     """Each prompt's prefill logits and one decode step of all of them together (each fed `tokens`, the
@@ -301,6 +254,43 @@ def _prefill_and_step(folder: Path, device: str, dtype: torch.dtype, prompts: li
     tokens = tokens or firsts.argmax(-1).tolist()
     step = runner.decode([DecodeSeq(tok, len(p), t) for tok, p, t in zip(tokens, prompts, tables, strict=True)])[0]
     return torch.cat([firsts, step.float().cpu()]), tokens
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("export", ["hf-fp8", "modelopt-FP8", "modelopt-FP8-clipping"])
+def test_fp8_checkpoint_on_cuda_matches_its_cpu_reference(export: str, tmp_path: Path) -> None:
+    """A tiny FP8 checkpoint, HF block-FP8 or ModelOpt's FP8 (per-tensor scales, static input scales): on
+    CUDA (requantized per channel, FP8 matmuls) its prefill and first decode step's logits are those of
+    the CPU reference path (dequantized at load, float32) to FP8 and bf16 rounding: the prefill's
+    activations quantized per token (or by the static scales), the block scales folded into row scales.
+    Both decode steps take the reference's token, so a flipped argmax does not change the input.
+    How far bf16 alone moves the logits depends on the checkpoint: static scales that clip (2-2.8 here,
+    27-31% of the down projections' inputs) cut those inputs' norm far more than the difference the
+    layers before carried, so the CPU reference run in bf16 departs from itself in float32 by 0.38 where
+    scales that clip nothing give 0.14 (bench/NOTES.md). The bound is that distance with a margin: CUDA
+    is no further from the reference than the reference's own bf16 run, and scales lost would be > 1."""
+    from tests.test_fp8_loading import write_fp8
+    from tests.test_fp8_modelopt import write_modelopt
+
+    base = write_tiny_checkpoint(tmp_path / "base", seed=7, family="qwen3", hidden_size=256, intermediate_size=512)
+    if export == "hf-fp8":
+        folder, _ = write_fp8(base, tmp_path / "fp8", "hf-fp8")
+    else:
+        folder = write_modelopt(base, tmp_path / "fp8", "FP8", legacy=False)
+        if not export.endswith("-clipping"):  # scales wide enough that no activation clips
+            weights = load_file(folder / "model.safetensors")
+            save_file({name: torch.full_like(t, 100.0 / 448) if name.endswith("input_scale") else t
+                       for name, t in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    prompts = [[(i * 37 + 11) % 290 for i in range(70)]]
+    reference, tokens = _prefill_and_step(folder, "cpu", torch.float32, prompts, None)  # fed to every decode step
+    in_bf16, _ = _prefill_and_step(folder, "cpu", torch.bfloat16, prompts, tokens)
+    cuda, _ = _prefill_and_step(folder, "cuda:0", torch.bfloat16, prompts, tokens)
+    err, own = rel_err(cuda, reference), rel_err(in_bf16, reference)
+    print(f"\n{export} tiny checkpoint, logits rel err against the float32 reference: CUDA {err:.3e}, "
+          f"the reference in bf16 {own:.3e}")
+    # bf16 alone is 2e-2 on this tiny random model, prefill's per-token e4m3 activations 0.07-0.10 (a
+    # float32 emulation on the CPU); the block-FP8 case measured 0.161 on an H200
+    assert err < max(0.25, 1.5 * own)
 
 
 @pytest.mark.e2e
