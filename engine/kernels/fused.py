@@ -26,6 +26,15 @@ def e4m3_scale(amax, BOUND: tl.constexpr):
 
 
 @triton.jit
+def bounded(x, BOUND: tl.constexpr):
+    """x clamped to +-BOUND where BOUND > 0 (the layer's `input_bound`): what a per-token scale capped by
+    `e4m3_scale` does to x's larger magnitudes, for the tiles that multiply 16-bit x unquantized."""
+    if BOUND > 0:
+        x = tl.minimum(tl.maximum(x, -BOUND), BOUND)
+    return x
+
+
+@triton.jit
 def to_e4m3_range(x, scale):
     """float32 x over its row's `e4m3_scale`, clamped to e4m3's range, for the cast to e4m3."""
     return tl.minimum(tl.maximum(x / scale, -_E4M3_MAX), _E4M3_MAX)

@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import fp8_quant, launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
-from engine.kernels.fused import e4m3_scale, silu_mul_rounded, to_e4m3_range
+from engine.kernels.fused import bounded, e4m3_scale, silu_mul_rounded, to_e4m3_range
 
 MAX_ROWS = 16         # rows of the MMA tile at decode batches of 1-16 (16-bit weights)
 WIDE_ROWS = 64        # the tile's rows from 17 on, for the shapes `WIDE_ROW_TILES` names
@@ -211,7 +211,7 @@ def _gemv_kernel(X, X_SCALE, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, BEST, BEST_CO
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         if X_BOUND > 0 and (X_MODE != X_E4M3 and X_MODE != X_QUANTIZE):  # 16-bit x (one "and" a pair, for older Triton)
-            x = tl.minimum(tl.maximum(x.to(tl.float32), -X_BOUND), X_BOUND).to(x.dtype)
+            x = bounded(x.to(tl.float32), X_BOUND).to(x.dtype)
         if X_MODE == X_QUANTIZE:
             x = to_e4m3_range(x.to(tl.float32), x_scale[:, None]).to(W.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import launch
 from engine.kernels.arrivals import MAX_COUNTS, arrival_counts, last_split_sums
-from engine.kernels.fused import silu_mul_rounded
+from engine.kernels.fused import bounded, silu_mul_rounded
 from engine.kernels.gemv import ROUND_TYPES, shape_class
 
 VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
@@ -99,8 +99,7 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
-        if X_BOUND > 0:  # the layer's `input_bound`: x clamped, as its bounded e4m3 scales would saturate it
-            x = tl.minimum(tl.maximum(x, -X_BOUND), X_BOUND)
+        x = bounded(x, X_BOUND)  # the layer's `input_bound`, as its capped e4m3 scales would saturate x
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x
         if GATED:
