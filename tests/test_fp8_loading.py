@@ -81,6 +81,23 @@ def quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, 
     return q, scale, q.float() * full
 
 
+def save_with_reference(folder: Path, config: dict[str, object], tensors: dict[str, torch.Tensor],
+                        reference: dict[str, torch.Tensor], note: tuple[str, object]) -> Path:
+    """`folder` with `config` as its config.json and `tensors`, and beside it `folder`-dequantized: the
+    config without its quantization, the `reference` tensors, and a JSON file (`note`: name, contents)
+    that the reference's run reads."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    dequantized = folder.with_name(folder.name + "-dequantized")
+    dequantized.mkdir()
+    plain = {key: value for key, value in config.items() if key != "quantization_config"}
+    (dequantized / "config.json").write_text(json.dumps(plain))
+    save_file(reference, dequantized / "model.safetensors", metadata={"format": "pt"})
+    (dequantized / note[0]).write_text(json.dumps(note[1]))
+    return folder
+
+
 def write_fp8(base: Path, folder: Path, scheme: str) -> tuple[Path, Path]:
     """`base`'s decoder projections in FP8 as the tool writes them, and the same values dequantized
     into a float32 checkpoint (the reference), with static input scales where the scheme has them."""
@@ -99,30 +116,9 @@ def write_fp8(base: Path, folder: Path, scheme: str) -> tuple[Path, Path]:
             input_scales[module] = 2.0 / E4M3_MAX * (1 + 0.1 * (len(input_scales) % 5))
             out[f"{module}.input_scale"] = torch.tensor([input_scales[module]])
     raw = json.loads((base / "config.json").read_text())
-    for target, tensors, config in ((folder, out, {"quantization_config": quantization_config(scheme)}),
-                                    (folder.with_name(folder.name + "-dequantized"), reference, {})):
-        target.mkdir()
-        (target / "config.json").write_text(json.dumps({**raw, **config}))
-        save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
-    (folder.with_name(folder.name + "-dequantized") / "input_scales.json").write_text(json.dumps(input_scales))
+    save_with_reference(folder, {**raw, "quantization_config": quantization_config(scheme)}, out, reference,
+                        ("input_scales.json", input_scales))
     return folder, folder.with_name(folder.name + "-dequantized")
-
-
-def save_with_reference(folder: Path, config: dict[str, object], tensors: dict[str, torch.Tensor],
-                        reference: dict[str, torch.Tensor], note: tuple[str, object]) -> Path:
-    """`folder` with `config` as its config.json and `tensors`, and beside it `folder`-dequantized: the
-    config without its quantization, the `reference` tensors, and a JSON file (`note`: name, contents)
-    that the reference's run reads."""
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    dequantized = folder.with_name(folder.name + "-dequantized")
-    dequantized.mkdir()
-    plain = {key: value for key, value in config.items() if key != "quantization_config"}
-    (dequantized / "config.json").write_text(json.dumps(plain))
-    save_file(reference, dequantized / "model.safetensors", metadata={"format": "pt"})
-    (dequantized / note[0]).write_text(json.dumps(note[1]))
-    return folder
 
 
 def reference_greedy(folder: Path) -> list[list[int]]:
