@@ -135,10 +135,11 @@ def check_paged_decode() -> None:
     heads, kv_heads, dim, block = 4, 2, 16, 16
     pool = torch.randn(2, 64 * block, kv_heads, dim).to(torch.float8_e4m3fn)
     q = torch.randn(2, heads, dim)
-    tables = torch.tensor([[1, 2, 3, 0], [5, 6, 0, 0]], dtype=torch.int32)
-    lens = torch.tensor([40, 20], dtype=torch.int32)
+    tables = torch.tensor([[1, 2, 3, 4, 7, 8, 9, 0], [5, 6, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([100, 20], dtype=torch.int32)
     for splits, tile in [(1, None), (2, None), (2, DecodeTile(16, 3)), (1, DecodeTile(128, 3)),
-                         (2, DecodeTile(16, 3, word_loads=True)), (1, DecodeTile(64, 5, 2, word_loads=True))]:
+                         (2, DecodeTile(16, 3, word_loads=True)), (1, DecodeTile(64, 5, 2, word_loads=True)),
+                         (8, DecodeTile(16, 3))]:  # 7 slices of 100 tokens: the merge's chunks of 4, one part full
         for e4m3_rows in (False, True):  # True: the merge of a sequence's heads in one program, its e4m3 rows too
             out, rows = paged_decode_attention(q, pool, tables, lens, block, splits=splits, tile=tile,
                                                e4m3_rows=e4m3_rows)
