@@ -43,6 +43,21 @@ def test_the_vector_tiles_step_holds_an_ffma_a_weight() -> None:
     assert opcodes.get("FFMA") == per_thread and opcodes.get("F2FP") == per_thread // 2  # two e4m3 a conversion
 
 
+def test_the_merge_counts_the_slices_each_trip_loads() -> None:
+    """The merge that writes o_proj's e4m3 rows, at each split count of batches 3-64: a row each; where the
+    compiler unrolls the slices (two and four) the one trip loads them all, 16 bytes a load."""
+    from bench.micro.kernel_sass import merge_rows
+
+    try:
+        rows = merge_rows()
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    per_trip = {int(str(row["splits"])): int(str(row["slices_per_trip"])) for row in rows}
+    assert set(per_trip) == {2, 4, 8, 16, 32, 64}
+    assert per_trip[2] == 2 and per_trip[4] == 4
+    assert all(1 <= slices <= splits for splits, slices in per_trip.items())
+
+
 def test_an_input_bound_adds_its_clamp_and_leaves_the_weights_loop() -> None:
     """fbgemm_fp8's `activation_scale_ub` in the vector tile: x clamped (min/max instructions that were not
     there), the FFMA a weight and the conversions as they were."""

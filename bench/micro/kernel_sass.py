@@ -12,7 +12,10 @@ while HBM delivers that byte, the instructions, not the bytes, set its time. Ker
   that gated) and 64 x `block_k` of x, at Qwen2.5-7B's four projections: its shared memory and the
   programs an SM holds, beside the programs the shape launches, and the bytes of x each program reads
   again from L2 for each weight byte it streams from HBM (`--shapes`; `--gemv-tiles` compiles other
-  tiles in the engine's place).
+  tiles in the engine's place);
+- `merge`: the attention's merge of a sequence's heads that writes o_proj's e4m3 rows (FP8 weights, 3-64
+  rows), at each split count the engine picks there: the slices its loop adds a trip, each trip one wait
+  on L2 for the partials (the whole program where the loop is unrolled).
 Every row carries a hash of its whole disassembly, and the output one of them all (`sass_digest`), so a
 change meant to leave the machine code alone is checked by comparing trees
 (`python -m bench.ab run --trees . .ab/REV --keys sass_digest -- python -m bench.micro.kernel_sass --json {json}`).
@@ -53,6 +56,7 @@ PROJECTIONS = {"qkv": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_
                "down": (3584, 18944, False)}
 SM_SHARED, SM_REGISTERS, SMS = 228 * 1024, 65536, 132  # an H100/H200 SM; SMs on an H200 SXM
 SHARED_RESERVED = 1024  # a program's shared memory the driver keeps
+MERGE_WARPS = 8  # `paged_decode._attend`'s for the merge of a sequence's heads
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class LoopCost:
     per_warp: int                       # instructions one warp issues in a step
     opcodes: list[tuple[str, int]]      # the same by opcode, most first
     sass_sha256: str = ""               # the whole program's disassembly, hashed: equal for the same machine code
+    marked: int = 0                     # the step's instructions naming the marker
 
 
 def _tool(name: str) -> str:
@@ -122,9 +127,18 @@ def compile_gemv_kernel(cfg: gemv.GemvConfig, gated: bool, bias: bool) -> tuple[
     return str(compiled.asm["ptx"]), int(compiled.metadata.shared)
 
 
-def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
+def compile_merge_kernel(splits: int) -> str:
+    """`_merge_rows_kernel`'s PTX for sm_90a at Qwen2.5-7B's heads and `splits` context slices."""
+    consts = dict(HEADS=HEADS, HEADS_PAD=triton.next_power_of_2(HEADS), HEAD_DIM=HEAD_DIM, BLOCK_N=64,
+                  NUM_SPLITS=splits, BOUND=0.0, PDL=True)
+    types = {"OUT": "*fp32", "ML": "*fp32", "RESULT": "*bf16", "CTX": "*i32", "Q8": "*fp8e4nv", "SCALE": "*fp32"}
+    return str(_compile(paged_decode._merge_rows_kernel, consts, types, {"num_warps": MERGE_WARPS}).asm["ptx"])
+
+
+def loop_cost(ptx: str, marker: str = "MMA", unrolled_whole: bool = False) -> LoopCost:
     """Assemble and disassemble `ptx`; the main loop is the backward branch whose body holds the most
-    instructions naming `marker` (the attention's tensor-core MMAs, the vector tile's FFMAs)."""
+    instructions naming `marker` (the attention's tensor-core MMAs, the vector tile's FFMAs). With
+    `unrolled_whole`, a program with no such loop counts whole, as one trip."""
     ptxas = _tool("ptxas-blackwell") if (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
                                          ).exists() else _tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,6 +158,8 @@ def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
             body = sass[labels[branch.group(1)]:i + 1]
             if sum(marker in s for s in body) > sum(marker in s for s in loop):
                 loop = body
+    if not loop and unrolled_whole:
+        loop = sass
     opcodes: collections.Counter[str] = collections.Counter()
     for line in loop:
         op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
@@ -152,7 +168,8 @@ def loop_cost(ptx: str, marker: str = "MMA") -> LoopCost:
     if not opcodes:
         raise RuntimeError(f"no loop with a {marker} in the disassembly")
     return LoopCost(int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0,
-                    sum(opcodes.values()), opcodes.most_common(), hashlib.sha256("\n".join(sass).encode()).hexdigest())
+                    sum(opcodes.values()), opcodes.most_common(), hashlib.sha256("\n".join(sass).encode()).hexdigest(),
+                    sum(marker in line for line in loop))
 
 
 def parse_tile(text: str) -> paged_decode.DecodeTile:
@@ -237,6 +254,20 @@ def _gemv_row(shape: str, n: int, k: int, gated: bool, cfg: gemv.GemvConfig) -> 
                                        "x_bytes_per_weight_byte": round(x_reread, 3)})
 
 
+def merge_rows() -> list[dict[str, object]]:
+    """The merge at each split count of batches 3-64: a trip's instructions and the slices whose partials it
+    loads, 16 bytes a load (a slice's partials: HEADS_PAD x HEAD_DIM float32)."""
+    rows = []
+    slice_bytes = triton.next_power_of_2(HEADS) * HEAD_DIM * 4
+    for splits in sorted({paged_decode.num_splits_for(batch, KV_HEADS) for batch in range(3, 65)}):
+        cost = loop_cost(compile_merge_kernel(splits), marker="LDG.E.128", unrolled_whole=True)
+        per_trip = cost.marked * MERGE_WARPS * 32 * 16 // slice_bytes
+        name = f"merge {splits} splits, {per_trip} slices a trip"
+        per_byte = cost.per_warp * MERGE_WARPS / max(1, per_trip * slice_bytes)
+        rows.append(_row(name, cost, per_byte, {"kernel": "merge", "splits": splits, "slices_per_trip": per_trip}))
+    return rows
+
+
 def torch_e4m3_weight(n: int, k: int) -> torch.Tensor:
     """An empty e4m3 weight of the shape, on the meta device: what the tile choice reads."""
     return torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
@@ -254,7 +285,7 @@ def _row(name: str, cost: LoopCost, per_byte: float, fields: dict[str, object]) 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.micro.kernel_sass", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    kernels = ["attention", "vector", "gemv"]
+    kernels = ["attention", "vector", "gemv", "merge"]
     p.add_argument("--kernel", choices=kernels, nargs="+", default=kernels)
     p.add_argument("--kv-dtype", choices=list(KV_TYPES), nargs="+", default=["bf16", "fp8"], help="attention's pool")
     p.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
@@ -267,7 +298,8 @@ def main() -> None:
     args = p.parse_args()
     rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
         (vector_rows() if "vector" in args.kernel else []) + \
-        (gemv_rows(args.shapes, args.gemv_tiles) if "gemv" in args.kernel else [])
+        (gemv_rows(args.shapes, args.gemv_tiles) if "gemv" in args.kernel else []) + \
+        (merge_rows() if "merge" in args.kernel else [])
     # one hash of every row's machine code: two trees (`python -m bench.ab run ... --keys sass_digest`) compile
     # to the same kernels exactly where theirs match
     digest = hashlib.sha256(" ".join(str(row["sass_sha256"]) for row in rows).encode()).hexdigest()
