@@ -51,8 +51,9 @@ class ServerConfig:
         "fp8: quantize the decoder layers' weights to FP8 (e4m3, a scale per output channel) at load; FP8 "
         "checkpoints need no flag", choices=("fp8",)))
     kv_cache_dtype: str = field(default="auto", metadata=opt(
-        "auto (the model's dtype) or fp8 (e4m3, scale 1.0: half the KV bytes in the pool and on every transport; "
-        "both servers of a pair must agree)", choices=("auto", "fp8")))
+        "auto (the model's dtype) or fp8 (e4m3 at scale 1.0, a checkpoint's k/v scales folded into its weights: "
+        "half the KV bytes in the pool and on every transport; both servers of a pair must agree)",
+        choices=("auto", "fp8")))
     block_size: int = field(default=16, metadata=opt("KV pool block size in tokens"))
     kv_cache_gb: float | None = field(default=None, metadata=opt("KV pool size in GiB; default: free GPU "
                                                                   "memory less a reserve, 0.25 GiB on CPU"))
