@@ -1,11 +1,11 @@
-"""The README's "Running it" commands, read from README.md itself and run exactly as written, in order,
-against servers started as it starts them (`make serve-prefill serve-decode`: the tiny model on the
-CPU, prefix caches on, the default ports): the scenario, both generate lines, the load, the curl, the
+"""The README's commands, exactly as written. `make demo`, its first, runs in the project's folder as a
+fresh clone runs it. The "Running it" commands, read from README.md itself, run in order against servers
+started as that section starts them (`make serve-prefill serve-decode`: the tiny model on the CPU,
+prefix caches on, the default ports): the scenario, both generate lines, the load, the curl, the
 python snippet (while the servers are up, before the block's last command, `make stop`), `make stop`.
-
-They run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
-project's, and `python` on its PATH is this interpreter. GPUs are hidden, so the servers start as on
-a machine without one."""
+Those run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
+project's. `python` on the PATH is this interpreter. GPUs are hidden, so the servers start as on a
+machine without one."""
 
 from __future__ import annotations
 
@@ -65,20 +65,45 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.skipif(shutil.which("make") is None or shutil.which("curl") is None, reason="needs make and curl")
-def test_the_readmes_commands_run_as_written(tmp_path: Path) -> None:
+def scratch_env(tmp_path: Path) -> dict[str, str]:
+    """The environment the commands run in: `python` (on PATH) and the Makefile's PYTHON are this
+    interpreter, the project and its stubs importable, no GPU visible, and no port of the Makefile's in use."""
     busy = [p for p in PORTS if listening(p)]
     assert not busy, f"ports {busy} are in use: stop what listens there (make stop) and run this test again"
-    commands, snippet = running_it()
-    assert commands[0].startswith("make serve-prefill serve-decode") and commands[-1].startswith("make stop")
-    (tmp_path / "Makefile").write_text(f"include {ROOT / 'Makefile'}\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python").chmod(0o755)
     paths = (str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH"))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(p for p in paths if p), "CUDA_VISIBLE_DEVICES": ""}
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+            "PYTHONPATH": os.pathsep.join(p for p in paths if p), "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_runs_as_written(tmp_path: Path) -> None:
+    """The README's first command, in the project's folder as a fresh clone runs it: it installs, starts
+    both servers, replays the scenario (every row's tokens identical), prints the table and stops them."""
+    opening = re.search(r"```sh\n(.*?)```", README.read_text(), re.S)
+    assert opening is not None and opening.group(1).split("\n")[0].split("#")[0].strip() == "make demo"
+    env = scratch_env(tmp_path)
+    run_dir = ROOT / "run"
+    for stale in run_dir.glob("scenario.*"):
+        stale.unlink()
+    proc = subprocess.run(["make", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    rows = json.loads((run_dir / "scenario.json").read_text())["rows"]
+    assert rows and all(r["a_tokens_match_solo"] for r in rows) and all(r["b_tokens_match_reference"] for r in rows[1:])
+    assert (run_dir / "scenario.png").stat().st_size > 10_000
+    assert "decode server stopped" in proc.stdout and "prefill server stopped" in proc.stdout
+    assert not list(run_dir.glob("*.pid")) and not [p for p in PORTS if listening(p)]
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("curl") is None, reason="needs make and curl")
+def test_the_readmes_commands_run_as_written(tmp_path: Path) -> None:
+    env = scratch_env(tmp_path)
+    commands, snippet = running_it()
+    assert commands[0].startswith("make serve-prefill serve-decode") and commands[-1].startswith("make stop")
+    (tmp_path / "Makefile").write_text(f"include {ROOT / 'Makefile'}\n")
 
     def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(args, cwd=tmp_path, env=env, input=stdin, capture_output=True, text=True, timeout=150)
