@@ -4,18 +4,21 @@ started as that section starts them (`make serve-prefill serve-decode`: the tiny
 prefix caches on, the default ports): the scenario, both generate lines, the load, the curl, the
 python snippet (while the servers are up, before the block's last command, `make stop`), `make stop`.
 Those run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
-project's. `python` on the PATH is this interpreter. GPUs are hidden, so the servers start as on a
-machine without one."""
+project's. So do the two commands that start the servers by hand. `python` on the PATH is this
+interpreter. GPUs are hidden, so the servers start as on a machine without one."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,42 @@ def test_the_readmes_commands_run_as_written(tmp_path: Path) -> None:
         stop = run(["bash", "-c", commands[-1]])
     assert stop.returncode == 0, stop.stderr
     check(commands[-1], stop, tmp_path)
+
+
+def servers_yourself() -> list[str]:
+    """The README's other way to start the pair: the two commands of "start the servers yourself with ..."."""
+    sentence = re.search(r"start the\s+servers yourself with (`[^`]+`) and (`[^`]+`)", README.read_text())
+    assert sentence is not None, "the README's sentence on starting the servers yourself changed: update this test"
+    return [sentence.group(1).strip("`"), sentence.group(2).strip("`")]
+
+
+def test_the_servers_start_by_hand_as_written(tmp_path: Path) -> None:
+    """`python -m prefill_server` and `python -m decode_server --prefill-addr 127.0.0.1:50052`, as the README
+    writes them: both serve on their default ports, a prompt is prefilled remotely and decoded, and SIGTERM
+    stops each with status 0. Their output goes to <module>.log in the scratch folder."""
+    import grpc
+    from pd.v1 import decode_pb2, decode_pb2_grpc
+
+    from client.wait_ready import is_serving
+
+    env = scratch_env(tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for command, address in zip(servers_yourself(), ("127.0.0.1:50052", "127.0.0.1:50051"), strict=True):
+            with open(tmp_path / f"{command.split()[2]}.log", "wb") as log:  # the child keeps its own handle
+                procs.append(subprocess.Popen(shlex.split(command), cwd=tmp_path, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 120
+            while not is_serving(address, timeout=0.5):
+                assert procs[-1].poll() is None and time.monotonic() < deadline, f"{command}: see {log.name}"
+                time.sleep(0.2)
+        with grpc.insecure_channel("127.0.0.1:50051") as channel:
+            replies = list(decode_pb2_grpc.DecodeStub(channel).Generate(decode_pb2.GenerateRequest(
+                token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True,
+                prefill_mode=decode_pb2.PREFILL_MODE_DISAGGREGATED), timeout=60))
+        assert len(replies) == 4
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(60) for proc in procs]
+    assert codes == [0, 0], codes
