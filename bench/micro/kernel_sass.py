@@ -56,7 +56,6 @@ PROJECTIONS = {"qkv": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_
                "down": (3584, 18944, False)}
 SM_SHARED, SM_REGISTERS, SMS = 228 * 1024, 65536, 132  # an H100/H200 SM; SMs on an H200 SXM
 SHARED_RESERVED = 1024  # a program's shared memory the driver keeps
-MERGE_WARPS = 8  # `paged_decode._attend`'s for the merge of a sequence's heads
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,8 @@ def compile_merge_kernel(splits: int) -> str:
     consts = dict(HEADS=HEADS, HEADS_PAD=triton.next_power_of_2(HEADS), HEAD_DIM=HEAD_DIM, BLOCK_N=64,
                   NUM_SPLITS=splits, BOUND=0.0, PDL=True)
     types = {"OUT": "*fp32", "ML": "*fp32", "RESULT": "*bf16", "CTX": "*i32", "Q8": "*fp8e4nv", "SCALE": "*fp32"}
-    return str(_compile(paged_decode._merge_rows_kernel, consts, types, {"num_warps": MERGE_WARPS}).asm["ptx"])
+    options = {"num_warps": paged_decode.MERGE_ROWS_WARPS}
+    return str(_compile(paged_decode._merge_rows_kernel, consts, types, options).asm["ptx"])
 
 
 def loop_cost(ptx: str, marker: str = "MMA", unrolled_whole: bool = False) -> LoopCost:
@@ -261,9 +261,9 @@ def merge_rows() -> list[dict[str, object]]:
     slice_bytes = triton.next_power_of_2(HEADS) * HEAD_DIM * 4
     for splits in sorted({paged_decode.num_splits_for(batch, KV_HEADS) for batch in range(3, 65)}):
         cost = loop_cost(compile_merge_kernel(splits), marker="LDG.E.128", unrolled_whole=True)
-        per_trip = cost.marked * MERGE_WARPS * 32 * 16 // slice_bytes
+        per_trip = cost.marked * paged_decode.MERGE_ROWS_WARPS * 32 * 16 // slice_bytes
         name = f"merge {splits} splits, {per_trip} slices a trip"
-        per_byte = cost.per_warp * MERGE_WARPS / max(1, per_trip * slice_bytes)
+        per_byte = cost.per_warp * paged_decode.MERGE_ROWS_WARPS / max(1, per_trip * slice_bytes)
         rows.append(_row(name, cost, per_byte, {"kernel": "merge", "splits": splits, "slices_per_trip": per_trip}))
     return rows
 

@@ -70,6 +70,7 @@ def decode_tile(kv_dtype: torch.dtype, batch: int = 1) -> DecodeTile:
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
 # (1k tokens) and 18% (4k), at batch 32 four beat two by 4% and 15% (`python -m bench.micro.decode_attention`)
 TARGET_PROGRAMS = 528
+MERGE_ROWS_WARPS = 8  # the merge of a sequence's heads: one program holds 28 x 128 float32 sums
 
 
 @triton.jit
@@ -355,5 +356,5 @@ def _attend(q: torch.Tensor, heads: int, rope: tuple[torch.Tensor, ...] | None, 
     _merge_rows_kernel[(batch,)](
         partial, ml, out, context_lens, q8, scale, *s_part, *s_ml, out.stride(0), out.stride(1), q8.stride(0),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_N=tile.block_n, NUM_SPLITS=splits,
-        BOUND=e4m3_bound or 0.0, num_warps=8, **launch.options())
+        BOUND=e4m3_bound or 0.0, num_warps=MERGE_ROWS_WARPS, **launch.options())
     return out, (q8, scale)
