@@ -42,7 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.common import metadata, write_json
-from engine.kernels import gemv, gemv_vector, paged_decode
+from engine.kernels import gemv, gemv_vector, launch, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 POINTERS = {"Q": "*bf16", "BT": "*i32", "BT_STRIDE": "*i32", "CTX": "*i32", "OUT": "*fp32", "ML": "*fp32",
@@ -76,13 +76,14 @@ def _tool(name: str) -> str:
 
 
 def _compile(fn: triton.runtime.JITFunction, consts: dict[str, object], types: dict[str, str],
-             options: dict[str, int]) -> triton.compiler.CompiledKernel:
+             options: dict[str, int | bool]) -> triton.compiler.CompiledKernel:
     """`fn` compiled for sm_90a: parameters typed by `types` (int32 otherwise), every one but the constexprs,
     float scalars and UNALIGNED strides specialized as divisible by 16, as Triton's runtime sees them."""
     signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names)
                if signature[p] not in ("constexpr", "fp32") and p not in UNALIGNED}
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    options = {"enable_fp_fusion": launch.FP_FUSION, **options}  # as the engine launches them
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

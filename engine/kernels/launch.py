@@ -51,9 +51,15 @@ def set_enabled(flag: bool) -> None:
     SETTINGS.pdl_wanted = flag
 
 
+# a * b + c contracted to one fused multiply-add, as Triton has done by default: the kernels' code and bits,
+# and the tests that compare kernels bit for bit, stay what they are where a later Triton turns it off by default
+FP_FUSION = True
+
+
 def options(max_registers: int | None = None) -> dict[str, bool | int]:
     """A launch's PDL arguments: the kernel's `PDL` constexpr (wait, then let the next be scheduled) and
     Triton's `launch_pdl`, always set together; with `max_registers` (0 or None: the compiler's count),
-    Triton's `maxnreg`, a cap on a thread's registers so that more programs share an SM."""
+    Triton's `maxnreg`, a cap on a thread's registers so that more programs share an SM; and FP_FUSION."""
     flag = enabled()
-    return {"PDL": flag, "launch_pdl": flag, **({"maxnreg": max_registers} if max_registers else {})}
+    return {"PDL": flag, "launch_pdl": flag, "enable_fp_fusion": FP_FUSION,
+            **({"maxnreg": max_registers} if max_registers else {})}
