@@ -5,7 +5,8 @@ prefix caches on, the default ports): the scenario, both generate lines, the loa
 python snippet (while the servers are up, before the block's last command, `make stop`), `make stop`.
 Those run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
 project's. So do the two commands that start the servers by hand. `python` on the PATH is this
-interpreter. GPUs are hidden, so the servers start as on a machine without one."""
+interpreter. GPUs are hidden, so the servers start as on a machine without one. The flag table's flags
+are each in the `--help` of the servers their row names."""
 
 from __future__ import annotations
 
@@ -161,3 +162,31 @@ def test_the_servers_start_by_hand_as_written(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(60) for proc in procs]
     assert codes == [0, 0], codes
+
+
+def flag_table() -> list[tuple[list[str], str]]:
+    """The README's flag table: each row's flags (every `--name` in its first column) and its server column."""
+    rows = []
+    for line in README.read_text().split("| flag | server | what it sets |", 1)[1].split("\n\n", 1)[0].splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "\|" is in a cell
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            rows.append((re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cells[0]), cells[1]))
+    return rows
+
+
+def test_each_flag_in_the_readme_table_is_in_its_servers_help() -> None:
+    """The README says `--help` on either server lists them all: every flag of its table is in the --help of
+    each server its row names ("both": both; "both / decode" or "both; decode": the row's flags in one or
+    the other)."""
+    helps = {server: subprocess.run([sys.executable, "-m", f"{server}_server", "--help"], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=120, check=True).stdout
+             for server in ("prefill", "decode")}
+    rows = flag_table()
+    assert len(rows) >= 15, "the README's flag table changed shape: update this test"
+    for flags, where in rows:
+        servers = ["prefill", "decode"] if where == "both" else ["decode"] if where == "decode" else None
+        for flag in flags:
+            if servers is None:  # a row whose flags are split between the two
+                assert any(re.search(rf"{flag}\b", text) for text in helps.values()), (flag, where)
+            for server in servers or []:
+                assert re.search(rf"{flag}\b", helps[server]), f"{flag} ({where}) is not in {server}_server --help"
