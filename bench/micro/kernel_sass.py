@@ -14,8 +14,9 @@ while HBM delivers that byte, the instructions, not the bytes, set its time. Ker
   again from L2 for each weight byte it streams from HBM (`--shapes`; `--gemv-tiles` compiles other
   tiles in the engine's place);
 - `merge`: the attention's merge of a sequence's heads that writes o_proj's e4m3 rows (FP8 weights, 3-64
-  rows), at each split count the engine picks there: the slices its loop adds a trip, each trip one wait
-  on L2 for the partials (the whole program where the loop is unrolled).
+  rows), at each split count the engine picks there: the slices its loop adds a trip and the barriers in
+  it (the whole program where the loop is unrolled). A trip waits on L2 at least once, and again after each
+  barrier whose far side issues loads.
 Every row carries a hash of its whole disassembly, and the output one of them all (`sass_digest`), so a
 change meant to leave the machine code alone is checked by comparing trees
 (`python -m bench.ab run --trees . .ab/REV --keys sass_digest -- python -m bench.micro.kernel_sass --json {json}`).
@@ -263,9 +264,11 @@ def merge_rows() -> list[dict[str, object]]:
     for splits in sorted({paged_decode.num_splits_for(batch, KV_HEADS) for batch in range(3, 65)}):
         cost = loop_cost(compile_merge_kernel(splits), marker="LDG.E.128", unrolled_whole=True)
         per_trip = cost.marked * paged_decode.MERGE_ROWS_WARPS * 32 * 16 // slice_bytes
-        name = f"merge {splits} splits, {per_trip} slices a trip"
+        barriers = dict(cost.opcodes).get("BAR", 0)  # a barrier between slices holds the next slice's loads back
+        name = f"merge {splits} splits, {per_trip} slices and {barriers} barriers a trip"
         per_byte = cost.per_warp * paged_decode.MERGE_ROWS_WARPS / max(1, per_trip * slice_bytes)
-        rows.append(_row(name, cost, per_byte, {"kernel": "merge", "splits": splits, "slices_per_trip": per_trip}))
+        rows.append(_row(name, cost, per_byte, {"kernel": "merge", "splits": splits, "slices_per_trip": per_trip,
+                                                "barriers_per_trip": barriers}))
     return rows
 
 
