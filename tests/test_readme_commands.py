@@ -93,7 +93,10 @@ def test_make_demo_runs_as_written(tmp_path: Path) -> None:
     run_dir = ROOT / "run"
     for stale in run_dir.glob("scenario.*"):
         stale.unlink()
-    proc = subprocess.run(["make", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(["make", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    finally:  # a server left up by a demo that failed to start its pair would hold the next test's ports
+        subprocess.run(["make", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     rows = json.loads((run_dir / "scenario.json").read_text())["rows"]
     assert rows and all(r["a_tokens_match_solo"] for r in rows) and all(r["b_tokens_match_reference"] for r in rows[1:])
