@@ -41,16 +41,28 @@ def running_it() -> tuple[list[str], str]:
     return re.split(r"(?<!\\)\n", blocks[0].strip()), snippets[0]
 
 
+def check_scenario(table: Path, plot: Path) -> None:
+    """The scenario's six rows: A's tokens its solo run's, each B's first token the reference's (each B
+    prefilled, with the caches on); and its plot drawn."""
+    rows = json.loads(table.read_text())["rows"]
+    assert len(rows) == 6 and all(r["a_tokens_match_solo"] for r in rows)
+    assert all(r["b_tokens_match_reference"] for r in rows[1:])
+    assert plot.stat().st_size > 10_000
+
+
+def check_stopped(stdout: str, run_dir: Path) -> None:
+    """`make stop`'s output and what it leaves: both servers stopped, no pid file."""
+    assert "decode server stopped" in stdout and "prefill server stopped" in stdout
+    assert not list(run_dir.glob("*.pid"))
+
+
 def check(command: str, proc: subprocess.CompletedProcess[str], folder: Path) -> None:
     """What each command must have done, beyond exiting 0."""
     program = command.split("#", 1)[0].split()
     if program[:2] == ["make", "serve-prefill"]:
         assert proc.stdout.count("is SERVING") == 2
     elif program[2:3] == ["client.scenario"]:
-        rows = json.loads((folder / "out.json").read_text())["rows"]
-        assert len(rows) == 6 and all(r["a_tokens_match_solo"] for r in rows)
-        assert all(r["b_tokens_match_reference"] for r in rows[1:])  # each B prefilled, with the caches on
-        assert (folder / "out.png").stat().st_size > 10_000
+        check_scenario(folder / "out.json", folder / "out.png")
     elif program[2:3] == ["client.generate"]:
         assert "finish_reason=" in proc.stdout
     elif program[2:3] == ["client.load"]:
@@ -58,8 +70,7 @@ def check(command: str, proc: subprocess.CompletedProcess[str], folder: Path) ->
     elif program[:1] == ["curl"]:
         assert json.loads(proc.stdout)["choices"][0]["message"]["role"] == "assistant"
     elif program == ["make", "stop"]:
-        assert "decode server stopped" in proc.stdout and "prefill server stopped" in proc.stdout
-        assert not list((folder / "run").glob("*.pid"))
+        check_stopped(proc.stdout, folder / "run")
     else:
         raise AssertionError(f"a README command this test does not know how to check: {command!r}")
 
@@ -98,11 +109,9 @@ def test_make_demo_runs_as_written(tmp_path: Path) -> None:
     finally:  # a server left up by a demo that failed to start its pair would hold the next test's ports
         subprocess.run(["make", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    rows = json.loads((run_dir / "scenario.json").read_text())["rows"]
-    assert rows and all(r["a_tokens_match_solo"] for r in rows) and all(r["b_tokens_match_reference"] for r in rows[1:])
-    assert (run_dir / "scenario.png").stat().st_size > 10_000
-    assert "decode server stopped" in proc.stdout and "prefill server stopped" in proc.stdout
-    assert not list(run_dir.glob("*.pid")) and not [p for p in PORTS if listening(p)]
+    check_scenario(run_dir / "scenario.json", run_dir / "scenario.png")
+    check_stopped(proc.stdout, run_dir)
+    assert not [p for p in PORTS if listening(p)]
 
 
 @pytest.mark.skipif(shutil.which("make") is None or shutil.which("curl") is None, reason="needs make and curl")
