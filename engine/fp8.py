@@ -51,6 +51,16 @@ def dtype_problem(device: torch.device, dtype: torch.dtype) -> str | None:
             "auto), whose activations the FP8 kernels multiply")
 
 
+def weights_refusal(what: str, device: torch.device, dtype: torch.dtype, advice: str) -> str | None:
+    """The one line refusing FP8 weights (`what`: where they come from) that `device` or `dtype` can't run,
+    with `advice` where the GPU lacks e4m3; None where they run."""
+    if problem := device_problem(device):
+        return f"{what}, but {problem}; {advice}"
+    if problem := dtype_problem(device, dtype):
+        return f"{what}: {problem}"
+    return None
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """The checkpoint's float32 values: e4m3 times its scale (a row's, the tensor's or a block's)."""
     w = weight.float()

@@ -17,12 +17,11 @@ from engine.fp8 import (
     FP8,
     Fp8Linear,
     dequantize,
-    device_problem,
-    dtype_problem,
     quantize_model,
     replace_linears,
     scale_rows,
     to_per_channel,
+    weights_refusal,
 )
 from engine.fp8_formats import MODELOPT_FILE, Fp8Format, UnsupportedQuantization, read_format, scale_shapes
 from engine.model import DecoderModel
@@ -67,11 +66,9 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
-    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8":
-        if problem := device_problem(device):
-            raise ModelLoadError(f"preset {name} has FP8 weights, but {problem}; use a 16-bit preset on this GPU")
-        if problem := dtype_problem(device, dtype):
-            raise ModelLoadError(f"preset {name} has FP8 weights: {problem}")
+    if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8" and (refusal := weights_refusal(
+            f"preset {name} has FP8 weights", device, dtype, "use a 16-bit preset on this GPU")):
+        raise ModelLoadError(refusal)
     model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     gen = torch.Generator(device=device).manual_seed(PRESET_SEED)
     with torch.no_grad():
@@ -238,10 +235,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(f"--model {folder} is already quantized ({fmt.method}); drop --quantization")
     if fp8_weights or quantization == "fp8":
         what = f"--model {folder} has FP8 weights" if fp8_weights else "--quantization fp8 makes FP8 weights"
-        if problem := device_problem(device):
-            raise ModelLoadError(f"{what}, but {problem}; serve a 16-bit checkpoint on this GPU")
-        if problem := dtype_problem(device, dtype):
-            raise ModelLoadError(f"{what}: {problem}")
+        if refusal := weights_refusal(what, device, dtype, "serve a 16-bit checkpoint on this GPU"):
+            raise ModelLoadError(refusal)
     extra_eos = tuple(e for e in _generation_eos(folder) if e not in cfg.eos_token_ids)
     cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + extra_eos)
     files = sorted(folder.glob("*.safetensors"))
