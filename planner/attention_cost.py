@@ -32,7 +32,7 @@ BLOCK_N = 64                     # context tokens per inner step: a split is a w
 # (two splits at batch 64), with overlapped steps: the simulator prices the engine those runs measured
 TARGET_PROGRAMS = 264
 ENGINE_TARGET_PROGRAMS_NOW = 528
-MAX_SPLITS = 64
+MAX_SPLITS = 64                  # the engine's cap then; it caps at 32 since (paged_decode.MAX_SPLITS)
 SMS = 132                        # the H200's SMs: a grid of at most this many programs runs one an SM
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # engine.cuda_graphs.bucket_sizes
 ENGINE_CONTEXT = 1024            # bench.micro.engine_steps's decode steps run at this context per sequence

@@ -53,7 +53,7 @@ def test_the_merge_counts_the_slices_each_trip_loads() -> None:
     except FileNotFoundError as missing:
         pytest.skip(str(missing))
     per_trip = {int(str(row["splits"])): int(str(row["slices_per_trip"])) for row in rows}
-    assert set(per_trip) == {2, 4, 8, 16, 32, 64}
+    assert set(per_trip) == {2, 4, 8, 16, 32}  # paged_decode.MAX_SPLITS: at most 32
     assert per_trip[2] == 2 and per_trip[4] == 4
     assert all(1 <= slices <= splits for splits, slices in per_trip.items())
 

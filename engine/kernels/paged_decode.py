@@ -70,6 +70,10 @@ def decode_tile(kv_dtype: torch.dtype, batch: int = 1) -> DecodeTile:
 # About four programs an SM on a 132-SM H200: at batch 64 two splits of the context beat one by 14%
 # (1k tokens) and 18% (4k), at batch 32 four beat two by 4% and 15% (`python -m bench.micro.decode_attention`)
 TARGET_PROGRAMS = 528
+# At most 32 slices a sequence: at batches 1-2, 32 splits beat 64 at every context of 1-4k tokens, both pools
+# (bf16 pool, batch 1: 5.6 against 6.2 us a layer at 1k, 9.3 against 10.0 at 4k; e4m3: 6.2 against 6.7 and
+# 7.7 against 9.5; bench/results/decode-attention-b1-splits-*-h200.json)
+MAX_SPLITS = 32
 MERGE_ROWS_WARPS = 8  # the merge of a sequence's heads: one program holds 28 x 128 float32 sums
 
 
@@ -273,7 +277,7 @@ def _merge_rows_kernel(OUT, ML, RESULT, CTX, Q8, SCALE, s_ob, s_oh, s_os, s_mb, 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
     splits = max(1, TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return min(64, triton.next_power_of_2(splits))
+    return min(MAX_SPLITS, triton.next_power_of_2(splits))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
