@@ -159,7 +159,7 @@ def test_fp8_float16_tiles_are_the_dequantized_matmul(rows: int) -> None:
 def test_fp8_cuda_core_tiles_are_the_dequantized_matmul() -> None:
     """The engine's CUDA-core tiles (1-2 rows, `engine.kernels.gemv_vector`) for every shape that has
     one: within bf16 rounding of x @ the dequantized W^T in float32 (SiLU·mul for gate/up, float32
-    stores for logits), and a row's bits the same at 1 and 2 rows."""
+    stores for logits), and a row's bits the same at 1 and 2 rows (two rows in one program)."""
     from engine.kernels.gemv_vector import VECTOR_ROWS, config_for, gemv_vector
     from engine.ops import silu_mul
 
@@ -180,7 +180,9 @@ def test_fp8_cuda_core_tiles_are_the_dequantized_matmul() -> None:
             logits = gemv_vector(x, q, scale, cfg, bias=bias, out_dtype=torch.float32)
             assert logits.dtype == torch.float32 and torch.equal(logits, both.float()), shape
         assert rel_err(both, want) < 1e-2, shape
-        assert torch.equal(gemv_vector(x[1:], q, scale, cfg, bias=bias, gated=gated), both[1:]), shape
+        one = config_for(x[1:], q, gated=gated)
+        assert one is not None and (cfg.block_m, one.block_m) == (2, 1), shape  # both rows in one program at two
+        assert torch.equal(gemv_vector(x[1:], q, scale, one, bias=bias, gated=gated), both[1:]), shape
 
 
 @pytest.mark.parametrize("rows", [17, 64, 65, 512, 4096])

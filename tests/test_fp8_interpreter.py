@@ -84,19 +84,26 @@ def check_gemv() -> None:
 
 
 def check_gemv_vector() -> None:
-    """The CUDA-core tile: plain with a bias, split in three, gated; a row's bits the same at 1 and 2 rows."""
+    """The CUDA-core tile: plain with a bias, split in three, gated; a row's bits the same at 1 and 2 rows,
+    and the same with 1, 2 or 4 rows a program."""
     from engine.kernels.gemv_vector import VectorConfig, gemv_vector
 
     k = 768
     w, scale, deq, bias = fp8_matrix(96, k, seed=3)
-    x = torch.randn(2, k, dtype=torch.float16)
+    x = torch.randn(4, k, dtype=torch.float16)
     for cfg in (VectorConfig(16, 256, 4, 1, 1), VectorConfig(8, 256, 4, 2, 3)):
-        both = gemv_vector(x, w, scale, cfg, bias=bias)
-        assert rel(both, F.linear(x.float(), deq, bias.float())) < 2e-3, cfg
-        assert torch.equal(gemv_vector(x[1:], w, scale, cfg, bias=bias), both[1:]), cfg
+        both = gemv_vector(x[:2], w, scale, cfg, bias=bias)
+        assert rel(both, F.linear(x[:2].float(), deq, bias.float())) < 2e-3, cfg
+        assert torch.equal(gemv_vector(x[1:2], w, scale, cfg, bias=bias), both[1:]), cfg
     gate, up = F.linear(x.float(), deq).half().chunk(2, dim=-1)
     want = (F.silu(gate.float()).half().float() * up.float()).half()
-    assert rel(gemv_vector(x, w, scale, VectorConfig(8, 256, 4, 1, 1), gated=True), want) < 2e-3
+    for gated, expected in ((False, F.linear(x.float(), deq, bias.float())), (True, want)):
+        b = None if gated else bias
+        one_a_program = gemv_vector(x, w, scale, VectorConfig(8, 256, 4, 1, 1), bias=b, gated=gated)
+        assert rel(one_a_program, expected) < 2e-3, gated
+        for block_m in (2, 4):
+            cfg = VectorConfig(8, 256, 4, 1, 1, block_m=block_m)
+            assert torch.equal(gemv_vector(x, w, scale, cfg, bias=b, gated=gated), one_a_program), (gated, block_m)
 
 
 def check_silu_mul_quantize() -> None:

@@ -32,13 +32,14 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--block-m", type=int, nargs="+", default=[1, 2, 4], help="rows a program (those that divide M)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
     tiles = [VectorConfig(*c) for c in itertools.product(args.block_n, args.block_k, args.warps, args.stages,
-                                                         args.splits)]
+                                                         args.splits, args.block_m)]
     rows_out: list[dict[str, object]] = []
     for name in args.shapes:
         n, k, has_bias = SHAPES[name]

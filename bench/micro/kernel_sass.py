@@ -34,7 +34,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -110,7 +110,8 @@ def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool, x_bound: 
     """The CUDA-core skinny matmul's PTX for sm_90a (e4m3 weights, bf16 x, no bias, unsplit; x clamped to
     +-x_bound where it is above 0, a layer's `input_bound`)."""
     consts = dict(HAS_BIAS=False, GATED=gated, SPLIT_K=1, X_BOUND=x_bound, ROUND=triton.language.bfloat16,
-                  BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PDL=True)
+                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+                  PDL=True)
     types = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*fp32", "OUT": "*bf16", "PARTIAL": "*fp32",
              "COUNTS": "*i32"}
     return str(_compile(gemv_vector._vector_kernel, consts, types, {"num_warps": tile.num_warps}).asm["ptx"])
@@ -204,13 +205,17 @@ def attention_rows(kvs: list[str], tiles: list[paged_decode.DecodeTile] | None) 
 
 
 def vector_rows() -> list[dict[str, object]]:
+    """Each shape's CUDA-core tile with a row a program and with every row of VECTOR_ROWS in one (the
+    engine's at two rows); "a byte" is a byte of weight, whichever the rows."""
     rows = []
-    for shape, tile in gemv_vector.TILES.items():
+    for shape, one_row in gemv_vector.TILES.items():
         gated = shape == "wide"  # gate/up, SiLU·mul in the epilogue
-        cost = loop_cost(compile_vector_kernel(tile, gated), marker="FFMA")
-        per_byte = cost.per_warp * tile.num_warps / (tile.block_n * tile.block_k * (2 if gated else 1))
-        name = f"vector {shape} {tile.block_n}x{tile.block_k}x{tile.num_stages}x{tile.num_warps}w"
-        rows.append(_row(name, cost, per_byte, {"kernel": "vector", "shape": shape, "gated": gated, **vars(tile)}))
+        for tile in (one_row, replace(one_row, block_m=gemv_vector.VECTOR_ROWS)):
+            cost = loop_cost(compile_vector_kernel(tile, gated), marker="FFMA")
+            per_byte = cost.per_warp * tile.num_warps / (tile.block_n * tile.block_k * (2 if gated else 1))
+            rows_each = f", {tile.block_m} rows a program" if tile.block_m > 1 else ""
+            name = f"vector {shape} {tile.block_n}x{tile.block_k}x{tile.num_stages}x{tile.num_warps}w{rows_each}"
+            rows.append(_row(name, cost, per_byte, {"kernel": "vector", "shape": shape, "gated": gated, **vars(tile)}))
     return rows
 
 

@@ -9,20 +9,22 @@ running sums with x; the sums are added across threads once, after the K loop. N
 through shared memory, so a program's loads are limited by the registers in flight, and an SM holds
 many programs.
 
-Each program computes one row of x against a strip of output columns (the row is the grid's
-fastest axis, so a strip's rows run side by side and its weights come from L2 after the first): a
-row's result is the same bits at every M. A split of K writes float32 partial sums to a workspace
-and the strip's last split to arrive adds them in split order, as in `engine.kernels.gemv`.
+Each program computes `block_m` rows of x (1, 2 or 4) against a strip of output columns. It loads
+and converts a weight once for all its rows, and keeps each row's sums in accumulators of its own:
+a row's products and its sum across threads are the same instructions whatever `block_m` is, so a
+row's result is the same bits at every M. Rows in separate programs (`block_m` 1 at two rows) read
+the strip's weights once from HBM and again from L2, which costs the L2 re-reads and a second
+conversion. A split of K (one row a program) writes float32 partial sums to a workspace and the
+strip's last split to arrive adds them in split order, as in `engine.kernels.gemv`.
 
-The engine (`engine.ops`) runs e4m3 projections here at 1-2 rows (`VECTOR_ROWS`): from 4 rows the
-re-reads from L2 cost more than the MMA tile. So with FP8 weights a row's result is the same at
-batches of 1-2 and, separately, at 3-64 (the 64-row W8A8 tile); `min_decode_bucket` of 4 or more
-keeps every step on the MMA tile.
+The engine (`engine.ops`) runs e4m3 projections here at 1-2 rows (`VECTOR_ROWS`), all the rows in each
+program. So with FP8 weights a row's result is the same at batches of 1-2 and, separately, at 3-64 (the
+64-row W8A8 tile); `min_decode_bucket` of 4 or more keeps every step on the MMA tile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,6 +37,7 @@ from engine.kernels.fused import bounded, silu_mul_rounded
 from engine.kernels.gemv import ROUND_TYPES, shape_class
 
 VECTOR_ROWS = 2  # e4m3 weights at this many rows or fewer run here; at 4 (also a batch of 3's graph) the MMA tile won
+# with a program a row
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,11 @@ class VectorConfig:
     num_warps: int = 4
     num_stages: int = 1
     split_k: int = 1
+    block_m: int = 1      # rows of x a program: each weight is loaded and converted once for all of them
 
     def fits(self, k: int) -> bool:
-        return k % self.block_k == 0 and k // self.block_k >= self.split_k
+        return (k % self.block_k == 0 and k // self.block_k >= self.split_k and self.block_m in (1, 2, 4)
+                and (self.block_m == 1 or self.split_k == 1))
 
 
 # Tiles by the weight's shape class (`engine.kernels.gemv.shape_class`), from `python -m
@@ -68,23 +73,42 @@ TILES: dict[str, VectorConfig] = {
 
 def config_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> VectorConfig | None:
     """The tile for x @ weight^T, or None where the MMA tiles or cuBLAS do it (more than VECTOR_ROWS
-    rows, 16-bit weights, a shape without a tile, a K it does not divide)."""
+    rows, 16-bit weights, a shape without a tile, a K it does not divide). An unsplit tile takes all
+    the rows in each program, so each weight is read from HBM and converted once a step."""
     if x.dim() != 2 or x.shape[0] > VECTOR_ROWS or weight.dtype != torch.float8_e4m3fn:
         return None
     cfg = TILES.get(shape_class(*weight.shape))
-    if cfg is None or (gated and cfg.split_k > 1) or not supports(x, weight, cfg):
+    if cfg is None or (gated and cfg.split_k > 1):
         return None
-    return cfg
+    if cfg.split_k == 1:
+        cfg = replace(cfg, block_m=x.shape[0])
+    return cfg if supports(x, weight, cfg) else None
+
+
+@triton.jit
+def _row_out(sums, sums_up, OUT, SCALE, BIAS, row, offs_n, n_ok, N, s_om,
+             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROUND: tl.constexpr):
+    """One row's epilogue: the weight's scales, the bias, the rounding, SiLU·mul when gated."""
+    sums *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        sums += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    out = sums.to(ROUND)
+    if GATED:
+        sums_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)
+        out = silu_mul_rounded(out, sums_up.to(ROUND))
+    tl.store(OUT + row * s_om + offs_n, out, mask=n_ok)
 
 
 @triton.jit
 def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, X_BOUND: tl.constexpr,
-                   ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    # Up to 4 rows a program, each in its own accumulators (one per row, not a [rows, ...] tensor): a row's
+    # products and its sum across threads are the same instructions whatever BLOCK_M is, so its bits are too
     if PDL:
         gdc_wait()
-    row = tl.program_id(0)
+    row = tl.program_id(0) * BLOCK_M
     strip = tl.program_id(1)
     split = tl.program_id(2)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,41 +119,62 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
     k_end = ((split + 1) * k_steps // SPLIT_K) * BLOCK_K
     x_ptrs = X + row * s_xm + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
         x = bounded(x, X_BOUND)  # the layer's `input_bound`, as its capped e4m3 scales would saturate x
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x
+        acc0 += w.to(tl.float32) * x
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc_up += w_up.to(tl.float32) * x
+            up0 += w_up.to(tl.float32) * x
+        for r in tl.static_range(1, BLOCK_M):  # the same weights in registers, the next rows of x
+            x = bounded(tl.load(x_ptrs + r * s_xm + k0).to(tl.float32)[None, :], X_BOUND)
+            if r == 1:
+                acc1 += w.to(tl.float32) * x
+            elif r == 2:
+                acc2 += w.to(tl.float32) * x
+            else:
+                acc3 += w.to(tl.float32) * x
+            if GATED:
+                if r == 1:
+                    up1 += w_up.to(tl.float32) * x
+                elif r == 2:
+                    up2 += w_up.to(tl.float32) * x
+                else:
+                    up3 += w_up.to(tl.float32) * x
     if PDL:
         gdc_launch_dependents()
-    sums = tl.sum(acc, axis=1)
-    sums_up = tl.sum(acc_up, axis=1)
+    sums = tl.sum(acc0, axis=1)
     last = True
-    if SPLIT_K > 1:
+    if SPLIT_K > 1:  # one row a program (`VectorConfig.fits`)
         sums, last = last_split_sums(sums, PARTIAL + row * N + offs_n, tl.num_programs(0) * N, n_ok,
                                      COUNTS + row * tl.num_programs(1) + strip, split, SPLIT_K)
     if last:
-        sums *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            sums += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        out = sums.to(ROUND)
-        if GATED:
-            sums_up *= tl.load(SCALE + N + offs_n, mask=n_ok, other=0.0)
-            out = silu_mul_rounded(out, sums_up.to(ROUND))
-        tl.store(OUT + row * s_om + offs_n, out, mask=n_ok)
+        _row_out(sums, tl.sum(up0, axis=1), OUT, SCALE, BIAS, row, offs_n, n_ok, N, s_om, HAS_BIAS, GATED, ROUND)
+    if BLOCK_M > 1:
+        _row_out(tl.sum(acc1, axis=1), tl.sum(up1, axis=1), OUT, SCALE, BIAS, row + 1, offs_n, n_ok, N, s_om,
+                 HAS_BIAS, GATED, ROUND)
+    if BLOCK_M > 2:
+        _row_out(tl.sum(acc2, axis=1), tl.sum(up2, axis=1), OUT, SCALE, BIAS, row + 2, offs_n, n_ok, N, s_om,
+                 HAS_BIAS, GATED, ROUND)
+        _row_out(tl.sum(acc3, axis=1), tl.sum(up3, axis=1), OUT, SCALE, BIAS, row + 3, offs_n, n_ok, N, s_om,
+                 HAS_BIAS, GATED, ROUND)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, cfg: VectorConfig) -> bool:
     """16-bit x [M, K] and e4m3 weight [N, K], both contiguous along K, K a whole number of the tile's
-    steps, and (split) an arrival count for every row's strip."""
+    steps, M of its rows a program, and (split) an arrival count for every row's strip."""
     k = weight.shape[1]
     return (x.dim() == 2 and x.dtype in ROUND_TYPES and weight.dtype == torch.float8_e4m3fn and x.shape[1] == k
-            and cfg.fits(k) and x.stride(1) == 1 and weight.stride(1) == 1
+            and cfg.fits(k) and x.shape[0] % cfg.block_m == 0 and x.stride(1) == 1 and weight.stride(1) == 1
             and (cfg.split_k == 1 or x.shape[0] * triton.cdiv(weight.shape[0], cfg.block_n) <= MAX_COUNTS))
 
 
@@ -153,11 +198,11 @@ def gemv_vector(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device)
-    _vector_kernel[(m, strips, cfg.split_k)](
+    _vector_kernel[(m // cfg.block_m, strips, cfg.split_k)](
         x, weight, scale, bias if bias is not None else scale, out, partial, counts, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=cfg.split_k, X_BOUND=x_bound or 0.0,
-        ROUND=ROUND_TYPES[x.dtype],
+        ROUND=ROUND_TYPES[x.dtype], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **launch.options())
     return out
