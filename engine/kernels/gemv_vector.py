@@ -100,6 +100,15 @@ def _row_out(sums, sums_up, OUT, SCALE, BIAS, row, offs_n, n_ok, N, s_om,
 
 
 @triton.jit
+def _products(acc, up, w, w_up, x, GATED: tl.constexpr):
+    """A row's products with the step's weights (and the up half's where GATED), added to its sums."""
+    acc += w.to(tl.float32) * x
+    if GATED:
+        up += w_up.to(tl.float32) * x
+    return acc, up
+
+
+@triton.jit
 def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, X_BOUND: tl.constexpr,
                    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -132,24 +141,18 @@ def _vector_kernel(X, W, SCALE, BIAS, OUT, PARTIAL, COUNTS, N, K, s_xm, s_wn, s_
         x = bounded(x, X_BOUND)  # the layer's `input_bound`, as its capped e4m3 scales would saturate x
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc0 += w.to(tl.float32) * x
+        w_up = w  # the up half's weights where GATED, else unused
         if GATED:
             w_up = tl.load(w_ptrs + N * s_wn + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             up0 += w_up.to(tl.float32) * x
         for r in tl.static_range(1, BLOCK_M):  # the same weights in registers, the next rows of x
             x = bounded(tl.load(x_ptrs + r * s_xm + k0).to(tl.float32)[None, :], X_BOUND)
             if r == 1:
-                acc1 += w.to(tl.float32) * x
+                acc1, up1 = _products(acc1, up1, w, w_up, x, GATED)
             elif r == 2:
-                acc2 += w.to(tl.float32) * x
+                acc2, up2 = _products(acc2, up2, w, w_up, x, GATED)
             else:
-                acc3 += w.to(tl.float32) * x
-            if GATED:
-                if r == 1:
-                    up1 += w_up.to(tl.float32) * x
-                elif r == 2:
-                    up2 += w_up.to(tl.float32) * x
-                else:
-                    up3 += w_up.to(tl.float32) * x
+                acc3, up3 = _products(acc3, up3, w, w_up, x, GATED)
     if PDL:
         gdc_launch_dependents()
     sums = tl.sum(acc0, axis=1)
