@@ -6,7 +6,8 @@ python snippet (while the servers are up, before the block's last command, `make
 Those run in a scratch folder, where out.json, out.png and run/ land: its Makefile includes the
 project's. So do the two commands that start the servers by hand. `python` on the PATH is this
 interpreter. GPUs are hidden, so the servers start as on a machine without one. The flag table's flags
-are each in the `--help` of the servers their row names."""
+are each in the `--help` of the servers their row names. The Results section's two commands run too: the
+table renderer in a copy of the documents, and `make results`, which without a GPU refuses in one line."""
 
 from __future__ import annotations
 
@@ -202,3 +203,45 @@ def test_each_flag_in_the_readme_table_is_in_its_servers_help() -> None:
                 assert any(re.search(rf"{flag}\b", text) for text in helps.values()), (flag, where)
             for server in servers or []:
                 assert re.search(rf"{flag}\b", helps[server]), f"{flag} ({where}) is not in {server}_server --help"
+
+
+def results_section() -> str:
+    return README.read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_table_renderer_runs_as_written(tmp_path: Path) -> None:
+    """`python -m bench.readme_tables`, as the Results section writes it, in a copy of the documents and their
+    results: a figure edited by hand in the copy's README is rendered back from its file, and nothing else
+    changes."""
+    command = "python -m bench.readme_tables"
+    assert f"(`{command}`)" in results_section(), "the README's renderer command changed: update this test"
+    shutil.copy(README, tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copytree(ROOT / "bench" / "results", tmp_path / "bench" / "results")
+    rendered = README.read_text()
+    row = re.search(r"^\| decode step, batch 1 \| [^|]+ \|", rendered, re.M)
+    assert row is not None
+    (tmp_path / "README.md").write_text(rendered.replace(row.group(0), "| decode step, batch 1 | 0.001 ms |", 1))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(shlex.split(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "rewrote: README.md"
+    assert (tmp_path / "README.md").read_text() == rendered
+    for doc in (ROOT / "docs").glob("*.md"):
+        assert (tmp_path / "docs" / doc.name).read_text() == doc.read_text(), doc.name
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_results_without_a_gpu_refuses_in_one_line(tmp_path: Path) -> None:
+    """`make results`, as the Results section writes it, where no GPU is visible: it installs, then says in one
+    line that the tables need CUDA GPUs, exits non-zero, and leaves every results file as it was."""
+    assert "`make results`" in results_section(), "the README's `make results` changed: update this test"
+    results = ROOT / "bench" / "results"
+    before = {path.name: path.stat().st_mtime_ns for path in results.iterdir()}
+    proc = subprocess.run(["make", "results"], cwd=ROOT, env=scratch_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: no measurement runs on 0 GPU(s); the README's tables need one or two CUDA GPUs"], \
+        proc.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in results.iterdir()} == before
