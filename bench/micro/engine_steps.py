@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--json", default=None,
                    help="default bench/results/engine-h200.json (engine-later-turns-h200.json with --later-turns)")
     p.add_argument("--profile", action="store_true",
-                   help="print the costliest kernels of a decode step and of the longest prefill")
+                   help="print the costliest kernels of a decode step at each --batches and of the longest prefill")
     p.add_argument("--later-turns", action="store_true",
                    help="time only later turns: a prefill of each --new-lens after each --prefix-lens cached "
                         "tokens (bench.micro.later_turns), alone and beside each --later-turn-batches decode batch")
@@ -258,7 +258,7 @@ def main() -> None:
         print(f"{n:>12} {ms:>9.1f} {floor:>9.1f} {floor / ms:>7.0%} {held_floor:>10.1f} {held_floor / ms:>7.0%}  "
               f"{describe(power.reading)}{energy(pj)}", flush=True)
     if args.profile:
-        doc["decode_profile"] = {str(b): profile_decode(runner, b, args.context) for b in (1, max(args.batches))}
+        doc["decode_profile"] = {str(b): profile_decode(runner, b, args.context) for b in args.batches}
         profile_prefill(runner, max(args.prefill_lens))
     json_path = args.json or "bench/results/engine-h200.json"
     write_json(json_path, doc)
