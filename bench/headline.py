@@ -1,11 +1,13 @@
 """`python -m bench.headline` (`make results`): re-measure every table the README shows on the GPUs
 present, record each in bench/results, and render the tables anew (bench.readme_tables).
 
-One H200: the engine (decode steps and prefills against their floors), the A/B scenario at
-B = 32k in every mode with both servers on the GPU, and the many-user load in every local mode;
-within one 10-minute call. Two GPUs add the split pair's scenario and load sweep. Each file keeps
-the runs it replaces under `previous`, and gets the card's held HBM copy and sustained bf16 matmul
-rates from this call's engine run, so figures from different cards can be told apart.
+One H200: the engine (decode steps and prefills against their floors) with bf16 weights and with FP8
+weights and KV, the A/B scenario at B = 32k in every mode with both servers on the GPU, and the
+many-user load in every local mode; within one 10-minute call (each run is stopped at its budget;
+they took 25-35 s, 62 s and 141 s when last timed). Two GPUs add the split pair's scenario and load
+sweep. Each file keeps the runs it replaces under `previous`, and gets the card's held HBM copy and
+sustained bf16 matmul rates from this call's engine run, so figures from different cards can be told
+apart.
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ class Measurement:
 
 MEASUREMENTS = (
     Measurement("engine-h200", 1, ["bench.micro.engine_steps", "--batches", "1", "8", "32", "64",
-                                   "--prefill-lens", "4096", "32768"], 150),
+                                   "--prefill-lens", "4096", "32768"], 100),
+    Measurement("engine-fp8-kv-fp8-h200", 1, ["bench.micro.engine_steps", "--preset", "qwen2.5-7b-fp8",
+                                              "--kv-cache-dtype", "fp8", "--batches", "1", "8", "32", "64",
+                                              "--prefill-lens", "4096", "32768"], 100),
     Measurement("scenario-h200", 1, ["bench.e2e.all_modes", "--kv-transport", "cuda-ipc", "--scenario-args",
-                                     f"--b-len 32768 --modes {SCENARIO_MODES}"], 180),
+                                     f"--b-len 32768 --modes {SCENARIO_MODES}"], 160),
     Measurement("load-h200", 1, ["bench.e2e.deployments", "--devices", "cuda:0", "--server-args", "--prefill-sms 72",
-                                 "--load-args", LOAD], 240),
+                                 "--load-args", LOAD], 220),
     Measurement("scenario-2xh200", 2, ["bench.e2e.all_modes", "--prefill-device", "cuda:0",
                                        "--decode-device", "cuda:1",
                                        "--kv-transport", "nccl", "cuda-ipc", "--scenario-args",

@@ -94,3 +94,13 @@ def test_headline_stops_a_run_past_its_budget(tmp_path: Path, monkeypatch: pytes
     started = time.monotonic()
     assert headline.measure(forever, None, tmp_path) is False
     assert time.monotonic() - started < headline.STOP_S and not forever.file.exists()
+
+
+def test_make_results_measures_every_readme_table() -> None:
+    """`make results` (bench.headline) re-measures each table the README shows, and its one-GPU runs' budgets
+    fit the one 10-minute call its docstring promises on one H200."""
+    from bench import headline
+
+    in_readme = {m["name"] for m in readme_tables.BLOCK.finditer(Path("README.md").read_text())}
+    assert in_readme <= {m.name for m in headline.MEASUREMENTS}
+    assert sum(m.budget_s for m in headline.MEASUREMENTS if m.gpus == 1) <= 600
