@@ -49,12 +49,11 @@ class Measurement:
         return RESULTS / f"{self.name}.json"
 
 
+ENGINE_STEPS = ["--batches", "1", "8", "32", "64", "--prefill-lens", "4096", "32768"]  # both engine tables
 MEASUREMENTS = (
-    Measurement("engine-h200", 1, ["bench.micro.engine_steps", "--batches", "1", "8", "32", "64",
-                                   "--prefill-lens", "4096", "32768"], 100),
+    Measurement("engine-h200", 1, ["bench.micro.engine_steps", *ENGINE_STEPS], 100),
     Measurement("engine-fp8-kv-fp8-h200", 1, ["bench.micro.engine_steps", "--preset", "qwen2.5-7b-fp8",
-                                              "--kv-cache-dtype", "fp8", "--batches", "1", "8", "32", "64",
-                                              "--prefill-lens", "4096", "32768"], 100),
+                                              "--kv-cache-dtype", "fp8", *ENGINE_STEPS], 100),
     Measurement("scenario-h200", 1, ["bench.e2e.all_modes", "--kv-transport", "cuda-ipc", "--scenario-args",
                                      f"--b-len 32768 --modes {SCENARIO_MODES}"], 160),
     Measurement("load-h200", 1, ["bench.e2e.deployments", "--devices", "cuda:0", "--server-args", "--prefill-sms 72",
