@@ -33,11 +33,16 @@ README = ROOT / "README.md"
 PORTS = (50051, 50052, 8000, 8001, 8002)  # the Makefile's defaults, which the commands address
 
 
+def section(title: str) -> str:
+    """The README's section under `## title`, up to the next."""
+    return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def running_it() -> tuple[list[str], str]:
     """The "Running it" section's shell commands (a trailing backslash continues a line) and its python snippet."""
-    section = README.read_text().split("\n## Running it\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    section_text = section("Running it")
+    blocks = re.findall(r"```sh\n(.*?)```", section_text, re.S)
+    snippets = re.findall(r"```python\n(.*?)```", section_text, re.S)
     assert len(blocks) == 1 and len(snippets) == 1, "the section's code blocks changed: update this test"
     return re.split(r"(?<!\\)\n", blocks[0].strip()), snippets[0]
 
@@ -205,16 +210,12 @@ def test_each_flag_in_the_readme_table_is_in_its_servers_help() -> None:
                 assert re.search(rf"{flag}\b", helps[server]), f"{flag} ({where}) is not in {server}_server --help"
 
 
-def results_section() -> str:
-    return README.read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-
-
 def test_the_table_renderer_runs_as_written(tmp_path: Path) -> None:
     """`python -m bench.readme_tables`, as the Results section writes it, in a copy of the documents and their
     results: a figure edited by hand in the copy's README is rendered back from its file, and nothing else
     changes."""
     command = "python -m bench.readme_tables"
-    assert f"(`{command}`)" in results_section(), "the README's renderer command changed: update this test"
+    assert f"(`{command}`)" in section("Results"), "the README's renderer command changed: update this test"
     shutil.copy(README, tmp_path / "README.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copytree(ROOT / "bench" / "results", tmp_path / "bench" / "results")
@@ -235,7 +236,7 @@ def test_the_table_renderer_runs_as_written(tmp_path: Path) -> None:
 def test_make_results_without_a_gpu_refuses_in_one_line(tmp_path: Path) -> None:
     """`make results`, as the Results section writes it, where no GPU is visible: it installs, then says in one
     line that the tables need CUDA GPUs, exits non-zero, and leaves every results file as it was."""
-    assert "`make results`" in results_section(), "the README's `make results` changed: update this test"
+    assert "`make results`" in section("Results"), "the README's `make results` changed: update this test"
     results = ROOT / "bench" / "results"
     before = {path.name: path.stat().st_mtime_ns for path in results.iterdir()}
     proc = subprocess.run(["make", "results"], cwd=ROOT, env=scratch_env(tmp_path), capture_output=True, text=True,
