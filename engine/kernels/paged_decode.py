@@ -65,7 +65,7 @@ CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(6
 # batch 8 23.9 -> 20.5; at 1k 8.3 -> 7.8 and 9.4 -> 9.3 (an H100,
 # bench/results/decode-attention-fp8-small-batches-h100.json). At batches 1-2 the 128-token tile stays: the
 # 64-token one won at 1k (6.6 -> 5.7 us) and lost at 4k (7.8 -> 8.6).
-MIDDLE_FROM_BATCH = 3
+MIDDLE_FROM_BATCH = 8
 MIDDLE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 2)}
 
 
