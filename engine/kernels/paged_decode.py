@@ -61,9 +61,19 @@ CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(6
                                                torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
 
 
+# An e4m3 pool's batches of 3-31 step 64 tokens on two warps: a layer at a 4k context and batch 4 16.2 -> 13.5 us,
+# batch 8 23.9 -> 20.5; at 1k 8.3 -> 7.8 and 9.4 -> 9.3 (an H100,
+# bench/results/decode-attention-fp8-small-batches-h100.json). At batches 1-2 the 128-token tile stays: the
+# 64-token one won at 1k (6.6 -> 5.7 us) and lost at 4k (7.8 -> 8.6).
+MIDDLE_FROM_BATCH = 8
+MIDDLE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 2)}
+
+
 def decode_tile(kv_dtype: torch.dtype, batch: int = 1) -> DecodeTile:
     if batch >= CAPPED_FROM_BATCH and kv_dtype in CAPPED_TILES:
         return CAPPED_TILES[kv_dtype]
+    if batch >= MIDDLE_FROM_BATCH and kv_dtype in MIDDLE_TILES:
+        return MIDDLE_TILES[kv_dtype]
     return DECODE_TILES.get(kv_dtype, DecodeTile())
 
 
