@@ -61,10 +61,10 @@ CAPPED_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(6
                                                torch.bfloat16: DecodeTile(64, 2, 4, max_registers=128)}
 
 
-# An e4m3 pool's batches of 3-31 step 64 tokens on two warps: a layer at a 4k context and batch 4 16.2 -> 13.5 us,
-# batch 8 23.9 -> 20.5; at 1k 8.3 -> 7.8 and 9.4 -> 9.3 (an H100,
-# bench/results/decode-attention-fp8-small-batches-h100.json). At batches 1-2 the 128-token tile stays: the
-# 64-token one won at 1k (6.6 -> 5.7 us) and lost at 4k (7.8 -> 8.6).
+# An e4m3 pool's batches of 8-31 step 64 tokens on two warps. A step of the FP8 preset on an H200, 4k context:
+# batch 8 3.43 -> 3.29 ms, batch 16 3.71 -> 3.56; 1k context, batch 8 2.98 -> 2.92. Batch 4 lost (1k 2.88 -> 2.97,
+# 4k 3.19 -> 3.23), where an H100's kernel sweep had it win (bench/results/engine-fp8-kv-fp8-middle-tile-*-ab-h200.json,
+# decode-attention-fp8-small-batches-h100.json). Below 8 the 128-token tile stays.
 MIDDLE_FROM_BATCH = 8
 MIDDLE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(64, 3, 2)}
 
