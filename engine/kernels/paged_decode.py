@@ -70,6 +70,8 @@ MIDDLE_TILES: dict[torch.dtype, DecodeTile] = {torch.float8_e4m3fn: DecodeTile(6
 
 
 def decode_tile(kv_dtype: torch.dtype, batch: int = 1) -> DecodeTile:
+    """The tile of a step of `batch` sequences over a `kv_dtype` pool: CAPPED_TILES' from CAPPED_FROM_BATCH,
+    MIDDLE_TILES' from MIDDLE_FROM_BATCH (an e4m3 pool), else DECODE_TILES' (DecodeTile() for a 16-bit pool)."""
     if batch >= CAPPED_FROM_BATCH and kv_dtype in CAPPED_TILES:
         return CAPPED_TILES[kv_dtype]
     if batch >= MIDDLE_FROM_BATCH and kv_dtype in MIDDLE_TILES:
