@@ -39,6 +39,42 @@ def test_bench_engine_times_later_turns_on_the_cpu(tmp_path: Path, monkeypatch: 
             assert row["context"] == 24 and row["gap_ms"] > 0 and row["step_ms"] > 0
 
 
+def test_later_turns_profile_the_host_on_the_pool_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--profile` with `--later-turns` records one more turn a row under cProfile; `--kv-cache-dtype` sets the
+    pool the turns run on (both were taken and ignored in that mode once)."""
+    from bench.micro.later_turns import COSTLIEST
+
+    out = tmp_path / "later.json"
+    monkeypatch.setattr(sys, "argv", ["bench/micro/engine_steps.py", "--later-turns", "--preset", "tiny",
+                                      "--device", "cpu", "--prefix-lens", "32", "--new-lens", "16",
+                                      "--later-turn-batches", "0", "--repeats", "1", "--profile",
+                                      "--kv-cache-dtype", "fp8", "--json", str(out)])
+    engine.main()
+    doc = json.loads(out.read_text())
+    assert doc["kv_cache_dtype"] == "float8_e4m3fn"
+    (row,) = doc["later_turns"]
+    host = row["host"]
+    assert 0 < host["queued_ms"] <= host["ms"]
+    assert host["triton_launches"] == 0  # the CPU runs the PyTorch ops
+    own = [f["self_ms"] for f in host["costliest"]]
+    assert 0 < len(own) <= COSTLIEST and own == sorted(own, reverse=True)
+    assert any(f["function"].startswith(("ops.py", "decoder.py")) for f in host["costliest"])  # the forward's own
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--later-turns", "--batches", "8", "--steps", "5"], "--batches, --steps"),
+    (["--prefix-lens", "32", "--device", "cpu"], "--prefix-lens, --device")])
+def test_engine_steps_refuses_the_other_modes_flags(argv: list[str], named: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flag of the decode-and-prefill run given with --later-turns, or a later-turn flag without it, is refused
+    in one line before anything is built, not ignored."""
+    monkeypatch.setattr(sys, "argv", ["bench/micro/engine_steps.py", "--preset", "tiny", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        engine.main()
+    message = str(exit_.value.code)
+    assert message.startswith(f"error: {named}:") and "\n" not in message
+
+
 def test_later_turns_on_a_share_of_the_sms_are_marked_and_not_fitted() -> None:
     from bench.micro.later_turns import measure
     from engine.green_context import Unconfined

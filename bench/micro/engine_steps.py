@@ -168,6 +168,25 @@ def energy(pj: float | None) -> str:
     return "" if pj is None else f", {pj:.3f} pJ/FLOP"
 
 
+# The flags of one mode, and their defaults: given in the other mode they are refused, not ignored
+STEP_DEFAULTS: dict[str, Any] = {"batches": [1, 8, 32, 64], "prefill_lens": [4096, 16384, 32768], "steps": 50}
+TURN_DEFAULTS: dict[str, Any] = {"prefix_lens": [1024, 4096, 16384], "new_lens": [64, 128, 256, 400],
+                                 "later_turn_batches": [0, 32], "later_turn_sms": 0, "repeats": 5, "device": "cuda:0"}
+
+
+def with_mode_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with its mode's defaults filled in; exits in one line where a flag of the other mode was given."""
+    mine, other = (TURN_DEFAULTS, STEP_DEFAULTS) if args.later_turns else (STEP_DEFAULTS, TURN_DEFAULTS)
+    given = ", ".join("--" + name.replace("_", "-") for name in other if getattr(args, name) is not None)
+    if given:
+        sys.exit(f"error: {given}: --later-turns times later turns only; leave these out" if args.later_turns
+                 else f"error: {given}: these set --later-turns' run; add --later-turns or leave them out")
+    for name, default in mine.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
 def rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -175,10 +194,10 @@ def rounded(x: float | None) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.micro.engine_steps", description=__doc__)
     p.add_argument("--preset", default="qwen2.5-7b")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--batches", type=int, nargs="+", help=f"default {STEP_DEFAULTS['batches']}")
+    p.add_argument("--prefill-lens", type=int, nargs="+", help=f"default {STEP_DEFAULTS['prefill_lens']}")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, help=f"default {STEP_DEFAULTS['steps']}")
     p.add_argument("--min-decode-bucket", type=int, default=1)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-overlap-steps", action="store_true",
@@ -190,20 +209,23 @@ def main() -> None:
     p.add_argument("--json", default=None,
                    help="default bench/results/engine-h200.json (engine-later-turns-h200.json with --later-turns)")
     p.add_argument("--profile", action="store_true",
-                   help="print the costliest kernels of a decode step at each --batches and of the longest prefill")
+                   help="print the costliest kernels of a decode step at each --batches and of the longest prefill; "
+                        "with --later-turns, one more turn a row under cProfile (the host's share, Triton launches)")
     p.add_argument("--later-turns", action="store_true",
                    help="time only later turns: a prefill of each --new-lens after each --prefix-lens cached "
                         "tokens (bench.micro.later_turns), alone and beside each --later-turn-batches decode batch")
-    p.add_argument("--prefix-lens", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--new-lens", type=int, nargs="+", default=[64, 128, 256, 400])
-    p.add_argument("--later-turn-batches", type=int, nargs="+", default=[0, 32],
-                   help="running sequences (of --context tokens) beside the turn; 0: the turn alone")
-    p.add_argument("--later-turn-sms", type=int, default=0,
+    p.add_argument("--prefix-lens", type=int, nargs="+", help=f"default {TURN_DEFAULTS['prefix_lens']}")
+    p.add_argument("--new-lens", type=int, nargs="+", help=f"default {TURN_DEFAULTS['new_lens']}")
+    p.add_argument("--later-turn-batches", type=int, nargs="+",
+                   help="running sequences (of --context tokens) beside the turn; 0: the turn alone "
+                        f"(default {TURN_DEFAULTS['later_turn_batches']})")
+    p.add_argument("--later-turn-sms", type=int,
                    help="run each later turn confined to this many SMs, as partitioned mode's prefill (alone only)")
-    p.add_argument("--repeats", type=int, default=5, help="timed later turns a row, after an untimed one")
-    p.add_argument("--device", default="cuda:0", help="cpu runs --later-turns only (float32; for tests)")
+    p.add_argument("--repeats", type=int, help=f"timed later turns a row, after an untimed one (default "
+                                               f"{TURN_DEFAULTS['repeats']})")
+    p.add_argument("--device", help="cpu runs --later-turns only (float32; for tests; default cuda:0)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: an e4m3 KV pool")
-    args = p.parse_args()
+    args = with_mode_defaults(p.parse_args())
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
                             pdl=not args.no_pdl)
     if args.later_turns:
@@ -277,7 +299,7 @@ def later_turns_main(args: argparse.Namespace, kernels: KernelOptions) -> None:
                          kv_gb=40.0 if cuda else 0.25, max_batch_size=max([1, *batches]),
                          max_model_len=max(max(args.prefix_lens) + max(args.new_lens) + 16, args.context + steps + 2),
                          cuda_graphs=cuda and not args.no_cuda_graphs, min_decode_bucket=args.min_decode_bucket,
-                         kernels=kernels)
+                         kernels=kernels, kv_dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
     runner.bind_thread()
     partitions: SmPartitions | None = None
     if args.later_turn_sms:
@@ -292,10 +314,10 @@ def later_turns_main(args: argparse.Namespace, kernels: KernelOptions) -> None:
            "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
            "block_size": runner.layout.block_size, "cuda_graphs": runner.graphs is not None,
            "overlap_steps": not args.no_overlap_steps, "skinny_gemv": kernels.skinny_gemv,
-           "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl,
+           "fused_gate_up": kernels.fused_gate_up, "pdl": kernels.pdl, "kv_cache_dtype": runner.layout.dtype,
            "later_turns": later_turns.measure(runner, args.prefix_lens, args.new_lens, args.later_turn_batches,
                                               args.context, args.repeats, overlap=not args.no_overlap_steps,
-                                              partitions=partitions, sms=args.later_turn_sms)}
+                                              partitions=partitions, sms=args.later_turn_sms, profile=args.profile)}
     json_path = args.json or "bench/results/engine-later-turns-h200.json"
     write_json(json_path, doc)
     print(f"wrote {json_path}")

@@ -16,14 +16,22 @@ are not overlapped), and the turn's prefill runs between two steps, as one itera
 waiting for the step queued before it; the running sequences' longest gap between token
 read-backs over the turn's iteration and the next is `gap_ms`, beside `step_ms`, the median gap of
 the plain iterations before it.
+
+With `profile`, one more turn a row runs under `cProfile`: the host's share of a turn (the time until
+`runner.prefill` has queued its kernels), its Triton launches and its costliest Python functions,
+since a turn after a prefix runs without CUDA graphs and its host work can outlast the GPU's. The
+profiler's own cost inflates Python's share, so those figures rank, they do not time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import pstats
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +46,7 @@ from engine.sampling import SamplingParams, sample
 PLAIN_STEPS = 3   # plain iterations before each turn beside a batch: `step_ms`
 AFTER_STEPS = 2   # iterations from the turn's on, whose gaps give `gap_ms`
 BATCH_SEEDS, TURN_SEEDS = 1 << 40, 1 << 41  # random tokens' seeds: a prefix's is its length
+COSTLIEST = 8  # functions a profiled turn records, by their own time
 
 
 def batch_steps(rows: int, repeats: int) -> int:
@@ -96,6 +105,7 @@ class LaterTurns:
         self.reader = TokenReader(runner.device, 1)
         self.prefixes: dict[int, list[int]] = {}
         self.turns = 0  # seeds each turn's new tokens: no turn finds another's in the cache
+        self.queued_ms = 0.0  # the last turn's host time until its prefill's kernels were queued
 
     def first_turn(self, prefix: int) -> None:
         """Prefill `prefix` tokens and publish them, as the decode server does with a finished prompt."""
@@ -112,9 +122,10 @@ class LaterTurns:
             self.cache.release(table)
         self.prefixes[prefix] = tokens
 
-    def turn_ms(self, prefix: int, new: int, batch: RunningBatch | None = None) -> tuple[float, float | None]:
+    def turn_ms(self, prefix: int, new: int, batch: RunningBatch | None = None,
+                profiler: cProfile.Profile | None = None) -> tuple[float, float | None]:
         """One later turn (ms, as the servers time its prefill) and, beside a batch, the batch's longest
-        token gap from the turn's iteration on (ms)."""
+        token gap from the turn's iteration on (ms). `profiler` runs while the prefill is queued."""
         self.turns += 1
         prompt = self.prefixes[prefix] + random_tokens(self.runner, new, seed=TURN_SEEDS + self.turns)
         table, cached = self.cache.acquire(prompt, self.runner.pool.blocks_needed(len(prompt) + 1))
@@ -124,7 +135,9 @@ class LaterTurns:
                                    "small for the prefixes and the running batch")
             with self.partitions.confine(self.sms) if self.sms else contextlib.nullcontext():
                 t0 = time.perf_counter()
-                logits = self.runner.prefill(prompt[cached:], table, cached)
+                with profiler if profiler is not None else contextlib.nullcontext():
+                    logits = self.runner.prefill(prompt[cached:], table, cached)
+                self.queued_ms = (time.perf_counter() - t0) * 1e3
                 self.reader.read(sample(logits[None], [SamplingParams()], [0]))  # waits for the prefill's kernels
                 ms = (time.perf_counter() - t0) * 1e3
         except BaseException:
@@ -136,12 +149,28 @@ class LaterTurns:
         return ms, max((g for g in gaps if g is not None), default=None)
 
 
+def host_profile(turns: LaterTurns, prefix: int, new: int) -> dict[str, Any]:
+    """One more turn under `cProfile`: its time, the host's time until its kernels were queued, its Triton
+    launches (`JITFunction.run` calls) and the COSTLIEST functions by their own time."""
+    profiler = cProfile.Profile()
+    ms, _ = turns.turn_ms(prefix, new, profiler=profiler)
+    entries = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    launches = sum(calls for (file, _, name), (_, calls, *_) in entries.items()
+                   if name == "run" and Path(file).as_posix().endswith("triton/runtime/jit.py"))
+    costliest = sorted(entries.items(), key=lambda e: e[1][2], reverse=True)[:COSTLIEST]
+    return {"ms": round(ms, 3), "queued_ms": round(turns.queued_ms, 3), "triton_launches": launches,
+            "costliest": [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+                           "self_ms": round(own * 1e3, 3)}
+                          for (file, line, name), (_, calls, own, *_) in costliest]}
+
+
 def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], batches: Sequence[int],
             context: int, repeats: int, overlap: bool = True, partitions: SmPartitions | None = None,
-            sms: int = 0) -> list[dict[str, Any]]:
+            sms: int = 0, profile: bool = False) -> list[dict[str, Any]]:
     """A row for every batch (0: the turn alone), prefix and new length: the median of `repeats` timed
     turns after an untimed one (`ms`, and the fastest, `min_ms`); beside a batch its gaps too. With
-    `sms` the turns run on that many SMs (alone only: partitioned mode decodes on another thread)."""
+    `sms` the turns run on that many SMs (alone only: partitioned mode decodes on another thread);
+    with `profile`, each row's `host_profile` under `host`."""
     if sms and any(batches):
         raise ValueError("turns confined to a share of the SMs are timed alone: --later-turn-batches 0")
     turns = LaterTurns(runner, partitions, sms)
@@ -157,6 +186,8 @@ def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], b
                     rows.append(_row(turns, prefix, new, batch, context, repeats, running))
                     if sms:
                         rows[-1]["sms"] = sms
+                    if profile:
+                        rows[-1]["host"] = host_profile(turns, prefix, new)
                     print_row(rows[-1])
         finally:
             if running is not None:
@@ -189,3 +220,7 @@ def print_row(row: dict[str, Any]) -> None:
                                           f" ms, step {row['step_ms'] or float('nan'):7.2f} ms")
     print(f"later turn: prefix {row['prefix']:>6} new {row['new']:>5}  {row['ms']:8.2f} ms "
           f"(min {row['min_ms']:.2f}){beside}", flush=True)
+    if host := row.get("host"):
+        top = ", ".join(f"{f['function']} {f['self_ms']:.1f} ms" for f in host["costliest"][:3])
+        print(f"  under cProfile: {host['ms']:.2f} ms, kernels queued at {host['queued_ms']:.2f} ms, "
+              f"{host['triton_launches']} Triton launches; most of the host's own time: {top}", flush=True)
