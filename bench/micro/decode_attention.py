@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 from functools import partial
 
 import torch
@@ -49,6 +50,10 @@ def main() -> None:
                    help="an e4m3 pool's K and V read as 32-bit words (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.kv_dtype == "bf16" and "yes" in (args.word_loads or []):
+        sys.exit("error: --word-loads yes: only an e4m3 pool's K and V are read as words; add --kv-dtype fp8")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench.micro.decode_attention times a GPU kernel; none is visible")
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     width = kv_dtype.itemsize
     dev = torch.device("cuda:0")
