@@ -4,8 +4,6 @@ and part of the KV layout both servers of a pair must share."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -102,13 +100,3 @@ def test_fp8_kv_on_a_gpu_without_e4m3_is_refused_at_start(monkeypatch: pytest.Mo
                                            r"8\.6, and FP8 \(e4m3\) runs on 8\.9 or newer \(Ada, Hopper\); drop it"):
         build.build_runner(cfg, "decode", 8, False, 0.0)
 
-
-def test_the_attention_bench_refuses_word_loads_on_a_bf16_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Word loads are an e4m3 pool's: asked of a bf16 pool, `bench.micro.decode_attention` says so in one line
-    instead of timing the byte loads under a row marked as words."""
-    from bench.micro import decode_attention
-
-    monkeypatch.setattr(sys, "argv", ["bench/micro/decode_attention.py", "--word-loads", "no", "yes"])
-    with pytest.raises(SystemExit) as exit_:
-        decode_attention.main()
-    assert str(exit_.value.code).startswith("error: --word-loads yes:")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -108,6 +109,25 @@ def _skinny_us(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.
     return _layers_us(call, weights, scales, biases, ref)
 
 
+FP8_ONLY = ("quantize_x", "f16_mma")  # flags that set tiles of e4m3 weights
+SWEEP_ONLY = (*FP8_ONLY, "wide_block_n", "wide_block_k", "wide_warps", "wide_stages", "wide_splits",
+              "wide_strip_n", "wide_max_registers", "narrow_splits", "narrow_block_n", "narrow_block_k",
+              "narrow_warps", "narrow_stages")
+
+
+def _refused(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """What in `args` would be taken and ignored (a sweep's tile without --sweep, an e4m3 tile without --fp8), in
+    one line; None if nothing. (--gated applies to gate_up wherever --shapes has it, and to no other shape.)"""
+    def changed(names: tuple[str, ...]) -> str:
+        return ", ".join("--" + n.replace("_", "-") for n in names if getattr(args, n) != p.get_default(n))
+
+    if not args.fp8 and (flags := changed(FP8_ONLY)):
+        return f"{flags}: tiles of e4m3 weights; add --fp8"
+    if not args.sweep and (flags := changed(SWEEP_ONLY)):
+        return f"{flags}: the sweep's tiles; add --sweep"
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.micro.gemv", description=__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -145,6 +165,8 @@ def main() -> None:
     p.add_argument("--narrow-stages", type=int, nargs="+", default=[3, 4],
                    help="pipeline stages: one program an SM streams (stages - 1) tiles ahead")
     args = p.parse_args()
+    if problem := _refused(p, args):
+        sys.exit(f"error: {problem}")
     dev = torch.device("cuda:0")
     hbm = measure_hbm_gbps(dev)
     print(f"HBM copy {hbm:.0f} GB/s (read + write)")
