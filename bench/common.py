@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import shlex
 import sys
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,12 @@ def tokenizer_args(preset: str) -> list[str]:
     folder = tempfile.mkdtemp(prefix="byte-tokenizer-")
     byte_tokenizer().hf.save_pretrained(folder)
     return ["--tokenizer", folder]
+
+
+def changed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]) -> str:
+    """Those of `names` (argparse dests) given a value other than their default, as flags ("--a, --b"); "" if
+    none: what a benchmark would take and ignore in the mode it runs, and so refuses."""
+    return ", ".join("--" + name.replace("_", "-") for name in names if getattr(args, name) != parser.get_default(name))
 
 
 def write_json(path: str | Path, doc: dict[str, Any]) -> None:

@@ -30,3 +30,22 @@ def test_the_matmul_bench_refuses_tiles_it_would_not_time(argv: list[str], named
     with pytest.raises(SystemExit) as exit_:
         gemv.main()
     assert str(exit_.value.code).startswith(f"error: {named}")
+
+
+@pytest.mark.parametrize(("module", "argv", "named"), [
+    ("attention", ["--fp8", "--new-lengths", "1000"], "--new-lengths: first calls"),
+    ("attention", ["--json", "out.json"], "--json: only --fp8's"),
+    ("quantize_rows", ["--silu-warps", "4"], "--silu-warps: silu_mul_quantize_rows'"),
+    ("kernel_sass", ["--kernel", "vector", "--tiles", "64:2:4"], "--tiles: attention's"),
+    ("kernel_sass", ["--kernel", "attention", "--shapes", "qkv"], "--shapes: gemv's"),
+])
+def test_the_kernel_benches_refuse_a_mode_they_do_not_run(module: str, argv: list[str], named: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flag that only another mode of the benchmark reads is refused in one line, before anything runs."""
+    import importlib
+
+    bench = importlib.import_module(f"bench.micro.{module}")
+    monkeypatch.setattr(sys, "argv", [f"bench/micro/{module}.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert str(exit_.value.code).startswith(f"error: {named}")

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.common import measure_bf16_tflops, metadata, time_cuda, write_json
+from bench.common import changed_flags, measure_bf16_tflops, metadata, time_cuda, write_json
 
 
 def main() -> None:
@@ -31,6 +32,10 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="cuDNN's FP8 attention against the bf16 route")
     p.add_argument("--json", default=None, help="with --fp8: write the figures here")
     args = p.parse_args()
+    if args.fp8 and (flags := changed_flags(p, args, ["new_lengths"])):
+        sys.exit(f"error: {flags}: first calls are timed on the bf16 route; leave it out with --fp8")
+    if not args.fp8 and args.json:
+        sys.exit("error: --json: only --fp8's figures are written; add --fp8, or leave --json out")
     dev = torch.device("cuda:0")
     peak = measure_bf16_tflops(dev)
     if args.fp8:

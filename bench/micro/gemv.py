@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.common import measure_hbm_gbps, metadata, replay_ms, write_json
+from bench.common import changed_flags, measure_hbm_gbps, metadata, replay_ms, write_json
 from engine.fp8 import FP8_MAX, quantize_per_channel
 from engine.kernels import gemv_vector
 from engine.kernels.gemv import (
@@ -118,12 +118,9 @@ SWEEP_ONLY = (*FP8_ONLY, "wide_block_n", "wide_block_k", "wide_warps", "wide_sta
 def _refused(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """What in `args` would be taken and ignored (a sweep's tile without --sweep, an e4m3 tile without --fp8), in
     one line; None if nothing. (--gated applies to gate_up wherever --shapes has it, and to no other shape.)"""
-    def changed(names: tuple[str, ...]) -> str:
-        return ", ".join("--" + n.replace("_", "-") for n in names if getattr(args, n) != p.get_default(n))
-
-    if not args.fp8 and (flags := changed(FP8_ONLY)):
+    if not args.fp8 and (flags := changed_flags(p, args, FP8_ONLY)):
         return f"{flags}: tiles of e4m3 weights; add --fp8"
-    if not args.sweep and (flags := changed(SWEEP_ONLY)):
+    if not args.sweep and (flags := changed_flags(p, args, SWEEP_ONLY)):
         return f"{flags}: the sweep's tiles; add --sweep"
     return None
 

@@ -33,6 +33,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,7 +43,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.common import metadata, write_json
+from bench.common import changed_flags, metadata, write_json
 from engine.kernels import gemv, gemv_vector, launch, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
@@ -305,6 +306,9 @@ def main() -> None:
                    help="gemv's block_n:block_k:warps:stages:split[:strip_n] for each shape (default: the engine's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    for kernel, names in (("attention", ["kv_dtype", "tiles"]), ("gemv", ["shapes", "gemv_tiles"])):
+        if kernel not in args.kernel and (flags := changed_flags(p, args, names)):
+            sys.exit(f"error: {flags}: {kernel}'s; add {kernel} to --kernel")
     rows = (attention_rows(args.kv_dtype, args.tiles) if "attention" in args.kernel else []) + \
         (vector_rows() if "vector" in args.kernel else []) + \
         (gemv_rows(args.shapes, args.gemv_tiles) if "gemv" in args.kernel else []) + \

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 import torch
 
-from bench.common import measure_hbm_gbps, replay_ms, time_cuda, write_gpu_rows
+from bench.common import changed_flags, measure_hbm_gbps, replay_ms, time_cuda, write_gpu_rows
 from engine.kernels import fp8_quant
 from engine.kernels.fp8_quant import quantize_rows
 
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--silu-programs-per-sm", type=int, nargs="+", default=[fp8_quant.SILU_PROGRAMS_PER_SM])
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if not args.silu and (flags := changed_flags(p, args, ["silu_blocks", "silu_warps", "silu_programs_per_sm"])):
+        sys.exit(f"error: {flags}: silu_mul_quantize_rows' choices; add --silu")
     dev = torch.device("cuda")
     hbm = measure_hbm_gbps(dev)
     if args.silu:
