@@ -99,4 +99,3 @@ def test_fp8_kv_on_a_gpu_without_e4m3_is_refused_at_start(monkeypatch: pytest.Mo
     with pytest.raises(StartupError, match=r"^--kv-cache-dtype fp8: cuda:0 \(NVIDIA A10\) is compute capability "
                                            r"8\.6, and FP8 \(e4m3\) runs on 8\.9 or newer \(Ada, Hopper\); drop it"):
         build.build_runner(cfg, "decode", 8, False, 0.0)
-

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
+from bench.common import changed_flags, measure_bf16_tflops, measure_hbm_gbps, metadata, replay_ms, write_json
 from bench.micro import later_turns
 from bench.micro.decode_loop import DecodeLoop, sync
 from bench.micro.gpu_power import PowerSampler, as_json, describe, pj_per_flop, sustained_bf16_tflops
@@ -174,11 +174,11 @@ TURN_DEFAULTS: dict[str, Any] = {"prefix_lens": [1024, 4096, 16384], "new_lens":
                                  "later_turn_batches": [0, 32], "later_turn_sms": 0, "repeats": 5, "device": "cuda:0"}
 
 
-def with_mode_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with its mode's defaults filled in; exits in one line where a flag of the other mode was given."""
+def with_mode_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with its mode's defaults filled in; exits in one line where a flag of the other mode was given
+    (the parser's default for each is None, so any value given is a change)."""
     mine, other = (TURN_DEFAULTS, STEP_DEFAULTS) if args.later_turns else (STEP_DEFAULTS, TURN_DEFAULTS)
-    given = ", ".join("--" + name.replace("_", "-") for name in other if getattr(args, name) is not None)
-    if given:
+    if given := changed_flags(parser, args, other):
         sys.exit(f"error: {given}: --later-turns times later turns only; leave these out" if args.later_turns
                  else f"error: {given}: these set --later-turns' run; add --later-turns or leave them out")
     for name, default in mine.items():
@@ -225,7 +225,7 @@ def main() -> None:
                                                f"{TURN_DEFAULTS['repeats']})")
     p.add_argument("--device", help="cpu runs --later-turns only (float32; for tests; default cuda:0)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: an e4m3 KV pool")
-    args = with_mode_defaults(p.parse_args())
+    args = with_mode_defaults(p, p.parse_args())
     kernels = KernelOptions(skinny_gemv=not args.no_skinny_gemv, fused_gate_up=not args.no_fused_gate_up,
                             pdl=not args.no_pdl)
     if args.later_turns:
