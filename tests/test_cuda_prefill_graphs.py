@@ -59,3 +59,30 @@ def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
     eager = runner.prefill(tokens[1024:], tables[0], 1024, graphed=False)
     graphed = runner.prefill(tokens[1024:], tables[1], 1024)
     assert torch.equal(graphed, eager)
+
+
+def test_chunk_attention_on_grouped_heads_matches_repeated_heads() -> None:
+    """A chunk after a cached prefix attends with flash on K and V's own heads (no copy a query head):
+    the float32 reference on repeated heads and an explicit lower-right mask gives the same rows."""
+    import torch.nn.functional as F
+
+    from engine.attention import PrefillMeta, _flash_takes_grouped_heads, prefill_attention
+    from engine.kv_cache import KVLayout, KVPool
+    from engine.ops import expand_kv
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    pool = KVPool(KVLayout("m", "bfloat16", 1, 4, 128, 16), 512, dev, reserved_blocks=1)
+    prefix, new = 3000, 300
+    table = pool.allocator.allocate(pool.blocks_needed(prefix + new))
+    kv = torch.randn(2, prefix + new, 4, 128, device=dev).to(torch.bfloat16)
+    pool.write(0, pool.slots(table, 0, prefix + new), kv)
+    q = torch.randn(new, 28, 128, device=dev).to(torch.bfloat16)
+    meta = PrefillMeta(pool.slots(table, prefix, prefix + new), pool.slots(table, 0, prefix))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, kv[0], kv[1]))
+    assert _flash_takes_grouped_heads(qh, kh, vh)
+    out = prefill_attention(q, kv[0, prefix:], kv[1, prefix:], pool, 0, meta)
+    seen = torch.arange(prefix + new, device=dev)[None, :] <= prefix + torch.arange(new, device=dev)[:, None]
+    ref = F.scaled_dot_product_attention(qh.float(), expand_kv(kh.float(), 7), expand_kv(vh.float(), 7),
+                                         attn_mask=seen).squeeze(0).transpose(0, 1)
+    assert rel_err(out.float(), ref) < 1e-2
