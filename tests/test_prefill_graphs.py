@@ -79,3 +79,25 @@ def test_a_prompt_longer_than_the_largest_bucket_does_not_fit(runner: ModelRunne
     assert graphs.fits(16) and not graphs.fits(17) and not graphs.fits(0)
     assert [graphs.bucket_for(t) for t in (1, 4, 5, 9, 16)] == [4, 4, 8, 16, 16]
 
+
+
+def test_warm_up_runs_short_prefills_graphed_and_eager(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the runner has prefill graphs, warm-up runs each prefill of up to their largest bucket both
+    ways: the partitioned thread's and a prompt's log probabilities run eagerly, and must find their
+    kernels compiled too."""
+    from engine.warmup import WarmUp
+
+    monkeypatch.setattr(runner, "prefill_graphs", PrefillGraphs(runner.model, runner.pool, BUCKETS, capture=False))
+    calls: list[tuple[int, int, bool]] = []
+    prefill = runner.prefill
+
+    def recorded(tokens: list[int], table: list[int], start: int, graphed: bool = True) -> torch.Tensor:
+        calls.append((len(tokens), start, graphed))
+        return prefill(tokens, table, start, graphed=graphed)
+
+    monkeypatch.setattr(runner, "prefill", recorded)
+    warm = WarmUp(runner)
+    warm.whole_prompts()
+    warm.chunks([16, 32])
+    short = {(n, start) for n, start, _ in calls if n <= BUCKETS[-1]}
+    assert short and all((n, start, g) in calls for n, start in short for g in (True, False))
