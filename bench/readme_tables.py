@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.ab_tables import prefill_graphs_h100
+
 RESULTS = Path("bench/results")
 DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -346,7 +348,7 @@ TABLES: dict[str, Callable[[], str]] = {
         "load-fp8-h200.json"),
     "engine-fp8-kv-fp8-h200": lambda: engine_h200("engine-fp8-kv-fp8-h200.json"),
     "scenario-fp8-kv-fp8-h200": lambda: scenario_h200("scenario-fp8-kv-fp8-h200.json"),
-    "attention-fp8-h200": attention_fp8_h200,
+    "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
 }
 
 

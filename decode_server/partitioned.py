@@ -113,8 +113,9 @@ class PartitionedPrefill:
         try:
             with self.partitions.confine(self.sms_for(seq)):
                 try:
+                    # not graphed: the engine thread's prefills replay the prefill graphs meanwhile
                     logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
-                                                 on_layer_done=stop_if_cancelled)
+                                                 on_layer_done=stop_if_cancelled, graphed=False)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                     queued = time.perf_counter()
                 finally:  # whatever was queued must finish before the scheduler may free the blocks

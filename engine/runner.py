@@ -20,6 +20,7 @@ from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 from engine.logprobs import device_tensor
+from engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ class ModelRunner:
         if device.type == "cuda":  # compiled now, not at a request's second token
             self._warm_fed_embedding()
         self.graphs = None
+        self.prefill_graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
+            self.prefill_graphs = PrefillGraphs(self.model, self.pool)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)
 
@@ -92,9 +95,15 @@ class ModelRunner:
                  self.max_model_len, time.perf_counter() - started)
 
     def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
-                on_layer_done: Callable[[int], None] | None = None, every_token: bool = False) -> torch.Tensor:
+                on_layer_done: Callable[[int], None] | None = None, every_token: bool = False,
+                graphed: bool = True) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]
-        (`every_token`: every token's, [T, V], for the prompt's own log probabilities)."""
+        (`every_token`: every token's, [T, V], for the prompt's own log probabilities). A short one
+        replays the prefill graphs (`engine.prefill_graphs`) unless `graphed` is False: a caller on
+        another thread than the engine's, whose prefills may overlap its own, must not share their buffers."""
+        graphs = self.prefill_graphs
+        if graphed and not every_token and graphs is not None and graphs.fits(len(token_ids)):
+            return graphs.prefill(token_ids, block_table, start, on_layer_done)[0]
         ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         logits = self.model(ids, positions, self.pool, meta, last_only=not every_token, on_layer_done=on_layer_done)
         return logits if every_token else logits[0]

@@ -8,8 +8,9 @@ token block: one token a program up to 64 tokens, 16 beyond); cuDNN builds a pla
 attention shape (built per thread, `prepare_prefill_plans`); the caching allocator reserves its
 largest blocks at the first prompt that needs them. So each path runs once at the lengths that
 reach every one of those: whole prompts (colocated, and the prefill server's), chunks of every
-allowed size with and without a cached prefix, layer slices, and sampling. Each stage is timed and
-logged. Runs on the engine thread, into blocks it takes from the empty pool and gives back."""
+allowed size with and without a cached prefix, layer slices, and sampling; those of up to 512 tokens
+both as prefill graphs replay them and eagerly (the partitioned thread's prefills, and a prompt's own
+log probabilities, run eagerly). Each stage is timed and logged. Runs on the engine thread, into blocks it takes from the empty pool and gives back."""
 
 from __future__ import annotations
 
@@ -58,10 +59,16 @@ class WarmUp:
         finally:
             allocator.free(table)
 
+    @property
+    def passes(self) -> tuple[bool, ...]:
+        """Graphed and eager where the runner has prefill graphs (`ModelRunner.prefill`'s `graphed`)."""
+        return (True, False) if self.runner.prefill_graphs is not None else (True,)
+
     def whole_prompts(self) -> None:
         """Colocated prefill (and the prefill server's): every specialization, then the longest prompt."""
         for n in sorted({*(n for n in WHOLE_PROMPT_LENGTHS if n <= self.longest), self.longest}):
-            self._with_blocks(n, partial(self._chunked, self._prompt(n), size=n))
+            for graphed in self.passes:
+                self._with_blocks(n, partial(self._chunked, self._prompt(n), size=n, graphed=graphed))
 
     def chunks(self, sizes: Iterable[int]) -> None:
         """Chunked prefill at each size: a first chunk, one after a cached prefix, and a short last
@@ -71,11 +78,12 @@ class WarmUp:
         if fitting:
             runs.append((max(fitting), self.longest))
         for size, n in runs:
-            self._with_blocks(n, partial(self._chunked, self._prompt(n), size=size))
+            for graphed in self.passes:
+                self._with_blocks(n, partial(self._chunked, self._prompt(n), size=size, graphed=graphed))
 
-    def _chunked(self, prompt: np.ndarray, table: list[int], *, size: int) -> None:
+    def _chunked(self, prompt: np.ndarray, table: list[int], *, size: int, graphed: bool = True) -> None:
         for start in range(0, len(prompt), size):
-            self.runner.prefill(prompt[start:start + size], table, start)
+            self.runner.prefill(prompt[start:start + size], table, start, graphed=graphed)
 
     def layer_slices(self, slice_tokens: int) -> None:
         n = min(SLICED_PROMPT_TOKENS, self.longest)

@@ -97,36 +97,52 @@ class DecoderLayer(nn.Module):
         """Returns (residual stream, this layer's MLP output still to be added to it). With
         `last_row_only` (a prefill's last layer) every row's KV is stored but only the last row
         goes on through attention and the MLP: no later layer reads the other rows."""
-        kernels = self.kernels
-        h, x = self.input_norm.feeding(self.qkv, x, delta, kernels)
-        qkv = ops.linear(h, self.qkv, kernels)
-        if self.q_norm is not None:
-            qkv = self._norm_heads(qkv)
+        qkv, x = self.project_qkv(x, delta)
         attn: ops.Activations
         if isinstance(meta, DecodeMeta):
             # where o_proj takes its x in e4m3 (planned on a view of its input's shape), the merge writes it
             o_proj_x = qkv[:, :self.num_heads * self.head_dim]
             attn = decode_attention(qkv, positions, rope.cos, rope.sin, pool, layer, meta, self.num_heads,
                                     self.num_kv_heads, self.head_dim,
-                                    e4m3_rows=ops.plan(o_proj_x, self.o_proj, kernels).takes_e4m3,
+                                    e4m3_rows=ops.plan(o_proj_x, self.o_proj, self.kernels).takes_e4m3,
                                     e4m3_bound=ops.input_bound(self.o_proj))
         else:
-            heads, x = self._prefill_attention(qkv, x, positions, rope, pool, layer, meta, last_row_only)
+            q, k, v = self.rope_and_store(qkv, positions, rope, pool, layer, meta.new_slots,
+                                          meta.rows if meta.whole_prompt else None)
+            heads, x = self.prefill_attention(q, k, v, x, pool, layer, meta, last_row_only)
             attn = heads.reshape(x.shape[0], -1)
-        h, x = self.post_norm.feeding(self.gate_up, x, ops.linear(attn, self.o_proj, kernels), kernels, gated=True)
-        return x, ops.mlp(h, self.gate_up, self.down, kernels)
+        return self.after_attention(x, attn)
 
-    def _prefill_attention(self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
-                           pool: KVPool, layer: int, meta: PrefillMeta,
-                           last_row_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rope and the KV write, then attention: (its output, the residual rows that go on)."""
-        rows = meta.rows if meta.whole_prompt else None
-        q, k, v = ops.rope_and_store(qkv, positions, rope.cos, rope.sin, pool.layers[layer],
-                                     meta.new_slots, self.num_heads, self.num_kv_heads, self.head_dim, rows)
+    def project_qkv(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm (the residual `delta` added first) and the fused q/k/v projection: (qkv, residual)."""
+        h, x = self.input_norm.feeding(self.qkv, x, delta, self.kernels)
+        qkv = ops.linear(h, self.qkv, self.kernels)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        return qkv, x
+
+    def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, pool: KVPool,
+                       layer: int, slots: torch.Tensor,
+                       rows: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prefill's rope and KV write: q [T, H, D], k and v [T, Hkv, D] (padded to `rows`, `ops.rope_and_store`)."""
+        return ops.rope_and_store(qkv, positions, rope.cos, rope.sin, pool.layers[layer], slots, self.num_heads,
+                                  self.num_kv_heads, self.head_dim, rows)
+
+    @staticmethod
+    def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor, pool: KVPool,
+                          layer: int, meta: PrefillMeta, last_row_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill's attention over its KV, already in the pool: (its output [T, H, D], the residual
+        rows that go on). With `last_row_only`, the last row's alone."""
         if last_row_only:
             t = meta.new_slots.numel()
             return last_row_attention(q[t - 1:t], k[:t], v[:t], pool, layer, meta), x[t - 1:t]
         return prefill_attention(q, k, v, pool, layer, meta), x
+
+    def after_attention(self, x: torch.Tensor, attn: ops.Activations) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the norm (its output added to the residual first) and the MLP: (residual, the MLP's output)."""
+        h, x = self.post_norm.feeding(self.gate_up, x, ops.linear(attn, self.o_proj, self.kernels), self.kernels,
+                                      gated=True)
+        return x, ops.mlp(h, self.gate_up, self.down, self.kernels)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """q_norm and k_norm over each head of the fused projection, in place."""
@@ -166,7 +182,7 @@ class DecoderModel(nn.Module):
         of its last row alone [1, V]."""
         x, delta = self._layers(self.embed(input_ids), None, positions, pool, meta, range(len(self.layers)),
                                 last_only, on_layer_done)
-        return self._logits(x, delta)
+        return self.logits(x, delta)
 
     @torch.inference_mode()
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
@@ -194,7 +210,7 @@ class DecoderModel(nn.Module):
                                     True, None)
             if start + layers_per_slice < n:
                 yield None
-        yield self._logits(x, delta)
+        yield self.logits(x, delta)
 
     def _layers(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, pool: KVPool,
                 meta: PrefillMeta | DecodeMeta, which: range, last_only: bool,
@@ -206,6 +222,7 @@ class DecoderModel(nn.Module):
                 on_layer_done(i)
         return x, delta
 
-    def _logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The final norm (the residual `delta` added first) and the lm_head: float32 logits."""
         h, _ = self.norm(x, delta)
         return ops.linear(h, self.lm_head, self.kernels, out_dtype=torch.float32)

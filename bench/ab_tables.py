@@ -1,0 +1,99 @@
+"""Tables of `python -m bench.ab` comparisons (one tree against another, on one card in one call),
+rendered into the documents by `python -m bench.readme_tables`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Doc = dict[str, Any]
+RESULTS = Path("bench/results")  # as bench.readme_tables reads them, from the repository's root
+
+
+def load(name: str) -> Doc:
+    return json.loads((RESULTS / name).read_text())
+
+
+def by_tree(doc: Doc) -> list[list[Doc]]:
+    """Each tree's outputs, one a round, in the order the trees were given."""
+    return [[r["output"] for r in doc["runs"] if r["commit"] == tree["commit"]] for tree in doc["trees"]]
+
+
+def median_of_rounds(outputs: list[Doc], figure: Callable[[Doc], float | None]) -> float | None:
+    values = [v for v in map(figure, outputs) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
+
+
+def about(doc: Doc, file: str) -> str:
+    trees = " against ".join(t["commit"] for t in doc["trees"])
+    return (f"[`{file}`](bench/results/{file}): {doc['hardware']}, {doc['date'][:10]}, {trees}, "
+            f"{doc['rounds']} round{'s' * (doc['rounds'] > 1)}, `{doc['command']}`")
+
+
+def later_turn(prefix: int, new: int) -> Callable[[Doc], float | None]:
+    def figure(output: Doc) -> float | None:
+        return next((r["ms"] for r in output["later_turns"]
+                     if (r["prefix"], r["new"], r["batch"]) == (prefix, new, 0)), None)
+    return figure
+
+
+def scenario_row(mode: str, chunk: int | None, key: str) -> Callable[[Doc], float | None]:
+    def figure(output: Doc) -> float | None:
+        return next((r[key] for r in output["rows"] if (r["mode"], r["chunk_size"]) == (mode, chunk)), None)
+    return figure
+
+
+def by_commit(files: tuple[str, ...], figure: Callable[[Doc], float | None]) -> dict[str, float]:
+    """The median of each commit's rounds, over the files in turn (the first file with a commit gives its figure)."""
+    found: dict[str, float] = {}
+    for file in files:
+        doc = load(file)
+        for tree, outputs in zip(doc["trees"], by_tree(doc), strict=True):
+            value = median_of_rounds(outputs, figure)
+            if value is not None:
+                found.setdefault(tree["commit"], value)
+    return found
+
+
+Row = tuple[str, tuple[str, ...], Callable[[Doc], float | None]]  # label, the files it is read from, the figure
+
+
+def ab_table(rows: list[Row], labels: dict[str, str]) -> str:
+    """One row a figure, one column a commit (in the order the files name them); every file's provenance above."""
+    files = list(dict.fromkeys(f for _, fs, _ in rows for f in fs))
+    commits = list(dict.fromkeys(t["commit"] for f in files for t in load(f)["trees"]))
+    lines = ["| | " + " | ".join(f"{c} ({labels.get(c, '')})" for c in commits) + " |", "|---|" + "---|" * len(commits)]
+    for label, fs, figure in rows:
+        found = by_commit(fs, figure)
+        lines.append(f"| {label} | " + " | ".join(ms(found.get(c)) for c in commits) + " |")
+    sources = "; ".join(about(load(f), f) for f in files)
+    return f"*{sources}.*\n\n" + "\n".join(lines)
+
+
+def prefill_graphs_h100() -> str:
+    """Eager prefills, the prefill graphs, then chunks attending on KV's own heads, each step's A/B on one
+    H100 (the median of its rounds)."""
+    turns: tuple[str, ...] = ("later-turns-prefill-graphs-ab-h100.json", "later-turns-grouped-heads-ab-h100.json")
+    short: tuple[str, ...] = ("prefill-short-prefill-graphs-ab-h100.json",)
+    scenario: tuple[str, ...] = ("scenario-chunked-prefill-graphs-ab-h100.json",)
+    rows: list[Row] = [(f"{new} tokens after {prefix:,} cached", turns, later_turn(prefix, new))
+            for prefix in (1024, 16384) for new in (64, 512)]
+    rows += [(f"a whole {n:,}-token prompt", short, whole_prompt(n)) for n in (64, 512, 4096)]
+    rows += [(f"32k scenario, 512-token chunks: {label}", scenario, scenario_row("chunked", 512, key))
+             for key, label in (("a_median_gap_ms", "A's median gap"), ("a_worst_gap_ms", "A's worst gap"),
+                                ("b_ttft_ms", "B's TTFT"))]
+    return ab_table(rows, {"85c54d1": "eager", "0d66e0f": "graphed", "24d8c1a": "graphed, chunks on KV's own heads"})
+
+
+def whole_prompt(tokens: int) -> Callable[[Doc], float | None]:
+    def figure(output: Doc) -> float | None:
+        value = output["prefill_ms"].get(str(tokens))
+        return None if value is None else float(value)
+    return figure

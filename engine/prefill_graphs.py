@@ -1,0 +1,151 @@
+"""Short prefills replayed as CUDA graphs, one graph for each stretch between two attentions.
+
+A prefill of a few hundred tokens is bound by the host when it runs eagerly: each of a 7B's 28 layers
+queues about twenty kernels (norms, projections, rope and the KV write, the MLP), and Python and their
+launches take about 1 ms a layer where the GPU needs 0.4 at 512 tokens (`bench/NOTES.md`). Here a
+prefill of up to `BUCKETS[-1]` tokens replays one graph a layer: piece 0 is the embedding and layer
+0 up to its KV write; piece i is layer i-1's o_proj, norm and MLP, then layer i up to its KV write.
+Attention stays eager between the pieces, since its key length (the cached prefix) changes from one
+prefill to the next; so does the last layer after its KV write, which carries only the last row on,
+as the eager forward does.
+
+A prefill's rows are padded to a bucket: padding rows take token 0 at position 0, write their KV into
+the pool's reserved block 0, which nobody reads, and no real row attends to them (they come after
+every real row, and attention is causal). One prefill runs at a time: the graphs share their input,
+q/k/v and attention buffers, so only the thread that owns them (the engine's) may replay them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.attention import PrefillMeta
+from engine.kv_cache import KVPool, slot_ids
+from engine.model import DecoderModel
+from engine.model.decoder import DecoderLayer
+
+log = logging.getLogger(__name__)
+
+# Row buckets. Above 512 rows a 7B's prefill is bound by the GPU even when eager (a 512-token chunk
+# after a short prefix: about 13 ms of GPU work against 30 of host work, `bench/NOTES.md`).
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
+
+
+class PrefillGraphs:
+    """Prefills of up to `buckets[-1]` tokens of `model` over `pool` as graphed pieces and eager
+    attention. `capture=False` runs the same pieces eagerly (the CPU, and tests of the padding)."""
+
+    def __init__(self, model: DecoderModel, pool: KVPool, buckets: Sequence[int] = BUCKETS,
+                 capture: bool = True) -> None:
+        self.model, self.pool, self.buckets = model, pool, tuple(buckets)
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        cfg, n, device = model.config, self.buckets[-1], pool.device
+        dtype = model.embed.weight.dtype
+        with torch.inference_mode():
+            # ids, positions and new slots, one upload from pinned memory a prefill
+            self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
+            self.inputs_host = torch.zeros(3 * n, dtype=torch.long, pin_memory=device.type == "cuda")
+            self.ids, self.positions, self.slots = self.inputs.view(3, n).unbind(0)
+            self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+            self.attn = torch.zeros(n, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the pinned buffer is free
+        self.x: dict[int, torch.Tensor] = {}  # each bucket's residual stream, as its last piece leaves it
+        self.pieces: dict[int, list[Callable[[], None]]] = {}
+        started = time.perf_counter()
+        graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            self.pieces[b] = [self._capture(b, i, graph_pool) if graph_pool is not None
+                              else functools.partial(self._piece, b, i) for i in range(len(self.layers))]
+        if capture:
+            log.info("captured %d prefill CUDA graphs (%d a prompt, buckets %s) in %.1fs",
+                     len(self.buckets) * len(model.layers), len(model.layers), list(self.buckets),
+                     time.perf_counter() - started)
+
+    def fits(self, tokens: int) -> bool:
+        return 0 < tokens <= self.buckets[-1]
+
+    def _piece(self, b: int, i: int) -> None:
+        """Layer i-1 after its attention (none for i = 0: the embedding), then layer i up to its KV write,
+        over `b` rows; q, k and v go to the shared buffers."""
+        layers = self.layers
+        with torch.inference_mode():
+            if i == 0:
+                x, delta = self.model.embed(self.ids[:b]), None
+            else:
+                x, delta = layers[i - 1].after_attention(self.x[b], self.attn[:b])
+            qkv, self.x[b] = layers[i].project_qkv(x, delta)
+            q, k, v = layers[i].rope_and_store(qkv, self.positions[:b], self.model.rope, self.pool, i,
+                                               self.slots[:b], None)
+            self.q[:b].copy_(q)
+            self.k[:b].copy_(k)
+            self.v[:b].copy_(v)
+
+    def _capture(self, b: int, i: int, graph_pool: tuple[int, int]) -> Callable[[], None]:
+        residual = self.x.get(b)
+        stream = torch.cuda.Stream(self.pool.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels and settle cuBLAS before capture
+                self._piece(b, i)
+                if residual is not None:  # the graph reads the residual the earlier pieces' graphs write
+                    self.x[b] = residual
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool):  # type: ignore[arg-type]
+            self._piece(b, i)
+        return graph.replay
+
+    def bucket_for(self, tokens: int) -> int:
+        return next(b for b in self.buckets if b >= tokens)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """`engine.runner.ModelRunner.prefill` of `token_ids` (at most `buckets[-1]`) as positions
+        start.. of the sequence: the last token's float32 logits [1, V]."""
+        t = len(token_ids)
+        b = self.bucket_for(t)
+        meta = self._upload(token_ids, block_table, start, b)
+        rows = meta.rows if meta.whole_prompt else t  # a whole prompt's attention takes its padded rows
+        assert rows <= b, f"{t} tokens attend over {rows} rows, more than the bucket's {b}"
+        layers = self.layers
+        last = len(layers) - 1
+        for i, piece in enumerate(self.pieces[b]):
+            piece()
+            q, k, v = self.q[:rows], self.k[:rows], self.v[:rows]
+            if i == last:
+                break
+            heads, _ = layers[i].prefill_attention(q, k, v, self.x[b], self.pool, i, meta, False)
+            self.attn[:t].view_as(heads).copy_(heads)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        heads, x = layers[last].prefill_attention(q, k, v, self.x[b], self.pool, last, meta, True)
+        x, delta = layers[last].after_attention(x, heads.reshape(1, -1))
+        if on_layer_done is not None:
+            on_layer_done(last)
+        return self.model.logits(x, delta)
+
+    def _upload(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
+                b: int) -> PrefillMeta:
+        """The prefill's ids, positions and slots into the shared input buffer, padding rows after them."""
+        t, n = len(token_ids), self.buckets[-1]
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # at once in practice: the last prefill's upload is long done
+        host = self.inputs_host.numpy().reshape(3, n)
+        host[:, t:b] = 0  # token 0 at position 0 in slot 0: the reserved block
+        host[0, :t] = np.asarray(token_ids)
+        host[1, :t] = np.arange(start, start + t)
+        host[2, :t] = slot_ids(block_table, start, start + t, self.pool.layout.block_size).numpy()
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+        prior = self.pool.slots(block_table, 0, start) if start else None
+        return PrefillMeta(new_slots=self.slots[:t], prior_slots=prior)

@@ -1,0 +1,88 @@
+"""Prefills replayed as CUDA graph pieces (`engine.prefill_graphs`) against the same runner's eager
+prefill: whole prompts and chunks after a cached prefix, padded to a bucket or filling one, bf16 and
+FP8 weights. Skipped where there is no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import rel_err
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (prefix, new tokens): whole prompts padded (5, 100) or filling their bucket (512), chunks after a prefix
+CASES = [(0, 5), (0, 100), (0, 512), (1000, 64), (1000, 300), (3000, 512)]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-7b", "qwen2.5-7b-fp8"])
+def test_graphed_prefill_matches_eager(preset: str) -> None:
+    from engine.offline import make_runner
+
+    runner = make_runner(preset=preset, device="cuda:0", dtype=torch.bfloat16, max_model_len=4096, kv_gb=2.0,
+                         cuda_graphs=True)
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.fits(512)
+    pool, last = runner.pool, runner.config.num_layers - 1
+    gen = torch.Generator().manual_seed(7)
+    for prefix, new in CASES:
+        tokens = torch.randint(0, 256, (prefix + new,), generator=gen).tolist()
+        tables = [pool.allocator.allocate(pool.blocks_needed(prefix + new)) for _ in range(2)]
+        done: list[int] = []
+        if prefix:
+            for table in tables:
+                runner.prefill(tokens[:prefix], table, 0, graphed=False)
+        eager = runner.prefill(tokens[prefix:], tables[0], prefix, graphed=False)
+        graphed = runner.prefill(tokens[prefix:], tables[1], prefix, on_layer_done=done.append)
+        kv = [pool.read(last, pool.slots(table, prefix, prefix + new)).float() for table in tables]
+        for table in tables:
+            pool.allocator.free(table)
+        assert done == list(range(last + 1))
+        # the padded rows change the matmuls' row count and so, at most, their rounding
+        assert rel_err(graphed, eager) < 2e-2, (prefix, new)
+        assert rel_err(kv[1], kv[0]) < 2e-2, (prefix, new)
+        assert int(graphed.argmax()) == int(eager.argmax()), (prefix, new)
+
+
+def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
+    """At a bucket's own row count the graph runs the eager prefill's kernels on the same shapes."""
+    from engine.offline import make_runner
+
+    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_model_len=2048,
+                         kv_gb=1.0, cuda_graphs=True)
+    tokens = torch.randint(0, 256, (1024 + 256,), generator=torch.Generator().manual_seed(3)).tolist()
+    pool = runner.pool
+    tables = [pool.allocator.allocate(pool.blocks_needed(len(tokens))) for _ in range(2)]
+    for table in tables:
+        runner.prefill(tokens[:1024], table, 0, graphed=False)
+    eager = runner.prefill(tokens[1024:], tables[0], 1024, graphed=False)
+    graphed = runner.prefill(tokens[1024:], tables[1], 1024)
+    assert torch.equal(graphed, eager)
+
+
+def test_chunk_attention_on_grouped_heads_matches_repeated_heads() -> None:
+    """A chunk after a cached prefix attends with flash on K and V's own heads (no copy a query head):
+    the float32 reference on repeated heads and an explicit lower-right mask gives the same rows."""
+    import torch.nn.functional as F
+
+    from engine.attention import PrefillMeta, _flash_takes_grouped_heads, prefill_attention
+    from engine.kv_cache import KVLayout, KVPool
+    from engine.ops import expand_kv
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    pool = KVPool(KVLayout("m", "bfloat16", 1, 4, 128, 16), 512, dev, reserved_blocks=1)
+    prefix, new = 3000, 300
+    table = pool.allocator.allocate(pool.blocks_needed(prefix + new))
+    kv = torch.randn(2, prefix + new, 4, 128, device=dev).to(torch.bfloat16)
+    pool.write(0, pool.slots(table, 0, prefix + new), kv)
+    q = torch.randn(new, 28, 128, device=dev).to(torch.bfloat16)
+    meta = PrefillMeta(pool.slots(table, prefix, prefix + new), pool.slots(table, 0, prefix))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, kv[0], kv[1]))
+    assert _flash_takes_grouped_heads(qh, kh, vh)
+    out = prefill_attention(q, kv[0, prefix:], kv[1, prefix:], pool, 0, meta)
+    seen = torch.arange(prefix + new, device=dev)[None, :] <= prefix + torch.arange(new, device=dev)[:, None]
+    ref = F.scaled_dot_product_attention(qh.float(), expand_kv(kh.float(), 7), expand_kv(vh.float(), 7),
+                                         attn_mask=seen).squeeze(0).transpose(0, 1)
+    assert rel_err(out.float(), ref) < 1e-2
