@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ab_tables import prefill_graphs_h100
+from bench.planner_tables import plan_network, planner_costs
 
 RESULTS = Path("bench/results")
 DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
@@ -277,31 +278,6 @@ def kv_nixl_h200() -> str:
     return provenance(doc, file, f", run with `{first['env']}`") + "\n\n" + table(header, cells)
 
 
-# --- the plan across nodes (python -m planner --plan-network) -----------------------------------------
-def plan_network() -> str:
-    file = "simulate-plan-network.json"
-    doc = load(file)
-    net = doc["network"]
-    speeds = doc["nic_sweep_gbps"]
-    header = ["GPUs", "mix", "best per-node split (req/s)", *[f"split nodes, {g:g} Gb/s" for g in speeds],
-              "split nodes win from"]
-    rows = []
-    for c in doc["comparisons"]:
-        best = c["per_node_best"]
-        nodes = max(1, c["gpus"] // net["gpus_per_node"])
-        split = f"{best['prefill'] // nodes}P+{(c['gpus'] - best['prefill']) // nodes}D"
-        per_node = f"{split} a node: {best['goodput_rps']:.1f}"
-        cells = [f"{v:.1f} ({v / best['goodput_rps'] - 1:+.0%})" for v in c["split_nodes_best"].values()]
-        flip = f"{c['flip_nic_gbps']:g} Gb/s" if c["flip_nic_gbps"] is not None else "never in the sweep"
-        rows.append([str(c["gpus"]), c["mix"], per_node, *cells, flip])
-    about = (f"*simulated on the CPU, costs fitted to H200 runs, {doc['date'][:10]}, commit {doc['commit']}, "
-             f"`{doc['command']}`, [`{file}`](bench/results/{file}); {net['gpus_per_node']} GPUs a node, "
-             f"NIC latency {net['nic_latency_us']:g} µs; split-nodes cells: the same split's goodput (req/s) with "
-             "the pools on nodes of their own, and against the per-node best.*")
-    return about + "\n\n" + table(header, rows)
-
-
-# --- hostile HTTP bodies (python -m bench.e2e.hostile_bodies) ---------------------------------------
 def hostile_bodies(file: str = "hostile-bodies-cpu.json") -> str:
     """Per case: how it was answered, and the stall it caused at each GIL switch interval measured,
     beside the newest earlier run (under `previous`) that sent it, at the default switch."""
@@ -349,6 +325,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "engine-fp8-kv-fp8-h200": lambda: engine_h200("engine-fp8-kv-fp8-h200.json"),
     "scenario-fp8-kv-fp8-h200": lambda: scenario_h200("scenario-fp8-kv-fp8-h200.json"),
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
+    "planner-costs": planner_costs,
 }
 
 

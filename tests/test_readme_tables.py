@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,26 @@ def test_every_table_is_in_a_document() -> None:
     assert {"scenario-2xh200", "scenario-h200", "load-h200", "load-2xh200", "engine-h200"} <= in_readme
 
 
-def test_the_network_plan_is_in_the_scaling_doc() -> None:
+def test_the_simulators_costs_and_network_plan_are_in_the_scaling_doc() -> None:
     names = {m["name"] for m in readme_tables.BLOCK.finditer(Path("docs/scaling.md").read_text())}
-    assert names == {"simulate-plan-network"}
+    assert names == {"planner-costs", "simulate-plan-network"}
+
+
+def test_the_simulators_costs_follow_their_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later-turn run in bench/results changes the later-turn cost the scaling doc renders."""
+    from bench import planner_tables
+
+    results = tmp_path / "results"
+    shutil.copytree("bench/results", results)
+    doc = json.loads((results / "engine-later-turns-h200.json").read_text())
+    for row in doc["later_turns"]:
+        row["ms"] = 5.0 + 0.01 * row["new"] + 0.0001 * row["prefix"]
+    (results / "engine-later-turns-h200.json").write_text(json.dumps(doc))
+    before = planner_tables.planner_costs()
+    monkeypatch.setattr(planner_tables, "RESULTS", results)
+    after = planner_tables.planner_costs()
+    row = next(line for line in after.splitlines() if line.startswith("| later turn:"))
+    assert row not in before and "5 + 0.01·c + 0.0001·P ms" in row
 
 
 def test_a_changed_figure_changes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,117 @@
+"""docs/scaling.md's tables of the simulator (`python -m planner`), rendered by `python -m bench.readme_tables`:
+the costs it fits to bench/results, and the plan across nodes it recorded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from planner.costs import PARTITION_ALONE_STEP_MS, PARTITION_LAB, Costs, Fit
+from planner.fits import fit_costs
+
+RESULTS = Path("bench/results")
+Doc = dict[str, Any]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def rate(us_per_byte: float) -> str:
+    return f"{1e-3 / us_per_byte:.1f} GB/s"
+
+
+def later_turn(p: tuple[float, ...]) -> str:
+    terms = [(p[0], ""), (p[1], "·c"), (p[2], "·P"), (p[3], "·c·(P + c/2)")]
+    kept = [f"{v:.3g}{unit}" for v, unit in terms if v]
+    dropped = "" if len(kept) == len(terms) else " (terms that fitted negative dropped)"
+    return " + ".join(kept) + f" ms{dropped}"
+
+
+def lab() -> str:
+    points = "; ".join(f"{s} SMs: {step:g} ms, {share:.0%}" for s, (step, share) in sorted(PARTITION_LAB.items()))
+    return (f"the lab's decode steps beside a prefill and its share of the rate ({PARTITION_ALONE_STEP_MS:g} ms "
+            f"alone; {points})")
+
+
+# (the Costs attribute, the cost, what it is fitted to, its form from the fitted parameters)
+ROWS: list[tuple[str, str, str, Callable[[tuple[float, ...]], str]]] = [
+    ("attention", "decode attention, a layer",
+     "`engine-h200.json`'s kernel profile (batch 1 and 64, 1,024-token contexts) and the lab's one-wave figure",
+     lambda p: f"{p[0]:.2f} µs + the longest program's bytes at {rate(p[1])} beside another program, the rest "
+               "alone (next row), or the layer's KV at the HBM rate if longer, × 28 layers"),
+    ("attention_alone", "a program alone on its SM",
+     "`decode-attention-*.json` rows with at most one program an SM (1k-16k contexts, batch 1-32)",
+     lambda p: f"{p[0]:.1f} µs + bytes at {rate(p[1])} (used only where the next row has no points)"),
+    ("long_history", "the rest of a long history's program",
+     "`attention-long-history-h200.json`: one 16k history among 1k ones at batch 8-32",
+     lambda p: f"bytes at {rate(p[0])}"),
+    ("decode", "decode step", "`engine-h200.json` (and its history), `engine-2xh200.json`",
+     lambda p: f"{p[0]:.3f} + {p[1]:.4f}·batch ms + attention"),
+    ("prefill", "prefill", "the same runs, at 4k/16k/32k",
+     lambda p: f"{p[0]:.2f} + {p[1]:.4g}·T + {p[2]:.3g}·T² ms"),
+    ("chunk", "chunk of c after P tokens", "`scenario-*.json` chunked rows",
+     lambda p: f"{p[0]:.2f} + {p[1]:.3g}·c + {p[2]:.3g}·c·(P + c/2) ms"),
+    ("later_turn", "later turn: c new tokens after P cached", "`engine-later-turns-h200.json`: the turns alone",
+     later_turn),
+    ("layered", "layered slice", "`scenario-*.json` layered rows",
+     lambda p: f"prefill / slices {p[0]:+.2f} ms a slice"),
+    ("local_extra", "local prefill in the server", "`scenario-*.json` colocated rows",
+     lambda p: f"engine prefill {p[0]:+.2f} ms"),
+    ("partition", "partitioned", lab(), lambda p: "decode slowdown and prefill rate, each linear in SMs"),
+    ("kv", "KV handoff (NCCL)", "`kv_transfer-2xh200.json` endpoint rows", lambda p: f"{p[0]:.0f} GB/s"),
+]
+
+
+def quality(fit: Fit) -> list[str]:
+    r2 = "–" if fit.r2 != fit.r2 else f"{fit.r2:.4f}"  # nan: a constant, which explains no spread
+    return [str(fit.points), r2, f"{fit.max_rel_error:.1%}"]
+
+
+def costs_rows(costs: Costs) -> list[list[str]]:
+    rows = []
+    for name, cost, source, form in ROWS:
+        fit = getattr(costs, name)
+        if fit is not None:
+            rows.append([cost, source, form(fit.params), *quality(fit)])
+    rows += [[f"a later turn beside a running batch: {fit.name.split(' (')[0].removeprefix('later turn ')}",
+              "the same file's turns beside it", f"the batch's gap less its step and the turn alone: "
+              f"{fit.params[0]:.2f} ms (printed, not charged)", *quality(fit)] for fit in costs.later_turn_beside]
+    rows.append(["KV handoff beyond the prefill", "the servers' 32k handoffs",
+                 f"{costs.kv_tail_ms:.2f} ms at 32k less the bytes a shorter prompt does not move; the prefill "
+                 f"worker waits {costs.kv_send_ms:.2f} ms of it (median exposed)", "–", "–", "–"])
+    return rows
+
+
+def planner_costs() -> str:
+    """The simulator's costs as `python -m planner` fits them now, from the files in bench/results."""
+    header = ["cost", "fitted to", "form", "points", "R²", "max rel err"]
+    about = ("*fitted by `planner.fits.fit_costs` to the files in bench/results, as every `python -m planner` run "
+             "prints them.*")
+    return about + "\n\n" + table(header, costs_rows(fit_costs(RESULTS)))
+
+
+def plan_network() -> str:
+    file = "simulate-plan-network.json"
+    doc: Doc = json.loads((RESULTS / file).read_text())
+    net = doc["network"]
+    speeds = doc["nic_sweep_gbps"]
+    header = ["GPUs", "mix", "best per-node split (req/s)", *[f"split nodes, {g:g} Gb/s" for g in speeds],
+              "split nodes win from"]
+    rows = []
+    for c in doc["comparisons"]:
+        best = c["per_node_best"]
+        nodes = max(1, c["gpus"] // net["gpus_per_node"])
+        split = f"{best['prefill'] // nodes}P+{(c['gpus'] - best['prefill']) // nodes}D"
+        per_node = f"{split} a node: {best['goodput_rps']:.1f}"
+        cells = [f"{v:.1f} ({v / best['goodput_rps'] - 1:+.0%})" for v in c["split_nodes_best"].values()]
+        flip = f"{c['flip_nic_gbps']:g} Gb/s" if c["flip_nic_gbps"] is not None else "never in the sweep"
+        rows.append([str(c["gpus"]), c["mix"], per_node, *cells, flip])
+    about = (f"*simulated on the CPU, costs fitted to H200 runs, {doc['date'][:10]}, commit {doc['commit']}, "
+             f"`{doc['command']}`, [`{file}`](bench/results/{file}); {net['gpus_per_node']} GPUs a node, "
+             f"NIC latency {net['nic_latency_us']:g} µs; split-nodes cells: the same split's goodput (req/s) with "
+             "the pools on nodes of their own, and against the per-node best.*")
+    return about + "\n\n" + table(header, rows)
