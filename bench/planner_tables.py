@@ -1,5 +1,5 @@
-"""docs/scaling.md's tables of the simulator (`python -m planner`), rendered by `python -m bench.readme_tables`:
-the costs it fits to bench/results, and the plan across nodes it recorded."""
+"""docs/scaling.md's tables of the simulator (`python -m planner`), rendered by `python -m bench.readme_tables`
+from what it recorded: the costs it fits to bench/results (`--costs`), and the plan across nodes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from planner.costs import PARTITION_ALONE_STEP_MS, PARTITION_LAB, Costs, Fit
-from planner.fits import fit_costs
 
 RESULTS = Path("bench/results")
 Doc = dict[str, Any]
@@ -24,21 +21,21 @@ def rate(us_per_byte: float) -> str:
     return f"{1e-3 / us_per_byte:.1f} GB/s"
 
 
-def later_turn(p: tuple[float, ...]) -> str:
+def later_turn(p: list[float]) -> str:
     terms = [(p[0], ""), (p[1], "·c"), (p[2], "·P"), (p[3], "·c·(P + c/2)")]
     kept = [f"{v:.3g}{unit}" for v, unit in terms if v]
     dropped = "" if len(kept) == len(terms) else " (terms that fitted negative dropped)"
     return " + ".join(kept) + f" ms{dropped}"
 
 
-def lab() -> str:
-    points = "; ".join(f"{s} SMs: {step:g} ms, {share:.0%}" for s, (step, share) in sorted(PARTITION_LAB.items()))
-    return (f"the lab's decode steps beside a prefill and its share of the rate ({PARTITION_ALONE_STEP_MS:g} ms "
-            f"alone; {points})")
+def lab(doc: Doc) -> str:
+    points = "; ".join(f"{s} SMs: {step:g} ms, {share:.0%}" for s, (step, share) in doc["partition_lab"].items())
+    return (f"the lab's decode steps beside a prefill and its share of the rate ({doc['partition_alone_step_ms']:g} "
+            f"ms alone; {points})")
 
 
-# (the Costs attribute, the cost, what it is fitted to, its form from the fitted parameters)
-ROWS: list[tuple[str, str, str, Callable[[tuple[float, ...]], str]]] = [
+# (the fit's field in the simulator's costs, the cost, what it is fitted to, its form from the fitted parameters)
+ROWS: list[tuple[str, str, str, Callable[[list[float]], str]]] = [
     ("attention", "decode attention, a layer",
      "`engine-h200.json`'s kernel profile (batch 1 and 64, 1,024-token contexts) and the lab's one-wave figure",
      lambda p: f"{p[0]:.2f} µs + the longest program's bytes at {rate(p[1])} beside another program, the rest "
@@ -61,37 +58,37 @@ ROWS: list[tuple[str, str, str, Callable[[tuple[float, ...]], str]]] = [
      lambda p: f"prefill / slices {p[0]:+.2f} ms a slice"),
     ("local_extra", "local prefill in the server", "`scenario-*.json` colocated rows",
      lambda p: f"engine prefill {p[0]:+.2f} ms"),
-    ("partition", "partitioned", lab(), lambda p: "decode slowdown and prefill rate, each linear in SMs"),
+    ("partition", "partitioned", "{lab}", lambda p: "decode slowdown and prefill rate, each linear in SMs"),
     ("kv", "KV handoff (NCCL)", "`kv_transfer-2xh200.json` endpoint rows", lambda p: f"{p[0]:.0f} GB/s"),
 ]
 
 
-def quality(fit: Fit) -> list[str]:
-    r2 = "–" if fit.r2 != fit.r2 else f"{fit.r2:.4f}"  # nan: a constant, which explains no spread
-    return [str(fit.points), r2, f"{fit.max_rel_error:.1%}"]
+def quality(fit: Doc) -> list[str]:
+    r2 = "–" if fit["r2"] != fit["r2"] else f"{fit['r2']:.4f}"  # nan: a constant, which explains no spread
+    return [str(fit["points"]), r2, f"{fit['max_rel_error']:.1%}"]
 
 
-def costs_rows(costs: Costs) -> list[list[str]]:
-    rows = []
-    for name, cost, source, form in ROWS:
-        fit = getattr(costs, name)
-        if fit is not None:
-            rows.append([cost, source, form(fit.params), *quality(fit)])
-    rows += [[f"a later turn beside a running batch: {fit.name.split(' (')[0].removeprefix('later turn ')}",
+def costs_rows(doc: Doc) -> list[list[str]]:
+    fits = {fit["field"]: fit for fit in doc["fits"]}
+    rows = [[cost, source.format(lab=lab(doc)), form(fits[field]["params"]), *quality(fits[field])]
+            for field, cost, source, form in ROWS if field in fits]
+    rows += [[f"a later turn beside a running batch: {fit['name'].split(' (')[0].removeprefix('later turn ')}",
               "the same file's turns beside it", f"the batch's gap less its step and the turn alone: "
-              f"{fit.params[0]:.2f} ms (printed, not charged)", *quality(fit)] for fit in costs.later_turn_beside]
+              f"{fit['params'][0]:.2f} ms (printed, not charged)", *quality(fit)]
+             for fit in doc["fits"] if fit["field"] == "later_turn_beside"]
     rows.append(["KV handoff beyond the prefill", "the servers' 32k handoffs",
-                 f"{costs.kv_tail_ms:.2f} ms at 32k less the bytes a shorter prompt does not move; the prefill "
-                 f"worker waits {costs.kv_send_ms:.2f} ms of it (median exposed)", "–", "–", "–"])
+                 f"{doc['kv_tail_ms']:.2f} ms at 32k less the bytes a shorter prompt does not move; the prefill "
+                 f"worker waits {doc['kv_send_ms']:.2f} ms of it (median exposed)", "–", "–", "–"])
     return rows
 
 
-def planner_costs() -> str:
-    """The simulator's costs as `python -m planner` fits them now, from the files in bench/results."""
+def planner_costs(file: str = "simulate-costs.json") -> str:
+    """The simulator's costs as `python -m planner --costs` recorded them (every run prints the same fits)."""
+    doc: Doc = json.loads((RESULTS / file).read_text())
     header = ["cost", "fitted to", "form", "points", "R²", "max rel err"]
-    about = ("*fitted by `planner.fits.fit_costs` to the files in bench/results, as every `python -m planner` run "
-             "prints them.*")
-    return about + "\n\n" + table(header, costs_rows(fit_costs(RESULTS)))
+    about = (f"*fitted on the CPU to bench/results, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             f"[`{file}`](bench/results/{file}).*")
+    return about + "\n\n" + table(header, costs_rows(doc))
 
 
 def plan_network() -> str:

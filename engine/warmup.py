@@ -10,7 +10,8 @@ largest blocks at the first prompt that needs them. So each path runs once at th
 reach every one of those: whole prompts (colocated, and the prefill server's), chunks of every
 allowed size with and without a cached prefix, layer slices, and sampling; those of up to 512 tokens
 both as prefill graphs replay them and eagerly (the partitioned thread's prefills, and a prompt's own
-log probabilities, run eagerly). Each stage is timed and logged. Runs on the engine thread, into blocks it takes from the empty pool and gives back."""
+log probabilities, run eagerly). Each stage is timed and logged. Runs on the engine thread, into
+blocks it takes from the empty pool and gives back."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ own costs are calibrated on one recorded load run (see planner.validate). Four u
   python -m planner --plan                # best split and mode for 8 and 64 H200s, three mixes
   python -m planner --predict             # the next two-H200 load run, before it is measured
   python -m planner --plan-network        # pools on nodes of their own against per-node, over NIC rates
+  python -m planner --costs               # the fitted costs alone, for docs/scaling.md's table
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from client.load_stats import Slo
 from client.provenance import git_commit
 from planner.costs import RESULTS
 from planner.deployment import MODES, Deployment
-from planner.fits import describe, fit_costs
+from planner.fits import costs_record, describe, fit_costs
 from planner.network import GPUS_PER_NODE, NIC_GBPS, NIC_LATENCY_US, POOLS, Network, node_layout
 from planner.simulation import simulate, summarize
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--plan-network", action="store_true",
                       help="split-nodes pools against per-node deployments for 8 and 64 GPUs, over NIC rates (minutes)")
     what.add_argument("--predict", action="store_true", help="predict the next two-GPU load run (rate sweeps)")
+    what.add_argument("--costs", action="store_true",
+                      help="write the fitted costs (default bench/results/simulate-costs.json), nothing simulated")
     p.add_argument("--load-args", default=None,
                    help="--predict: the client.load flags of the run to predict, as given to bench.e2e.deployments "
                         "(default: bench.e2e.deployments's load, one turn)")
@@ -111,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     progress = not args.no_progress
+    if args.costs:
+        write(args.json or str(RESULTS / "simulate-costs.json"), {**stamp(argv), **costs_record(costs)})
+        return 0
     if args.validate:
         from planner.validate import validate
 

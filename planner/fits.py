@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +276,15 @@ def describe(costs: Costs) -> Sequence[str]:
              [f"later turns (a prefill after a cached prefix): priced as one chunk, no {PRESET} later_turns rows in "
               f"{LATER_TURNS} or engine-h200.json (python -m bench.micro.engine_steps --later-turns)"])
     return [*(f.line() for f in costs.fits()), handoff, *later]
+
+
+def costs_record(costs: Costs) -> dict[str, Any]:
+    """The fits as `python -m planner --costs` records them: each with its Costs field, name, parameters and
+    quality; the KV handoff's tail; the lab's partition figures."""
+    fields = ["attention", "attention_alone", "long_history", "decode", "prefill", "chunk", "later_turn", "layered",
+              "local_extra", "partition", "kv"]
+    fits = [{"field": name, **asdict(fit)} for name in fields if (fit := getattr(costs, name)) is not None]
+    fits += [{"field": "later_turn_beside", **asdict(fit)} for fit in costs.later_turn_beside]
+    return {"fits": fits, "kv_tail_ms": costs.kv_tail_ms, "kv_send_ms": costs.kv_send_ms,
+            "partition_alone_step_ms": PARTITION_ALONE_STEP_MS,
+            "partition_lab": {str(sms): list(figures) for sms, figures in sorted(PARTITION_LAB.items())}}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -46,21 +45,30 @@ def test_the_simulators_costs_and_network_plan_are_in_the_scaling_doc() -> None:
     assert names == {"planner-costs", "simulate-plan-network"}
 
 
-def test_the_simulators_costs_follow_their_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A later-turn run in bench/results changes the later-turn cost the scaling doc renders."""
+def test_the_recorded_costs_are_what_bench_results_fit() -> None:
+    """docs/scaling.md's costs table renders simulate-costs.json: it must hold the fits of the files there now."""
+    from planner.costs import RESULTS
+    from planner.fits import costs_record, fit_costs
+
+    recorded = json.loads(Path("bench/results/simulate-costs.json").read_text())
+    now = json.loads(json.dumps(costs_record(fit_costs(RESULTS))))
+    for old, new in zip(recorded["fits"], now["fits"], strict=True):
+        assert (old["field"], old["points"]) == (new["field"], new["points"]), "run python -m planner --costs"
+        assert old["params"] == pytest.approx(new["params"], rel=1e-6), f"{old['name']}: run python -m planner --costs"
+    assert (recorded["kv_tail_ms"], recorded["kv_send_ms"]) == pytest.approx((now["kv_tail_ms"], now["kv_send_ms"]))
+
+
+def test_a_changed_cost_changes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import planner_tables
 
-    results = tmp_path / "results"
-    shutil.copytree("bench/results", results)
-    doc = json.loads((results / "engine-later-turns-h200.json").read_text())
-    for row in doc["later_turns"]:
-        row["ms"] = 5.0 + 0.01 * row["new"] + 0.0001 * row["prefix"]
-    (results / "engine-later-turns-h200.json").write_text(json.dumps(doc))
+    doc = json.loads(Path("bench/results/simulate-costs.json").read_text())
     before = planner_tables.planner_costs()
-    monkeypatch.setattr(planner_tables, "RESULTS", results)
-    after = planner_tables.planner_costs()
-    row = next(line for line in after.splitlines() if line.startswith("| later turn:"))
-    assert row not in before and "5 + 0.01·c + 0.0001·P ms" in row
+    fit = next(f for f in doc["fits"] if f["field"] == "later_turn")
+    fit["params"] = [5.0, 0.01, 0.0001, 0.0]
+    (tmp_path / "simulate-costs.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(planner_tables, "RESULTS", tmp_path)
+    row = next(line for line in planner_tables.planner_costs().splitlines() if line.startswith("| later turn:"))
+    assert row not in before and "5 + 0.01·c + 0.0001·P ms (terms that fitted negative dropped)" in row
 
 
 def test_a_changed_figure_changes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
