@@ -60,16 +60,10 @@ class WarmUp:
         finally:
             allocator.free(table)
 
-    @property
-    def passes(self) -> tuple[bool, ...]:
-        """Graphed and eager where the runner has prefill graphs (`ModelRunner.prefill`'s `graphed`)."""
-        return (True, False) if self.runner.prefill_graphs is not None else (True,)
-
     def whole_prompts(self) -> None:
         """Colocated prefill (and the prefill server's): every specialization, then the longest prompt."""
         for n in sorted({*(n for n in WHOLE_PROMPT_LENGTHS if n <= self.longest), self.longest}):
-            for graphed in self.passes:
-                self._with_blocks(n, partial(self._chunked, self._prompt(n), size=n, graphed=graphed))
+            self._with_blocks(n, partial(self._chunked, self._prompt(n), size=n))
 
     def chunks(self, sizes: Iterable[int]) -> None:
         """Chunked prefill at each size: a first chunk, one after a cached prefix, and a short last
@@ -79,12 +73,15 @@ class WarmUp:
         if fitting:
             runs.append((max(fitting), self.longest))
         for size, n in runs:
-            for graphed in self.passes:
-                self._with_blocks(n, partial(self._chunked, self._prompt(n), size=size, graphed=graphed))
+            self._with_blocks(n, partial(self._chunked, self._prompt(n), size=size))
 
-    def _chunked(self, prompt: np.ndarray, table: list[int], *, size: int, graphed: bool = True) -> None:
+    def _chunked(self, prompt: np.ndarray, table: list[int], *, size: int) -> None:
+        graphs = self.runner.prefill_graphs
         for start in range(0, len(prompt), size):
-            self.runner.prefill(prompt[start:start + size], table, start, graphed=graphed)
+            piece = prompt[start:start + size]
+            self.runner.prefill(piece, table, start)
+            if graphs is not None and graphs.fits(len(piece)):  # and eagerly, over the same slots
+                self.runner.prefill(piece, table, start, graphed=False)
 
     def layer_slices(self, slice_tokens: int) -> None:
         n = min(SLICED_PROMPT_TOKENS, self.longest)

@@ -84,7 +84,7 @@ def test_a_prompt_longer_than_the_largest_bucket_does_not_fit(runner: ModelRunne
 def test_warm_up_runs_short_prefills_graphed_and_eager(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the runner has prefill graphs, warm-up runs each prefill of up to their largest bucket both
     ways: the partitioned thread's and a prompt's log probabilities run eagerly, and must find their
-    kernels compiled too."""
+    kernels compiled too. A longer one, eager either way, runs once."""
     from engine.warmup import WarmUp
 
     monkeypatch.setattr(runner, "prefill_graphs", PrefillGraphs(runner.model, runner.pool, BUCKETS, capture=False))
@@ -101,3 +101,5 @@ def test_warm_up_runs_short_prefills_graphed_and_eager(runner: ModelRunner, monk
     warm.chunks([16, 32])
     short = {(n, start) for n, start, _ in calls if n <= BUCKETS[-1]}
     assert short and all((n, start, g) in calls for n, start in short for g in (True, False))
+    # a longer prefill is eager either way: it runs once
+    assert any(n > BUCKETS[-1] for n, _, _ in calls) and all(g for n, _, g in calls if n > BUCKETS[-1])
