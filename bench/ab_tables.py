@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.markdown import ms, table
+
 Doc = dict[str, Any]
 RESULTS = Path("bench/results")  # as bench.readme_tables reads them, from the repository's root
 
@@ -25,10 +27,6 @@ def by_tree(doc: Doc) -> list[list[Doc]]:
 def median_of_rounds(outputs: list[Doc], figure: Callable[[Doc], float | None]) -> float | None:
     values = [v for v in map(figure, outputs) if v is not None]
     return statistics.median(values) if values else None
-
-
-def ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
 
 
 def about(doc: Doc, file: str) -> str:
@@ -69,12 +67,13 @@ def ab_table(rows: list[Row], labels: dict[str, str]) -> str:
     """One row a figure, one column a commit (in the order the files name them); every file's provenance above."""
     files = list(dict.fromkeys(f for _, fs, _ in rows for f in fs))
     commits = list(dict.fromkeys(t["commit"] for f in files for t in load(f)["trees"]))
-    lines = ["| | " + " | ".join(f"{c} ({labels.get(c, '')})" for c in commits) + " |", "|---|" + "---|" * len(commits)]
+    header = ["", *(f"{c} ({labels.get(c, '')})" for c in commits)]
+    cells = []
     for label, fs, figure in rows:
         found = by_commit(fs, figure)
-        lines.append(f"| {label} | " + " | ".join(ms(found.get(c)) for c in commits) + " |")
+        cells.append([label, *(ms(found.get(c)) for c in commits)])
     sources = "; ".join(about(load(f), f) for f in files)
-    return f"*{sources}.*\n\n" + "\n".join(lines)
+    return f"*{sources}.*\n\n" + table(header, cells)
 
 
 def prefill_graphs_h100() -> str:

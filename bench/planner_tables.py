@@ -8,13 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.markdown import table
+
 RESULTS = Path("bench/results")
 Doc = dict[str, Any]
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def rate(us_per_byte: float) -> str:

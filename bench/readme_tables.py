@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ab_tables import prefill_graphs_h100
+from bench.markdown import ms, table
 from bench.planner_tables import plan_network, planner_costs
 
 RESULTS = Path("bench/results")
@@ -51,17 +52,6 @@ def provenance(doc: Doc, file: str, extra: str = "") -> str:
     where = f"[`{file}`](bench/results/{file})"
     return (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, {where}; "
             f"{card(doc)}{extra}.*")
-
-
-def ms(value: float | None, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.0f} ms" if value >= 100 else f"{value:.{digits}f} ms"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 # --- the A/B scenario ---------------------------------------------------------------------------
