@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -281,10 +281,11 @@ def describe(costs: Costs) -> Sequence[str]:
 def costs_record(costs: Costs) -> dict[str, Any]:
     """The fits as `python -m planner --costs` records them: each with its Costs field, name, parameters and
     quality; the KV handoff's tail; the lab's partition figures."""
-    fields = ["attention", "attention_alone", "long_history", "decode", "prefill", "chunk", "later_turn", "layered",
-              "local_extra", "partition", "kv"]
-    fits = [{"field": name, **asdict(fit)} for name in fields if (fit := getattr(costs, name)) is not None]
-    fits += [{"field": "later_turn_beside", **asdict(fit)} for fit in costs.later_turn_beside]
+    fits = []
+    for field in fields(costs):  # every Fit the simulator holds, alone or in a tuple
+        value = getattr(costs, field.name)
+        fits += [{"field": field.name, **asdict(fit)} for fit in (value if isinstance(value, tuple) else (value,))
+                 if isinstance(fit, Fit)]
     return {"fits": fits, "kv_tail_ms": costs.kv_tail_ms, "kv_send_ms": costs.kv_send_ms,
             "partition_alone_step_ms": PARTITION_ALONE_STEP_MS,
             "partition_lab": {str(sms): list(figures) for sms, figures in sorted(PARTITION_LAB.items())}}
