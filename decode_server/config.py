@@ -71,7 +71,8 @@ class DecodeConfig(ServerConfig):
     max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))
-    cuda_graphs: bool = field(default=True, metadata=opt("replay decode steps as CUDA graphs (GPU only)"))
+    cuda_graphs: bool = field(default=True, metadata=opt(
+        "replay decode steps, and prefills of up to 512 tokens, as CUDA graphs (GPU only)"))
     overlap_steps: bool = field(default=True, metadata=opt(
         "queue each decode step before the last one's tokens are read back, so the GPU does not wait for the "
         "host between steps"))

@@ -41,8 +41,11 @@ def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_bytes: int, max_batch_size: int, max_model_len: int, cuda_graphs: bool,
-                 min_decode_bucket: int = 1, kv_dtype: torch.dtype | None = None) -> None:
-        """`kv_dtype`: the KV pool's, when not the model's (e4m3: `--kv-cache-dtype fp8`)."""
+                 min_decode_bucket: int = 1, kv_dtype: torch.dtype | None = None,
+                 prefill_graphs: bool | None = None) -> None:
+        """`kv_dtype`: the KV pool's, when not the model's (e4m3: `--kv-cache-dtype fp8`);
+        `prefill_graphs`: short prefills as CUDA graphs (`engine.prefill_graphs`), by default where
+        `cuda_graphs` has the decode steps so."""
         self.model = loaded.model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -65,6 +68,7 @@ class ModelRunner:
         self.prefill_graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
+        if (cuda_graphs if prefill_graphs is None else prefill_graphs) and device.type == "cuda":
             self.prefill_graphs = PrefillGraphs(self.model, self.pool)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %d bytes/token)", num_blocks, block_size,
                  num_blocks * block_size * self.layout.bytes_per_token / GiB, self.layout.bytes_per_token)

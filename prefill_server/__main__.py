@@ -52,7 +52,7 @@ async def serve(cfg: PrefillConfig, faults: PrefillFaults) -> int:
     await health.set(False)
     runner = await asyncio.to_thread(
         build_runner, cfg, "prefill", 1, False, 4.0,
-        cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()))
+        cfg.kv_gb_default(on_gpu=cfg.device != "cpu" and _cuda_available()), cfg.cuda_graphs)
     cache = PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=cfg.prefix_cache)
     worker = PrefillWorker(runner, cache, warm_up=cfg.warms_up(runner.device.type))
     service = PrefillService(cfg, runner, worker, faults)

@@ -21,7 +21,10 @@ DEFAULT_MAX_MODEL_LEN = 40960
 
 
 def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs: bool,
-                 kv_reserve_gb: float, kv_cache_gb: float | None = None) -> ModelRunner:
+                 kv_reserve_gb: float, kv_cache_gb: float | None = None,
+                 prefill_graphs: bool | None = None) -> ModelRunner:
+    """`cuda_graphs`: decode steps as CUDA graphs; `prefill_graphs`: prefills of up to 512 tokens too (by
+    default as `cuda_graphs`)."""
     if cfg.kv_transport == "nixl":
         from engine.transport.nixl import NixlUnavailable, nixl_api
 
@@ -55,6 +58,6 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
     try:
         kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None
         return ModelRunner(loaded, device, dtype, cfg.block_size, kv_bytes, max_batch_size, max_len, cuda_graphs,
-                           kv_dtype=kv_dtype)
+                           kv_dtype=kv_dtype, prefill_graphs=prefill_graphs)
     except ValueError as e:
         raise StartupError(str(e)) from e

@@ -58,6 +58,7 @@ def test_handoff_tokens_equal_colocated(transport: str, server_logs: Path) -> No
             disagg = generate(decode.address, prompt, decode_pb2.PREFILL_MODE_DISAGGREGATED)
             assert disagg == generate(decode.address, prompt, decode_pb2.PREFILL_MODE_COLOCATED)
         assert f"over {transport}" in decode.log()
+        assert "prefill CUDA graphs" in prefill.log()  # the 5-token prompt replayed them on both sides
     finally:
         decode.stop()
         prefill.stop()
@@ -123,7 +124,7 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
 def test_a_conversation_hands_over_only_the_uncached_kv(transport: str, server_logs: Path) -> None:
     """Later turns of a conversation, disaggregated, with both prefix caches: the decode server holds
     the history and the prefill server sends only the KV after it (checksummed bit for bit on both
-    sides). In float32 (nccl, grpc) the tokens equal a cache-less server's; cuda-ipc moves 2-byte
+    sides), its later turns replayed as prefill graphs. In float32 (nccl, grpc) the tokens equal a cache-less server's; cuda-ipc moves 2-byte
     KV, where the cached prefix's rounding may part greedy tokens (bench.micro.mode_parity), so there only
     the handoff is checked."""
     needs(transport)
@@ -150,6 +151,7 @@ def test_a_conversation_hands_over_only_the_uncached_kv(transport: str, server_l
                 if dtype == "float32":
                     assert answer == generate(reference.address, history, decode_pb2.PREFILL_MODE_COLOCATED, 20)
                 history = history + answer + [(i * 13 + turn) % 256 for i in range(50)]
+        assert "prefill CUDA graphs" in prefill.log()  # later turns (about 70 tokens) replayed them there
     finally:
         for server in (reference, decode, prefill):
             server.stop()
