@@ -23,6 +23,7 @@ import torch
 
 from engine.attention import DecodeMeta
 from engine.decode_batch import DecodeSeq, TableRows, sources, table_width, write_meta
+from engine.kernels.arrivals import capture_stream
 from engine.kv_cache import KVPool
 from engine.logprobs import device_tensor
 from engine.model import DecoderModel
@@ -102,7 +103,7 @@ class DecodeGraphs:
                 self._forward(b, side)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool):  # type: ignore[arg-type]
+        with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(self.pool.device)):  # type: ignore[arg-type]
             s.logits[b], _ = self._forward(b, side)
         s.graphs[b] = graph
 

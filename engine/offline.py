@@ -42,11 +42,12 @@ def make_runner(model: str | None = None, preset: str | None = "tiny", device: s
                 dtype: torch.dtype = torch.float32, block_size: int = 16, kv_gb: float = 0.25,
                 max_batch_size: int = 8, max_model_len: int = 4096, cuda_graphs: bool = False,
                 min_decode_bucket: int = 1, kernels: KernelOptions = ALL_KERNELS,
-                quantization: str | None = None, kv_dtype: torch.dtype | None = None) -> ModelRunner:
+                quantization: str | None = None, kv_dtype: torch.dtype | None = None,
+                prefill_graphs: bool | None = None) -> ModelRunner:
     from engine.loader import load_model
 
     dev = torch.device(device)
     loaded = load_model(model, preset, dev, dtype, max_positions=max_model_len, kernels=kernels,
                         quantization=quantization)
     return ModelRunner(loaded, dev, dtype, block_size, int(kv_gb * (1 << 30)), max_batch_size, max_model_len,
-                       cuda_graphs, min_decode_bucket, kv_dtype)
+                       cuda_graphs, min_decode_bucket, kv_dtype, prefill_graphs)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.attention import PrefillMeta
+from engine.kernels.arrivals import capture_stream
 from engine.kv_cache import KVPool, slot_ids
 from engine.model import DecoderModel
 from engine.model.decoder import DecoderLayer
@@ -99,7 +100,7 @@ class PrefillGraphs:
                     self.x[b] = residual
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool):  # type: ignore[arg-type]
+        with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(self.pool.device)):  # type: ignore[arg-type]
             self._piece(b, i)
         return graph.replay
 

@@ -45,6 +45,31 @@ def test_graphed_prefill_matches_eager(preset: str) -> None:
         assert int(graphed.argmax()) == int(eager.argmax()), (prefix, new)
 
 
+def test_prefill_graphs_without_decode_graphs_after_other_buckets() -> None:
+    """The prefill server's runner: prefill graphs without the decode ones, a bucket's split kernels (16 and
+    64 rows) replayed after larger buckets' graphs (no split kernels). Their arrival counts are made before
+    any capture, so those graphs' temporaries cannot take their memory (arrivals.capture_stream); made
+    during the first capture that needed them, they had, and the split sums came out unwritten."""
+    from engine.kernels.arrivals import arrival_counts, capture_stream
+    from engine.offline import make_runner
+
+    runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_model_len=2048,
+                         kv_gb=1.0, max_batch_size=1, cuda_graphs=False, prefill_graphs=True)
+    assert runner.graphs is None and runner.prefill_graphs is not None
+    pool, gen = runner.pool, torch.Generator().manual_seed(5)
+    for new in (300, 5, 100, 40, 512, 9):
+        tokens = torch.randint(0, 256, (new,), generator=gen).tolist()
+        tables = [pool.allocator.allocate(pool.blocks_needed(new)) for _ in range(2)]
+        eager = runner.prefill(tokens, tables[0], 0, graphed=False)
+        graphed = runner.prefill(tokens, tables[1], 0)
+        for table in tables:
+            pool.allocator.free(table)
+        assert rel_err(graphed, eager) < 2e-2, new
+        assert int(graphed.argmax()) == int(eager.argmax()), new
+    with torch.cuda.stream(capture_stream(runner.device)):
+        assert int(arrival_counts(runner.device).abs().sum()) == 0  # zero between kernels
+
+
 def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
     """At a bucket's own row count the graph runs the eager prefill's kernels on the same shapes."""
     from engine.offline import make_runner

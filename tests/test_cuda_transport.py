@@ -124,9 +124,9 @@ def test_prefill_killed_mid_transfer_then_restarted(transport: str, server_logs:
 def test_a_conversation_hands_over_only_the_uncached_kv(transport: str, server_logs: Path) -> None:
     """Later turns of a conversation, disaggregated, with both prefix caches: the decode server holds
     the history and the prefill server sends only the KV after it (checksummed bit for bit on both
-    sides), its later turns replayed as prefill graphs. In float32 (nccl, grpc) the tokens equal a cache-less server's; cuda-ipc moves 2-byte
-    KV, where the cached prefix's rounding may part greedy tokens (bench.micro.mode_parity), so there only
-    the handoff is checked."""
+    sides), its later turns replayed as prefill graphs. In float32 (nccl, grpc) the tokens equal a
+    cache-less server's; cuda-ipc moves 2-byte KV, where the cached prefix's rounding may part greedy
+    tokens (bench.micro.mode_parity), so there only the handoff is checked."""
     needs(transport)
     dtype = "bfloat16" if transport == "cuda-ipc" else "float32"
     common = ["--preset", "tiny", "--dtype", dtype, "--kv-transport", transport, "--kv-cache-gb", "1"]

@@ -4,7 +4,11 @@ fixed order, so the result is deterministic) and resets the count to zero. No se
 
 One zeroed buffer per stream: kernels on one stream never overlap (with programmatic dependent
 launch a kernel still waits for the one before it to finish before touching memory), while a
-partitioned prefill's kernels on another stream may run beside the decode step's.
+partitioned prefill's kernels on another stream may run beside the decode step's. CUDA graphs are
+captured on `capture_stream`, whose buffer is made before any capture: made during one, it would
+come from the graph's memory pool, where blocks other graphs' temporaries had used are handed out
+again, so replaying those graphs would write over the counts (the prefill server's graphs, captured
+without the decode ones, did: split kernels whose last program never came left their sums unwritten).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ MAX_COUNTS = 1 << 14  # outputs a launch may count arrivals for
 UNROLLED_ELEMENTS = tl.constexpr(64 * 64)
 
 _counts: dict[tuple[int, int], torch.Tensor] = {}
+_capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def arrival_counts(device: torch.device) -> torch.Tensor:
@@ -33,8 +38,23 @@ def arrival_counts(device: torch.device) -> torch.Tensor:
         key = (-1, 0)
     counts = _counts.get(key)
     if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a split kernel captured on a stream without its arrival counts: capture on "
+                               "arrivals.capture_stream(device), whose counts live outside every graph's pool")
         counts = _counts[key] = torch.zeros(MAX_COUNTS, dtype=torch.int32, device=device)
     return counts
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every CUDA graph of ours is captured on (one a device), its counts made already."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(index)
+        with torch.cuda.stream(stream):
+            arrival_counts(torch.device("cuda", index))
+        torch.cuda.current_stream(index).wait_stream(stream)  # zeroed before any capture's kernel runs
+    return stream
 
 
 @triton.jit
