@@ -46,10 +46,8 @@ def test_graphed_prefill_matches_eager(preset: str) -> None:
 
 
 def test_prefill_graphs_without_decode_graphs_after_other_buckets() -> None:
-    """The prefill server's runner: prefill graphs without the decode ones, a bucket's split kernels (16 and
-    64 rows) replayed after larger buckets' graphs (no split kernels). Their arrival counts are made before
-    any capture, so those graphs' temporaries cannot take their memory (arrivals.capture_stream); made
-    during the first capture that needed them, they had, and the split sums came out unwritten."""
+    """The prefill server's runner: prefill graphs without the decode ones, buckets with split kernels (16
+    and 64 rows) replayed after larger ones, each prefill as the eager one; the counts zero after."""
     from engine.kernels.arrivals import arrival_counts, capture_stream
     from engine.offline import make_runner
 
@@ -68,6 +66,35 @@ def test_prefill_graphs_without_decode_graphs_after_other_buckets() -> None:
         assert int(graphed.argmax()) == int(eager.argmax()), new
     with torch.cuda.stream(capture_stream(runner.device)):
         assert int(arrival_counts(runner.device).abs().sum()) == 0  # zero between kernels
+
+
+def test_split_kernels_counts_stay_out_of_graph_pools() -> None:
+    """A graph's temporary freed at the end of its capture goes back to the pool, and a later capture in that
+    pool may take its block; replaying the first graph then writes over whatever the later one keeps there.
+    Split kernels captured on `capture_stream` find their arrival counts made before any capture, so a
+    replayed graph's temporaries cannot reach them (made during the second capture, they took the
+    temporary's block: the split sums went unwritten)."""
+    from engine.kernels.arrivals import MAX_COUNTS, capture_stream
+    from engine.kernels.gemv import GemvConfig, gemv
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(5, 1024, device=dev, generator=gen).to(torch.bfloat16)
+    w = torch.randn(256, 1024, device=dev, generator=gen).to(torch.bfloat16)
+    cfg = GemvConfig(32, 128, 4, 3, split_k=4)
+    want = gemv(x, w, cfg=cfg)  # eager: compiled, and its own stream's counts
+    stream, pool, out = capture_stream(dev), torch.cuda.graph_pool_handle(), {}
+    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first, pool=pool, stream=stream):
+        temporary = torch.full((MAX_COUNTS,), 7, dtype=torch.int32, device=dev)
+        out["first"] = temporary.sum()
+        del temporary  # back to the pool at the capture's end
+    with torch.cuda.graph(second, pool=pool, stream=stream):
+        out["second"] = gemv(x, w, cfg=cfg)
+    for _ in range(2):
+        first.replay()
+        second.replay()
+        assert torch.equal(out["second"], want)
 
 
 def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
