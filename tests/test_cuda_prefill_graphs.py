@@ -69,11 +69,12 @@ def test_prefill_graphs_without_decode_graphs_after_other_buckets() -> None:
 
 
 def test_split_kernels_counts_stay_out_of_graph_pools() -> None:
-    """A graph's temporary freed at the end of its capture goes back to the pool, and a later capture in that
-    pool may take its block; replaying the first graph then writes over whatever the later one keeps there.
-    Split kernels captured on `capture_stream` find their arrival counts made before any capture, so a
-    replayed graph's temporaries cannot reach them (made during the second capture, they took the
-    temporary's block: the split sums went unwritten)."""
+    """A graph's temporary freed at the end of its capture goes back to the pool, where a later capture may
+    take its block; replaying the first graph then writes over what the later one keeps there. Split
+    kernels captured on `capture_stream` find their arrival counts made before any capture, out of every
+    pool. Made in the first capture that needed them, they took a freed temporary's block: their zeroing
+    ran only in that graph, and a split kernel in another graph, replayed after the temporary's, found
+    the temporary's values and left its sums unwritten (the prefill server's graphs did this)."""
     from engine.kernels.arrivals import MAX_COUNTS, capture_stream
     from engine.kernels.gemv import GemvConfig, gemv
 
@@ -84,17 +85,18 @@ def test_split_kernels_counts_stay_out_of_graph_pools() -> None:
     cfg = GemvConfig(32, 128, 4, 3, split_k=4)
     want = gemv(x, w, cfg=cfg)  # eager: compiled, and its own stream's counts
     stream, pool, out = capture_stream(dev), torch.cuda.graph_pool_handle(), {}
-    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(first, pool=pool, stream=stream):
+    graphs = {name: torch.cuda.CUDAGraph() for name in ("temporary", "first split", "second split")}
+    with torch.cuda.graph(graphs["temporary"], pool=pool, stream=stream):
         temporary = torch.full((MAX_COUNTS,), 7, dtype=torch.int32, device=dev)
-        out["first"] = temporary.sum()
+        out["temporary"] = temporary.sum()
         del temporary  # back to the pool at the capture's end
-    with torch.cuda.graph(second, pool=pool, stream=stream):
-        out["second"] = gemv(x, w, cfg=cfg)
-    for _ in range(2):
-        first.replay()
-        second.replay()
-        assert torch.equal(out["second"], want)
+    for name in ("first split", "second split"):
+        with torch.cuda.graph(graphs[name], pool=pool, stream=stream):
+            out[name] = gemv(x, w, cfg=cfg)
+    for order in (("first split", "temporary", "second split"), ("temporary", "second split", "first split")):
+        for name in order:
+            graphs[name].replay()
+        assert torch.equal(out["first split"], want) and torch.equal(out["second split"], want), order
 
 
 def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
