@@ -91,6 +91,23 @@ def prefill_graphs_h100() -> str:
     return ab_table(rows, {"85c54d1": "eager", "0d66e0f": "graphed", "24d8c1a": "graphed, chunks on KV's own heads"})
 
 
+def prefill_server_graphs_h100() -> str:
+    """The prefill server's prefills eager, then as its runner's prefill graphs: a 256-token prompt handed to
+    the decode server over CUDA IPC (the median of each run's repeats)."""
+    files: tuple[str, ...] = ("kv-transfer-prefill-graphs-ab-h100.json",)
+    rows: list[Row] = [(label, files, handoff_median(key, scale)) for key, scale, label in (
+        ("prefill_ms", 1.0, "the prefill server's prefill"), ("seconds", 1e3, "the handoff beyond the prefill"),
+        ("exposed_ms", 1.0, "the handoff exposed after the last layer"))]
+    return ab_table(rows, {"79363d8": "eager", "4d8c35f": "graphed"})
+
+
+def handoff_median(key: str, scale: float) -> Callable[[Doc], float | None]:
+    def figure(output: Doc) -> float | None:
+        values = [r[key] * scale for r in output["rows"] if r.get(key) is not None]
+        return statistics.median(values) if values else None
+    return figure
+
+
 def whole_prompt(tokens: int) -> Callable[[Doc], float | None]:
     def figure(output: Doc) -> float | None:
         value = output["prefill_ms"].get(str(tokens))
