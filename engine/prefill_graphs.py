@@ -1,13 +1,17 @@
-"""Short prefills replayed as CUDA graphs, one graph for each stretch between two attentions.
+"""Short prefills replayed as CUDA graphs: one graph for each stretch between two attentions, and a whole
+prompt's attention.
 
 A prefill of a few hundred tokens is bound by the host when it runs eagerly: each of a 7B's 28 layers
 queues about twenty kernels (norms, projections, rope and the KV write, the MLP), and Python and their
 launches take about 1 ms a layer where the GPU needs 0.4 at 512 tokens (`bench/NOTES.md`). Here a
 prefill of up to `BUCKETS[-1]` tokens replays one graph a layer: piece 0 is the embedding and layer
 0 up to its KV write; piece i is layer i-1's o_proj, norm and MLP, then layer i up to its KV write.
-Attention stays eager between the pieces, since its key length (the cached prefix) changes from one
-prefill to the next; so does the last layer after its KV write, which carries only the last row on,
-as the eager forward does.
+A whole prompt's attention between them is one more graph a bucket: its keys are its own rows, padded
+to the bucket, and every layer's reads the same q/k/v buffers. A chunk's after a cached prefix stays
+eager, since its key length (the prefix) changes from one prefill to the next; so does the last layer
+after its KV write, which carries only the last row on, as the eager forward does. The attention
+graphs keep their temporaries in a memory pool of their own: replayed between two pieces, in the
+pieces' pool they could take the block of a residual one piece hands the next.
 
 A prefill's rows are padded to a bucket: padding rows take token 0 at position 0, write their KV into
 the pool's reserved block 0, which nobody reads, and no real row attends to them (they come after
@@ -25,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.attention import PrefillMeta
+from engine.attention import PrefillMeta, whole_prompt_attention
 from engine.kernels.arrivals import capture_stream
 from engine.kv_cache import KVPool, slot_ids
 from engine.model import DecoderModel
@@ -60,14 +64,19 @@ class PrefillGraphs:
         self.uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the pinned buffer is free
         self.x: dict[int, torch.Tensor] = {}  # each bucket's residual stream, as its last piece leaves it
         self.pieces: dict[int, list[Callable[[], None]]] = {}
+        self.attend: dict[int, Callable[[], None]] = {}  # a whole prompt's attention, q/k/v -> attn
         started = time.perf_counter()
         graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        attention_pool = torch.cuda.graph_pool_handle() if capture else None
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self.pieces[b] = [self._capture(b, i, graph_pool) if graph_pool is not None
-                              else functools.partial(self._piece, b, i) for i in range(len(self.layers))]
+            self.pieces[b] = [self._capture(functools.partial(self._piece, b, i), graph_pool, self.x.get(b), b)
+                              if graph_pool is not None else functools.partial(self._piece, b, i)
+                              for i in range(len(self.layers))]
+            attend = functools.partial(self._attend, b)
+            self.attend[b] = self._capture(attend, attention_pool) if attention_pool is not None else attend
         if capture:
             log.info("captured %d prefill CUDA graphs (%d a prompt, buckets %s) in %.1fs",
-                     len(self.buckets) * len(model.layers), len(model.layers), list(self.buckets),
+                     len(self.buckets) * (len(model.layers) + 1), len(model.layers) + 1, list(self.buckets),
                      time.perf_counter() - started)
 
     def fits(self, tokens: int) -> bool:
@@ -89,19 +98,27 @@ class PrefillGraphs:
             self.k[:b].copy_(k)
             self.v[:b].copy_(v)
 
-    def _capture(self, b: int, i: int, graph_pool: tuple[int, int]) -> Callable[[], None]:
-        residual = self.x.get(b)
+    def _attend(self, b: int) -> None:
+        """A whole prompt's attention over the bucket's rows (the padding rows come after every real one)."""
+        with torch.inference_mode():
+            heads = whole_prompt_attention(self.q[:b], self.k[:b], self.v[:b])
+            self.attn[:b].view_as(heads).copy_(heads)
+
+    def _capture(self, work: Callable[[], None], graph_pool: tuple[int, int], residual: torch.Tensor | None = None,
+                 b: int = 0) -> Callable[[], None]:
+        """`work` as a graph in `graph_pool`; `residual`: bucket `b`'s, which a piece replaces and the graph
+        must read as the earlier pieces' graphs leave it."""
         stream = torch.cuda.Stream(self.pool.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and settle cuBLAS before capture
-                self._piece(b, i)
-                if residual is not None:  # the graph reads the residual the earlier pieces' graphs write
+            for _ in range(2):  # compile the Triton kernels, build cuDNN's plan and settle cuBLAS before capture
+                work()
+                if residual is not None:
                     self.x[b] = residual
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(self.pool.device)):  # type: ignore[arg-type]
-            self._piece(b, i)
+            work()
         return graph.replay
 
     def bucket_for(self, tokens: int) -> int:
@@ -115,17 +132,18 @@ class PrefillGraphs:
         t = len(token_ids)
         b = self.bucket_for(t)
         meta = self._upload(token_ids, block_table, start, b)
-        rows = meta.rows if meta.whole_prompt else t  # a whole prompt's attention takes its padded rows
-        assert rows <= b, f"{t} tokens attend over {rows} rows, more than the bucket's {b}"
         layers = self.layers
         last = len(layers) - 1
+        q, k, v = self.q[:t], self.k[:t], self.v[:t]
         for i, piece in enumerate(self.pieces[b]):
             piece()
-            q, k, v = self.q[:rows], self.k[:rows], self.v[:rows]
             if i == last:
                 break
-            heads, _ = layers[i].prefill_attention(q, k, v, self.x[b], self.pool, i, meta, False)
-            self.attn[:t].view_as(heads).copy_(heads)
+            if meta.whole_prompt:
+                self.attend[b]()
+            else:
+                heads, _ = layers[i].prefill_attention(q, k, v, self.x[b], self.pool, i, meta, False)
+                self.attn[:t].view_as(heads).copy_(heads)
             if on_layer_done is not None:
                 on_layer_done(i)
         heads, x = layers[last].prefill_attention(q, k, v, self.x[b], self.pool, last, meta, True)

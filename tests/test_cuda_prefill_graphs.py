@@ -100,7 +100,8 @@ def test_split_kernels_counts_stay_out_of_graph_pools() -> None:
 
 
 def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
-    """At a bucket's own row count the graph runs the eager prefill's kernels on the same shapes."""
+    """At a bucket's own row count the graphs run the eager prefill's kernels on the same shapes: a chunk after
+    a cached prefix, and a whole prompt."""
     from engine.offline import make_runner
 
     runner = make_runner(preset="qwen2.5-7b", device="cuda:0", dtype=torch.bfloat16, max_model_len=2048,
@@ -113,6 +114,8 @@ def test_graphed_prefill_of_a_full_bucket_is_eagers_bits() -> None:
     eager = runner.prefill(tokens[1024:], tables[0], 1024, graphed=False)
     graphed = runner.prefill(tokens[1024:], tables[1], 1024)
     assert torch.equal(graphed, eager)
+    whole = tokens[:512]  # a whole prompt: its attention graphed too, over the same 512 rows
+    assert torch.equal(runner.prefill(whole, tables[1], 0), runner.prefill(whole, tables[0], 0, graphed=False))
 
 
 def test_chunk_attention_on_grouped_heads_matches_repeated_heads() -> None:
