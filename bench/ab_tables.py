@@ -1,5 +1,6 @@
-"""Tables of `python -m bench.ab` comparisons (one tree against another, on one card in one call),
-rendered into the documents by `python -m bench.readme_tables`."""
+"""Tables that compare one tree with another, rendered into the documents by `python -m bench.readme_tables`:
+`python -m bench.ab`'s comparisons (on one card in one call), and a result file against the run it keeps
+as `previous`."""
 
 from __future__ import annotations
 
@@ -113,3 +114,16 @@ def whole_prompt(tokens: int) -> Callable[[Doc], float | None]:
         value = output["prefill_ms"].get(str(tokens))
         return None if value is None else float(value)
     return figure
+
+
+def later_turns_h200(file: str = "engine-later-turns-h200.json") -> str:
+    """A chat's later turn alone on one H200 (`bench.micro.engine_steps --later-turns`), the file's run beside
+    the one before it."""
+    doc = load(file)
+    runs = [doc["previous"], doc] if "previous" in doc else [doc]  # the run before first
+    turns = [{(r["prefix"], r["new"]): r["ms"] for r in run["later_turns"] if r["batch"] == 0} for run in runs]
+    header = ["", *(f"{run['commit']} ({run['date'][:10]})" for run in runs)]
+    cells = [[f"{new} tokens after {prefix:,} cached", *(ms(t.get((prefix, new))) for t in turns)]
+             for prefix, new in sorted(turns[-1])]
+    sources = "; ".join(f"{run['hardware']}, commit {run['commit']}, `{run['command']}`" for run in runs)
+    return f"*[`{file}`](bench/results/{file}): {sources}.*\n\n" + table(header, cells)

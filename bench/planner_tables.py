@@ -109,3 +109,42 @@ def plan_network() -> str:
              f"NIC latency {net['nic_latency_us']:g} µs; split-nodes cells: the same split's goodput (req/s) with "
              "the pools on nodes of their own, and against the per-node best.*")
     return about + "\n\n" + table(header, rows)
+
+
+def deployment(row: Doc) -> str:
+    """A plan row's deployment in words: "partitioned, 8 decode GPUs", "disaggregated, 6 prefill + 2 decode"."""
+    mode, prefill, decode = row["mode"], row["prefill"], row["decode"]
+    if mode == "disaggregated":
+        return f"disaggregated, {prefill} prefill + {decode} decode"
+    if mode == "auto":
+        return f"auto, {prefill} + {decode}"
+    name = row["deployment"].split()[0].replace(":", " ")  # "chunked:2048 8D" -> "chunked 2048"
+    return f"{name}, {decode} decode GPUs"
+
+
+def goodput(row: Doc, earlier: dict[str, float]) -> str:
+    """A row's goodput (req/s, three figures), the same deployment's in the plan before in brackets."""
+    was = earlier.get(row["deployment"])
+    return rps(row["goodput_rps"]) + ("" if was is None else f" ({rps(was)})")
+
+
+def rps(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def best_plans(file: str = "simulate-plan.json") -> str:
+    """Each plan's best deployment and the best of another mode, the plan before it (`previous`) in brackets."""
+    doc: Doc = json.loads((RESULTS / file).read_text())
+    before: Doc = doc.get("previous", {}).get("plans", {})
+    rows = []
+    for key, plan in doc["plans"].items():
+        best = plan["best"]
+        other = max((r for r in plan["rows"] if r["mode"] != best["mode"]), key=lambda r: r["goodput_rps"])
+        earlier = {r["deployment"]: r["goodput_rps"] for r in before.get(key, {}).get("rows", [])}
+        rows.append([str(plan["gpus"]), plan["mix"], deployment(best), goodput(best, earlier), deployment(other),
+                     goodput(other, earlier)])
+    previous = doc.get("previous")
+    about = (f"*simulated on the CPU, costs fitted to H200 runs, {doc['date'][:10]}, commit {doc['commit']}, "
+             f"`{doc['command']}`, [`{file}`](bench/results/{file})"
+             + (f"; in brackets, the plan at {previous['commit']}" if previous else "") + ".*")
+    return about + "\n\n" + table(["GPUs", "mix", "best", "goodput", "runner-up", "goodput"], rows)

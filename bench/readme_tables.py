@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.ab_tables import prefill_graphs_h100, prefill_server_graphs_h100
+from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
-from bench.planner_tables import plan_network, planner_costs
+from bench.planner_tables import best_plans, plan_network, planner_costs
 
 RESULTS = Path("bench/results")
 DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
@@ -315,8 +315,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "engine-fp8-kv-fp8-h200": lambda: engine_h200("engine-fp8-kv-fp8-h200.json"),
     "scenario-fp8-kv-fp8-h200": lambda: scenario_h200("scenario-fp8-kv-fp8-h200.json"),
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
-    "prefill-server-graphs-h100": prefill_server_graphs_h100,
-    "planner-costs": planner_costs,
+    "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
+    "planner-costs": planner_costs, "simulate-plan": best_plans,
 }
 
 

@@ -303,8 +303,8 @@ class DecodeServer:
             request = self.prefilling.popleft().request
             request.cached = cached_of(self.cache, request)
             new, rate = request.prompt - request.cached, self.partition_rate
-            # the extras (request set-up, first read) on the share as before; a later turn's launch-bound floor
-            # not slowed by it (Costs.prefill_on_share_ms)
+            # the extras (request set-up, first read) on the share as before; a later turn's floor not slowed
+            # by it (Costs.prefill_on_share_ms)
             extra = self.costs.local_extra.params[0] + self.serving.local_call_ms
             seconds = (self.costs.prefill_on_share_ms(new, request.cached, rate) + extra / rate) / 1e3
             request.prefill_s = seconds

@@ -28,6 +28,7 @@ PARTITION_ALONE_STEP_MS = 3.71
 PARTITION_LAB = {100: (10.7, 0.77), 84: (7.5, 0.65), 68: (5.9, 0.55)}
 PRESET = "qwen2.5-7b"  # the shape every recorded run served
 LATER_TURNS = "engine-later-turns-h200.json"  # `bench.micro.engine_steps --later-turns` on one H200
+GRAPHED_TOKENS = 512  # engine.prefill_graphs.BUCKETS[-1]: the engine thread's prefills of up to this many replay graphs
 ATTENTION_SWEEPS = "decode-attention*.json"   # `bench.micro.decode_attention` on one H200, each split count timed
 LONG_HISTORY = "attention-long-history*.json"  # the same with --long-context: one long history among short ones
 
@@ -160,12 +161,14 @@ class Costs:
 
     def later_turn_ms(self, tokens: int, cached: int) -> float:
         """The engine's prefill of `tokens` after `cached` tokens from the prefix cache: the later-turn fit, or
-        one chunk where no run timed later turns. The timed turns (64-400 tokens) are bound by the host's
-        launches, not the GPU, so a longer turn costs at least what the GPU takes for it as a chunk."""
+        one chunk where no run timed later turns. A turn of up to GRAPHED_TOKENS replays the prefill graphs, as
+        the timed ones (64-400 tokens) did; a longer one runs eagerly, so costs at least what a chunk of it
+        does (the chunk fit's eager chunks)."""
         chunk = self.chunk_ms(tokens, cached)
         if self.later_turn is None:
             return chunk
-        return max(chunk, self._later_turn_fit_ms(tokens, cached))
+        fit = self._later_turn_fit_ms(tokens, cached)
+        return fit if tokens <= GRAPHED_TOKENS else max(chunk, fit)
 
     def _later_turn_fit_ms(self, tokens: int, cached: int) -> float:
         assert self.later_turn is not None
@@ -174,8 +177,9 @@ class Costs:
 
     def prefill_on_share_ms(self, tokens: int, cached: int, rate: float) -> float:
         """The engine's prefill on a share of the SMs that runs it at `rate` of the whole GPU's pace (partitioned).
-        The GPU's work slows by the share; a later turn's launch-bound floor (the later-turn fit: the host's
-        kernel launches, whatever the SMs) does not."""
+        The GPU's work slows by the share; a later turn's floor (the later-turn fit) does not. That fit times the
+        engine thread's turns, which replay the prefill graphs; the partitioned thread's run eagerly, and the
+        host's launches they pay (about 30 ms a turn on one H200 before the graphs) are not in it."""
         if cached > 0 and self.later_turn is not None and tokens > 0:
             return max(self.chunk_ms(tokens, cached) / rate, self._later_turn_fit_ms(tokens, cached))
         return self.prefill_ms(tokens, cached) / rate

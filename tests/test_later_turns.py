@@ -13,7 +13,7 @@ import pytest
 from bench.micro import engine_steps as engine
 from bench.micro.later_turns import LaterTurns
 from engine.offline import make_runner
-from planner.costs import LATER_TURNS, RESULTS, Costs
+from planner.costs import GRAPHED_TOKENS, LATER_TURNS, RESULTS, Costs
 from planner.fits import fit_costs, fit_later_turn, later_turn_rows
 
 TRUE = (4.0, 0.03, 0.0004, 2e-6)  # f0 ms, ms a new token, ms a prefix token, ms a new token's attention token
@@ -132,10 +132,11 @@ def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path
     assert beside.params == pytest.approx((3.0,)) and beside.max_rel_error < 1e-9
     f0, f1, f2, f3 = TRUE
     turn = f0 + f1 * 200 + f2 * 8192 + f3 * 200 * (8192 + 100)
-    assert costs.prefill_ms(200, 8192) == pytest.approx(max(turn, costs.chunk_ms(200, 8192)))
-    # a turn the fit prices below the GPU's chunk time for it costs at least that (turns timed were host-bound)
+    assert costs.prefill_ms(200, 8192) == pytest.approx(turn)  # graphed, as the timed turns: the fit alone
+    # a turn longer than the prefill graphs take runs eagerly: at least a chunk of it; a graphed one the fit
     fast = dataclasses.replace(costs, later_turn=dataclasses.replace(fit, params=(1.0, 0.0, 0.0, 0.0)))
     assert fast.prefill_ms(2048, 4096) == fast.chunk_ms(2048, 4096) > 1.0
+    assert fast.prefill_ms(GRAPHED_TOKENS, 4096) == 1.0 < fast.chunk_ms(GRAPHED_TOKENS, 4096)
     assert costs.local_prefill_ms(200, 8192) == pytest.approx(costs.prefill_ms(200, 8192) + costs.local_extra.params[0])
     # chunked: the first chunk after a hit is the colocated later turn's engine call; later chunks the chunk fit's
     assert costs.chunk_piece_ms(512, 4096, 4096) == costs.local_prefill_ms(512, 4096)
@@ -143,7 +144,7 @@ def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path
     assert costs.chunk_piece_ms(512, 0, 0) == costs.chunk_ms(512, 0)
     # a whole prompt is the prefill fit's, as before
     assert costs.prefill_ms(4096) == fit_costs().prefill_ms(4096)
-    # on a share of the SMs (partitioned) the GPU's part slows by the share, the launch-bound floor does not
+    # on a share of the SMs (partitioned, eager) the GPU's part slows by the share, the later-turn floor does not
     assert costs.prefill_on_share_ms(200, 8192, 0.5) == pytest.approx(max(turn, costs.chunk_ms(200, 8192) / 0.5))
     assert costs.prefill_on_share_ms(4096, 0, 0.5) == pytest.approx(costs.prefill_ms(4096) / 0.5)
     assert bare_share(costs) == pytest.approx(costs.chunk_ms(200, 8192) / 0.5)

@@ -40,9 +40,9 @@ def test_every_table_is_in_a_document() -> None:
     assert {"scenario-2xh200", "scenario-h200", "load-h200", "load-2xh200", "engine-h200"} <= in_readme
 
 
-def test_the_simulators_costs_and_network_plan_are_in_the_scaling_doc() -> None:
+def test_the_simulators_costs_and_plans_are_in_the_scaling_doc() -> None:
     names = {m["name"] for m in readme_tables.BLOCK.finditer(Path("docs/scaling.md").read_text())}
-    assert names == {"planner-costs", "simulate-plan-network"}
+    assert names == {"planner-costs", "simulate-plan", "simulate-plan-network"}
 
 
 def test_the_recorded_costs_are_what_bench_results_fit() -> None:

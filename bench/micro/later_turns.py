@@ -98,7 +98,8 @@ class LaterTurns:
 
     def __init__(self, runner: ModelRunner, partitions: SmPartitions | None = None, sms: int = 0) -> None:
         """With `sms`, each timed turn runs confined to that many SMs, as partitioned mode's prefill thread
-        runs it (`partitions.confine`)."""
+        runs it (`partitions.confine`), and eagerly, as that thread does (the prefill graphs are the engine
+        thread's)."""
         self.runner = runner
         self.partitions, self.sms = partitions or Unconfined(), sms
         self.cache = PrefixCache(runner.pool.allocator, runner.pool.layout.block_size)
@@ -136,7 +137,7 @@ class LaterTurns:
             with self.partitions.confine(self.sms) if self.sms else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 with profiler if profiler is not None else contextlib.nullcontext():
-                    logits = self.runner.prefill(prompt[cached:], table, cached)
+                    logits = self.runner.prefill(prompt[cached:], table, cached, graphed=not self.sms)
                 self.queued_ms = (time.perf_counter() - t0) * 1e3
                 self.reader.read(sample(logits[None], [SamplingParams()], [0]))  # waits for the prefill's kernels
                 ms = (time.perf_counter() - t0) * 1e3
