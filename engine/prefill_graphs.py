@@ -43,8 +43,9 @@ BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
 
 
 class PrefillGraphs:
-    """Prefills of up to `buckets[-1]` tokens of `model` over `pool` as graphed pieces and eager
-    attention. `capture=False` runs the same pieces eagerly (the CPU, and tests of the padding)."""
+    """Prefills of up to `buckets[-1]` tokens of `model` over `pool` as graphed pieces, with a whole
+    prompt's attention graphed and a chunk's eager. `capture=False` runs the same work eagerly (the CPU,
+    and tests of the padding)."""
 
     def __init__(self, model: DecoderModel, pool: KVPool, buckets: Sequence[int] = BUCKETS,
                  capture: bool = True) -> None:
