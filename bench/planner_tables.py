@@ -148,3 +148,32 @@ def best_plans(file: str = "simulate-plan.json") -> str:
              f"`{doc['command']}`, [`{file}`](bench/results/{file})"
              + (f"; in brackets, the plan at {previous['commit']}" if previous else "") + ".*")
     return about + "\n\n" + table(["GPUs", "mix", "best", "goodput", "runner-up", "goodput"], rows)
+
+
+METRICS = {"goodput_rps": "goodput", "ttft_ms.p50": "TTFT median", "itl_ms.p99": "ITL p99"}
+
+
+def validation(file: str = "simulate-validation.json") -> str:
+    """The recorded load runs replayed (`python -m planner --validate`): each file and commit's scored rows
+    within the target, and the rows that miss it (training runs marked)."""
+    doc: Doc = json.loads((RESULTS / file).read_text())
+    target = doc["target_abs_rel_error"]
+    groups: dict[str, list[Doc]] = {}
+    for row in doc["validation"]:
+        if row["modelled_serving_loop"]:
+            groups.setdefault(row["run"].split(":")[0], []).append(row)
+    cells = []
+    for group, rows in groups.items():
+        within = sum(abs(r["rel_error"]) <= target for r in rows)
+        misses = [f"{r['run'].split(':', 1)[1]} {METRICS.get(r['metric'], r['metric'])} {r['rel_error']:+.0%}"
+                  for r in rows if abs(r["rel_error"]) > target]
+        name, commit = group.split("@")
+        training = " (the training run)" if group == doc["training_run"] else ""
+        cells.append([f"`{name}` at {commit}{training}", f"{within} of {len(rows)}", "; ".join(misses) or "–"])
+    scored = [r for rows in groups.values() for r in rows]
+    by_metric = ", ".join(f"{label} in {sum(abs(r['rel_error']) > target for r in scored if r['metric'] == m)}"
+                          for m, label in METRICS.items())
+    about = (f"*simulated on the CPU, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             f"[`{file}`](bench/results/{file}): **{doc['within_target']} of {doc['scored_rows']} scored rows within "
+             f"±{target:.0%}**; rows that miss, by metric: {by_metric}.*")
+    return about + "\n\n" + table(["runs", f"rows within ±{target:.0%}", "what misses"], cells)

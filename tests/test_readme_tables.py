@@ -42,7 +42,7 @@ def test_every_table_is_in_a_document() -> None:
 
 def test_the_simulators_costs_and_plans_are_in_the_scaling_doc() -> None:
     names = {m["name"] for m in readme_tables.BLOCK.finditer(Path("docs/scaling.md").read_text())}
-    assert names == {"planner-costs", "simulate-plan", "simulate-plan-network"}
+    assert names == {"planner-costs", "simulate-plan", "simulate-plan-network", "simulate-validation"}
 
 
 def test_the_recorded_costs_are_what_bench_results_fit() -> None:
@@ -130,3 +130,16 @@ def test_make_results_measures_every_readme_table() -> None:
     in_readme = {m["name"] for m in readme_tables.BLOCK.finditer(Path("README.md").read_text())}
     assert in_readme <= {m.name for m in headline.MEASUREMENTS}
     assert sum(m.budget_s for m in headline.MEASUREMENTS if m.gpus == 1) <= 600
+
+
+def test_the_validation_table_counts_what_its_file_scored() -> None:
+    """Each group's rows within the target add up to the file's own count, and every miss is listed."""
+    from bench.planner_tables import validation
+
+    doc = json.loads(Path("bench/results/simulate-validation.json").read_text())
+    rows = [line.split(" | ") for line in validation().splitlines() if line.startswith("| `")]
+    within = [int(cells[1].split(" of ")[0]) for cells in rows]
+    total = [int(cells[1].split(" of ")[1]) for cells in rows]
+    assert (sum(within), sum(total)) == (doc["within_target"], doc["scored_rows"])
+    misses = sum(0 if cells[2].rstrip(" |") == "–" else len(cells[2].split("; ")) for cells in rows)
+    assert misses == doc["scored_rows"] - doc["within_target"]
