@@ -177,3 +177,25 @@ def validation(file: str = "simulate-validation.json") -> str:
              f"[`{file}`](bench/results/{file}): **{doc['within_target']} of {doc['scored_rows']} scored rows within "
              f"±{target:.0%}**; rows that miss, by metric: {by_metric}.*")
     return about + "\n\n" + table(["runs", f"rows within ±{target:.0%}", "what misses"], cells)
+
+
+def decode_mode(row: Doc, slo: Doc) -> str:
+    """The decode servers' `--mode` for a plan row (a partitioned one with the SLO it runs its split under)."""
+    if row["mode"] == "partitioned":
+        return f"partitioned, `--itl-slo-ms {slo['itl_ms']:g}` ({row['prefill_sms']} prefill SMs)"
+    return row["deployment"].split()[0].replace(":", " ")
+
+
+def replica_counts(file: str = "simulate-plan.json", close: float = 0.05) -> str:
+    """The scale-out overlay's counts for each plan's best deployment, and the others within `close` of it."""
+    doc: Doc = json.loads((RESULTS / file).read_text())
+    rows = []
+    for plan in doc["plans"].values():
+        best = plan["best"]
+        near = [f"{deployment(r)} ({r['goodput_rps'] / best['goodput_rps'] - 1:+.0%})" for r in plan["rows"]
+                if r["deployment"] != best["deployment"] and r["goodput_rps"] >= (1 - close) * best["goodput_rps"]]
+        rows.append([str(plan["gpus"]), plan["mix"], str(best["prefill"]), str(best["decode"]),
+                     decode_mode(best, plan["slo"]), "; ".join(near) or "–"])
+    about = f"*the best deployments of [`{file}`](bench/results/{file}) (commit {doc['commit']}).*"
+    return about + "\n\n" + table(["GPUs", "mix", "prefill", "decode", "decode `--mode`",
+                                   f"within {close:.0%} of it"], rows)

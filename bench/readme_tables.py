@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
-from bench.planner_tables import best_plans, plan_network, planner_costs, validation
+from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
 RESULTS = Path("bench/results")
 DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
@@ -317,7 +317,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
-    "simulate-validation": validation,
+    "simulate-validation": validation, "replica-counts": replica_counts,
 }
 
 
