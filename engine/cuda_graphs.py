@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,6 +30,26 @@ from engine.logprobs import device_tensor
 from engine.model import DecoderModel
 
 log = logging.getLogger(__name__)
+
+
+def capture(work: Callable[[], object], device: torch.device, graph_pool: tuple[int, int] | None = None,
+            settle: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
+    """`work` as a CUDA graph (in `graph_pool`), after two eager runs on a side stream that compile its
+    Triton kernels, build its cuDNN plans and settle cuBLAS; `settle` runs after each of them, to put back
+    what a run changed that the graph must find as it was. Captured on `arrivals.capture_stream`, where
+    split kernels find their arrival counts."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            work()
+            if settle is not None:
+                settle()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(device)):  # type: ignore[arg-type]
+        work()
+    return graph
 
 
 def bucket_sizes(max_batch: int, min_bucket: int) -> list[int]:
@@ -96,16 +117,11 @@ class DecodeGraphs:
     def _capture(self, b: int, side: int, graph_pool: tuple[int, int]) -> None:
         s = self.sides[side]
         s.sources.fill_(-1)  # the warm-up runs take every token from the host
-        stream = torch.cuda.Stream(self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and settle cuBLAS before capture
-                self._forward(b, side)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(self.pool.device)):  # type: ignore[arg-type]
+
+        def step() -> None:  # the captured run's logits are the ones each replay writes
             s.logits[b], _ = self._forward(b, side)
-        s.graphs[b] = graph
+
+        s.graphs[b] = capture(step, self.pool.device, graph_pool)
 
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.attention import PrefillMeta, whole_prompt_attention
-from engine.kernels.arrivals import capture_stream
+from engine.cuda_graphs import capture
 from engine.kv_cache import KVPool, slot_ids
 from engine.model import DecoderModel
 from engine.model.decoder import DecoderLayer
@@ -70,11 +70,9 @@ class PrefillGraphs:
         graph_pool = torch.cuda.graph_pool_handle() if capture else None
         attention_pool = torch.cuda.graph_pool_handle() if capture else None
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self.pieces[b] = [self._capture(functools.partial(self._piece, b, i), graph_pool, self.x.get(b), b)
-                              if graph_pool is not None else functools.partial(self._piece, b, i)
+            self.pieces[b] = [self._graphed(functools.partial(self._piece, b, i), graph_pool, b)
                               for i in range(len(self.layers))]
-            attend = functools.partial(self._attend, b)
-            self.attend[b] = self._capture(attend, attention_pool) if attention_pool is not None else attend
+            self.attend[b] = self._graphed(functools.partial(self._attend, b), attention_pool)
         if capture:
             log.info("captured %d prefill CUDA graphs (%d a prompt, buckets %s) in %.1fs",
                      len(self.buckets) * (len(model.layers) + 1), len(model.layers) + 1, list(self.buckets),
@@ -105,22 +103,17 @@ class PrefillGraphs:
             heads = whole_prompt_attention(self.q[:b], self.k[:b], self.v[:b])
             self.attn[:b].view_as(heads).copy_(heads)
 
-    def _capture(self, work: Callable[[], None], graph_pool: tuple[int, int], residual: torch.Tensor | None = None,
-                 b: int = 0) -> Callable[[], None]:
-        """`work` as a graph in `graph_pool`; `residual`: bucket `b`'s, which a piece replaces and the graph
-        must read as the earlier pieces' graphs leave it."""
-        stream = torch.cuda.Stream(self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels, build cuDNN's plan and settle cuBLAS before capture
-                work()
-                if residual is not None:
-                    self.x[b] = residual
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(self.pool.device)):  # type: ignore[arg-type]
-            work()
-        return graph.replay
+    def _graphed(self, work: Callable[[], None], graph_pool: tuple[int, int] | None,
+                 b: int | None = None) -> Callable[[], None]:
+        """`work`'s graph in `graph_pool` to replay, or `work` itself where nothing is captured. A piece of
+        bucket `b` replaces its residual, and its graph must read the one the earlier pieces' graphs
+        write: the warm-up runs put that one back."""
+        if graph_pool is None:
+            return work
+        settle = None
+        if b is not None and (residual := self.x.get(b)) is not None:
+            settle = functools.partial(self.x.__setitem__, b, residual)
+        return capture(work, self.pool.device, graph_pool, settle).replay
 
     def bucket_for(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)

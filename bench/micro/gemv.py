@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import changed_flags, measure_hbm_gbps, metadata, replay_ms, write_json
+from engine.cuda_graphs import capture
 from engine.fp8 import FP8_MAX, quantize_per_channel
 from engine.kernels import gemv_vector
-from engine.kernels.arrivals import capture_stream
 from engine.kernels.gemv import (
     MAX_ROWS,
     WIDE_ROWS,
@@ -48,18 +48,13 @@ SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (
 
 
 def graph_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
-    """Microseconds per call, from CUDA-graph replays of all `calls` in a row, captured where the engine's
-    graphs are (`arrivals.capture_stream`: split kernels find their arrival counts there)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    """Microseconds per call, from CUDA-graph replays of all `calls` in a row, captured as the engine's graphs
+    are (`engine.cuda_graphs.capture`)."""
+    def run_all() -> None:
         for fn in calls:
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=capture_stream(torch.device("cuda", torch.cuda.current_device()))):
-        for fn in calls:
-            fn()
+
+    graph = capture(run_all, torch.device("cuda", torch.cuda.current_device()))
     return replay_ms(graph, replays) * 1e3 / len(calls)
 
 
