@@ -14,6 +14,10 @@ RESULTS = Path("bench/results")
 Doc = dict[str, Any]
 
 
+def load(file: str) -> Doc:
+    return json.loads((RESULTS / file).read_text())
+
+
 def rate(us_per_byte: float) -> str:
     return f"{1e-3 / us_per_byte:.1f} GB/s"
 
@@ -81,7 +85,7 @@ def costs_rows(doc: Doc) -> list[list[str]]:
 
 def planner_costs(file: str = "simulate-costs.json") -> str:
     """The simulator's costs as `python -m planner --costs` recorded them (every run prints the same fits)."""
-    doc: Doc = json.loads((RESULTS / file).read_text())
+    doc = load(file)
     header = ["cost", "fitted to", "form", "points", "R²", "max rel err"]
     about = (f"*fitted on the CPU to bench/results, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
              f"[`{file}`](bench/results/{file}).*")
@@ -90,7 +94,7 @@ def planner_costs(file: str = "simulate-costs.json") -> str:
 
 def plan_network() -> str:
     file = "simulate-plan-network.json"
-    doc: Doc = json.loads((RESULTS / file).read_text())
+    doc = load(file)
     net = doc["network"]
     speeds = doc["nic_sweep_gbps"]
     header = ["GPUs", "mix", "best per-node split (req/s)", *[f"split nodes, {g:g} Gb/s" for g in speeds],
@@ -118,8 +122,12 @@ def deployment(row: Doc) -> str:
         return f"disaggregated, {prefill} prefill + {decode} decode"
     if mode == "auto":
         return f"auto, {prefill} + {decode}"
-    name = row["deployment"].split()[0].replace(":", " ")  # "chunked:2048 8D" -> "chunked 2048"
-    return f"{name}, {decode} decode GPUs"
+    return f"{mode_name(row)}, {decode} decode GPUs"
+
+
+def mode_name(row: Doc) -> str:
+    """A plan row's mode as its deployment names it: "chunked:2048 8D" -> "chunked 2048"."""
+    return row["deployment"].split()[0].replace(":", " ")
 
 
 def goodput(row: Doc, earlier: dict[str, float]) -> str:
@@ -134,7 +142,7 @@ def rps(value: float) -> str:
 
 def best_plans(file: str = "simulate-plan.json") -> str:
     """Each plan's best deployment and the best of another mode, the plan before it (`previous`) in brackets."""
-    doc: Doc = json.loads((RESULTS / file).read_text())
+    doc = load(file)
     before: Doc = doc.get("previous", {}).get("plans", {})
     rows = []
     for key, plan in doc["plans"].items():
@@ -156,7 +164,7 @@ METRICS = {"goodput_rps": "goodput", "ttft_ms.p50": "TTFT median", "itl_ms.p99":
 def validation(file: str = "simulate-validation.json") -> str:
     """The recorded load runs replayed (`python -m planner --validate`): each file and commit's scored rows
     within the target, and the rows that miss it (training runs marked)."""
-    doc: Doc = json.loads((RESULTS / file).read_text())
+    doc = load(file)
     target = doc["target_abs_rel_error"]
     groups: dict[str, list[Doc]] = {}
     for row in doc["validation"]:
@@ -183,12 +191,12 @@ def decode_mode(row: Doc, slo: Doc) -> str:
     """The decode servers' `--mode` for a plan row (a partitioned one with the SLO it runs its split under)."""
     if row["mode"] == "partitioned":
         return f"partitioned, `--itl-slo-ms {slo['itl_ms']:g}` ({row['prefill_sms']} prefill SMs)"
-    return row["deployment"].split()[0].replace(":", " ")
+    return mode_name(row)
 
 
 def replica_counts(file: str = "simulate-plan.json", close: float = 0.05) -> str:
     """The scale-out overlay's counts for each plan's best deployment, and the others within `close` of it."""
-    doc: Doc = json.loads((RESULTS / file).read_text())
+    doc = load(file)
     rows = []
     for plan in doc["plans"].values():
         best = plan["best"]
