@@ -8,6 +8,10 @@ the device to finish, and posts a `PrefillDone` into the scheduler's inbox, whic
 token on the engine thread. So the scheduler never waits for a prefill, and a sequence's blocks
 are freed only after `PrefillDone` arrives, when no kernel of its prefill is left to write them.
 
+A short prompt (a chat's later turn after its cached prefix) on the server's SM count replays prefill
+graphs of this thread's own, captured on that count's green stream at start
+(`ModelRunner.partition_graphs`): queued eagerly, its kernels took the host longer than the GPU.
+
 What the two threads share: the model's weights (read only) and the KV pool, where this thread
 writes only the blocks of the sequence it prefills and the decode graphs read only the running
 sequences' blocks. Each thread keeps its own cuDNN/cuBLAS handles (PyTorch keeps them per thread),
@@ -30,6 +34,7 @@ import torch
 from decode_server.sequence import RequestSequence
 from decode_server.step_trace import StepTrace
 from engine.green_context import SmPartitions
+from engine.prefill_graphs import PrefillGraphs
 from engine.runner import ModelRunner
 from engine.sampling import sample
 from serving.grpc_common import StartupError
@@ -58,6 +63,7 @@ class PartitionedPrefill:
         self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
         self.trace = trace
         self._jobs: queue.Queue[RequestSequence | None] = queue.Queue()
+        self.graphs: PrefillGraphs | None = None  # replayed on the green stream of `default_sms`
         self._ready = threading.Event()
         self._setup_failed: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="partitioned-prefill")
@@ -87,6 +93,8 @@ class PartitionedPrefill:
             self.runner.bind_thread()
             with self.partitions.confine(self.default_sms):
                 self.runner.prepare_engine_thread()  # this thread's cuDNN plans, built under its own stream
+                if self.partitions.streams_of_their_own:
+                    self.graphs = self.runner.partition_graphs()
             # the first token comes back through pinned memory and a wait on the green stream alone (no
             # event: recording one made on the primary context on a green context's stream is not portable)
             host = torch.empty(1, dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
@@ -113,9 +121,11 @@ class PartitionedPrefill:
         try:
             with self.partitions.confine(self.sms_for(seq)):
                 try:
-                    # not graphed: the engine thread's prefills replay the prefill graphs meanwhile
+                    # this thread's own graphs, captured on this SM count's stream; never the engine thread's
+                    graphs = self.graphs if self.graphs is not None and self.sms_for(seq) == self.default_sms \
+                        else False
                     logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
-                                                 on_layer_done=stop_if_cancelled, graphed=False)
+                                                 on_layer_done=stop_if_cancelled, graphed=graphs)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                     queued = time.perf_counter()
                 finally:  # whatever was queued must finish before the scheduler may free the blocks

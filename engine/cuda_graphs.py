@@ -24,7 +24,7 @@ import torch
 
 from engine.attention import DecodeMeta
 from engine.decode_batch import DecodeSeq, TableRows, sources, table_width, write_meta
-from engine.kernels.arrivals import capture_stream
+from engine.kernels.arrivals import arrival_counts, capture_stream
 from engine.kv_cache import KVPool
 from engine.logprobs import device_tensor
 from engine.model import DecoderModel
@@ -33,21 +33,32 @@ log = logging.getLogger(__name__)
 
 
 def capture(work: Callable[[], object], device: torch.device, graph_pool: tuple[int, int] | None = None,
-            settle: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
-    """`work` as a CUDA graph (in `graph_pool`), after two eager runs on a side stream that compile its
-    Triton kernels, build its cuDNN plans and settle cuBLAS; `settle` runs after each of them, to put back
-    what a run changed that the graph must find as it was. Captured on `arrivals.capture_stream`, where
-    split kernels find their arrival counts."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+            settle: Callable[[], None] | None = None, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """`work` as a CUDA graph (in `graph_pool`), after two eager runs that compile its Triton kernels, build
+    its cuDNN plans and settle cuBLAS; `settle` runs after each of them, to put back what a run changed
+    that the graph must find as it was. Captured on `arrivals.capture_stream`, where split kernels find
+    their arrival counts; or on `stream` (a green context's, whose kernels keep to its SMs, then replayed
+    there), its counts made first and the eager runs on it too: no event crosses from it to another
+    stream."""
+    if stream is None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+    else:
+        side = stream
+        with torch.cuda.stream(stream):
+            arrival_counts(device)  # made outside the graph's pool
+    with torch.cuda.stream(side):
         for _ in range(2):
             work()
             if settle is not None:
                 settle()
-    torch.cuda.current_stream().wait_stream(stream)
+    if stream is None:
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        stream.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=graph_pool, stream=capture_stream(device)):  # type: ignore[arg-type]
+    on = capture_stream(device) if stream is None else stream
+    with torch.cuda.graph(graph, pool=graph_pool, stream=on):  # type: ignore[arg-type]
         work()
     return graph
 

@@ -34,6 +34,12 @@ class SmPartitions(Protocol):
         """False where the work only moves to another thread, on every SM (the CPU, tests)."""
         ...
 
+    @property
+    def streams_of_their_own(self) -> bool:
+        """True where confined work runs on a stream of its partition's own, so that CUDA graphs captured
+        and replayed on it keep to the partition's SMs too."""
+        ...
+
     def check(self, num_sms: int) -> str | None:
         """Why the device can't give `num_sms` SMs to a partition, in one line; None if it can."""
         ...
@@ -48,6 +54,7 @@ class Unconfined:
     thread that runs partitioned prefills."""
 
     confined = False
+    streams_of_their_own = False
 
     def check(self, num_sms: int) -> str | None:
         return None if num_sms > 0 else f"a partition needs at least one SM, got {num_sms}"
@@ -119,6 +126,9 @@ class GreenContexts:
     confined = True
 
     def __init__(self, device: torch.device) -> None:
+        from torch.cuda.green_contexts import GreenContext
+
+        self.streams_of_their_own = hasattr(GreenContext, "Stream")
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(self.index)

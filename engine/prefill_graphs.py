@@ -16,7 +16,9 @@ pieces' pool they could take the block of a residual one piece hands the next.
 A prefill's rows are padded to a bucket: padding rows take token 0 at position 0, write their KV into
 the pool's reserved block 0, which nobody reads, and no real row attends to them (they come after
 every real row, and attention is causal). One prefill runs at a time: the graphs share their input,
-q/k/v and attention buffers, so only the thread that owns them (the engine's) may replay them.
+q/k/v and attention buffers, so only the thread that owns them may replay them. The engine thread owns
+one set; partitioned mode's prefill thread captures its own on its green context's stream
+(`ModelRunner.partition_graphs`), where their kernels keep to that context's SMs.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
 class PrefillGraphs:
     """Prefills of up to `buckets[-1]` tokens of `model` over `pool` as graphed pieces, with a whole
     prompt's attention graphed and a chunk's eager. `capture=False` runs the same work eagerly (the CPU,
-    and tests of the padding)."""
+    and tests of the padding). `stream`: where the graphs are captured and replayed, when not the
+    engine thread's (`engine.cuda_graphs.capture`); the pinned input buffer is then reused once that
+    stream has done all it was given, not after an event, which would cross from it to another."""
 
     def __init__(self, model: DecoderModel, pool: KVPool, buckets: Sequence[int] = BUCKETS,
-                 capture: bool = True) -> None:
-        self.model, self.pool, self.buckets = model, pool, tuple(buckets)
+                 capture: bool = True, stream: torch.cuda.Stream | None = None) -> None:
+        self.model, self.pool, self.buckets, self.stream = model, pool, tuple(buckets), stream
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
         cfg, n, device = model.config, self.buckets[-1], pool.device
         dtype = model.embed.weight.dtype
@@ -62,10 +66,12 @@ class PrefillGraphs:
             self.k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
             self.attn = torch.zeros(n, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
-        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the pinned buffer is free
+        # the pinned buffer is free once this is reached (on the engine thread's stream)
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" and stream is None else None
         self.x: dict[int, torch.Tensor] = {}  # each bucket's residual stream, as its last piece leaves it
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         self.attend: dict[int, Callable[[], None]] = {}  # a whole prompt's attention, q/k/v -> attn
+        self.replays = 0  # prefills replayed (the tests' witness that a path took the graphs)
         started = time.perf_counter()
         graph_pool = torch.cuda.graph_pool_handle() if capture else None
         attention_pool = torch.cuda.graph_pool_handle() if capture else None
@@ -113,7 +119,7 @@ class PrefillGraphs:
         settle = None
         if b is not None and (residual := self.x.get(b)) is not None:
             settle = functools.partial(self.x.__setitem__, b, residual)
-        return capture(work, self.pool.device, graph_pool, settle).replay
+        return capture(work, self.pool.device, graph_pool, settle, self.stream).replay
 
     def bucket_for(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)
@@ -123,8 +129,11 @@ class PrefillGraphs:
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """`engine.runner.ModelRunner.prefill` of `token_ids` (at most `buckets[-1]`) as positions
         start.. of the sequence: the last token's float32 logits [1, V]."""
+        if self.stream is not None and torch.cuda.current_stream(self.pool.device) != self.stream:
+            raise RuntimeError("these prefill graphs replay on the stream they were captured on")
         t = len(token_ids)
         b = self.bucket_for(t)
+        self.replays += 1
         meta = self._upload(token_ids, block_table, start, b)
         layers = self.layers
         last = len(layers) - 1
@@ -152,6 +161,8 @@ class PrefillGraphs:
         t, n = len(token_ids), self.buckets[-1]
         if self.uploaded is not None:
             self.uploaded.synchronize()  # at once in practice: the last prefill's upload is long done
+        elif self.stream is not None:
+            self.stream.synchronize()  # likewise: its thread waits for each prefill's first token
         host = self.inputs_host.numpy().reshape(3, n)
         host[:, t:b] = 0  # token 0 at position 0 in slot 0: the reserved block
         host[0, :t] = np.asarray(token_ids)

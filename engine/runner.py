@@ -65,7 +65,8 @@ class ModelRunner:
         if device.type == "cuda":  # compiled now, not at a request's second token
             self._warm_fed_embedding()
         self.graphs = None
-        self.prefill_graphs = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self._partition_graphs: dict[int, PrefillGraphs] = {}  # by the green stream they replay on
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch_size, max_model_len, min_decode_bucket)
         if (cuda_graphs if prefill_graphs is None else prefill_graphs) and device.type == "cuda":
@@ -98,15 +99,29 @@ class ModelRunner:
         log.info("built prefill attention plans for %d prompt-length buckets up to %d tokens in %.1fs", n,
                  self.max_model_len, time.perf_counter() - started)
 
+    def partition_graphs(self) -> PrefillGraphs | None:
+        """Prefill graphs of the calling thread's current stream, a green context's (partitioned mode's
+        prefill thread, inside `SmPartitions.confine`): captured there on first use, so their kernels
+        keep to that context's SMs, with buffers of their own, since they run beside the engine thread's
+        prefills. None where the engine has no prefill graphs."""
+        if self.prefill_graphs is None:
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        graphs = self._partition_graphs.get(stream.cuda_stream)
+        if graphs is None:
+            graphs = self._partition_graphs[stream.cuda_stream] = PrefillGraphs(self.model, self.pool, stream=stream)
+        return graphs
+
     def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None, every_token: bool = False,
-                graphed: bool = True) -> torch.Tensor:
+                graphed: bool | PrefillGraphs = True) -> torch.Tensor:
         """Prefill `token_ids` as positions start.. of the sequence; returns the last token's logits [V]
         (`every_token`: every token's, [T, V], for the prompt's own log probabilities). A short one
-        replays the prefill graphs (`engine.prefill_graphs`) unless `graphed` is False: a caller on
-        another thread than the engine's, whose prefills may overlap its own, must not share their buffers."""
-        graphs = self.prefill_graphs
-        if graphed and not every_token and graphs is not None and graphs.fits(len(token_ids)):
+        replays the engine thread's prefill graphs (`engine.prefill_graphs`), or the set `graphed` names
+        (`partition_graphs`); eagerly with `graphed=False`: a caller on another thread than the engine's,
+        whose prefills may overlap its own, must not share their buffers."""
+        graphs = graphed if isinstance(graphed, PrefillGraphs) else self.prefill_graphs if graphed else None
+        if not every_token and graphs is not None and graphs.fits(len(token_ids)):
             return graphs.prefill(token_ids, block_table, start, on_layer_done)[0]
         ids, positions, meta = self._prefill_inputs(token_ids, block_table, start)
         logits = self.model(ids, positions, self.pool, meta, last_only=not every_token, on_layer_done=on_layer_done)

@@ -9,9 +9,24 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@triton.jit
+def sm_ids(out, busy, SPIN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Each program stores the SM it runs on, after a few microseconds of work, so that a launch of many
+    programs spreads over every SM it may use."""
+    zero = tl.zeros([1], dtype=tl.int32)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=False, pack=1)
+    acc = tl.zeros([1], dtype=tl.float32) + tl.program_id(0)
+    for _ in range(SPIN):
+        acc = acc * 1.0001 + 0.5
+    tl.store(out + tl.program_id(0) + tl.arange(0, 1), sm)
+    tl.store(busy + tl.program_id(0) + tl.arange(0, 1), acc)
 
 
 def _no_green_contexts() -> str | None:
@@ -146,3 +161,123 @@ def test_cancelled_mid_prefill_frees_its_blocks_after_the_green_kernels(runner, 
             generate(runner, [list(after.prompt)], 6)[0]
     finally:
         s.local.partitioned.stop()
+
+
+def test_a_graph_captured_on_a_green_stream_keeps_to_its_sms(partitions) -> None:  # type: ignore[no-untyped-def]
+    """Each program of a kernel records the SM it ran on: eagerly on every SM, and on no more than the
+    partition's, eagerly or replayed as a graph captured on the partition's stream."""
+    from engine.cuda_graphs import capture
+
+    if not partitions.streams_of_their_own:
+        pytest.skip("this torch's green contexts have no streams of their own: partitions run eagerly")
+
+    programs = 8 * partitions.total_sms
+    out = torch.full((programs,), -1, dtype=torch.int32, device="cuda:0")
+    busy = torch.zeros(programs, device="cuda:0")
+
+    def run() -> None:
+        sm_ids[(programs,)](out, busy, SPIN=4096)
+
+    def used() -> int:
+        torch.cuda.current_stream().synchronize()
+        assert int(out.min()) >= 0
+        n = len(set(out.tolist()))
+        out.fill_(-1)
+        torch.cuda.current_stream().synchronize()
+        return n
+
+    run()
+    everywhere = used()
+    outside = capture(run, torch.device("cuda:0"))  # on the primary context's capture stream
+    used()
+    share = 16
+    with partitions.confine(share):
+        run()
+        eager = used()
+        graph = capture(run, torch.device("cuda:0"), stream=torch.cuda.current_stream())
+        used()
+        graph.replay()
+        replayed = used()
+        outside.replay()
+        crossed = used()
+    print(f"SMs used: {everywhere} on the primary context; in a {share}-SM partition {eager} eagerly, "
+          f"{replayed} replaying a graph captured there, {crossed} replaying one captured outside")
+    assert everywhere > share
+    assert 0 < eager <= share and 0 < replayed <= share
+
+
+def test_partition_graphs_match_the_engine_graphs(runner, partitions) -> None:  # type: ignore[no-untyped-def]
+    """The prefill graphs a partition captures on its stream give the engine thread's graphed prefill,
+    whole prompts and a chunk after a cached prefix alike, and replay there."""
+    from tests.conftest import rel_err
+
+    if not partitions.streams_of_their_own:
+        pytest.skip("this torch's green contexts have no streams of their own: partitions run eagerly")
+    pool, last = runner.pool, runner.config.num_layers - 1
+    gen = torch.Generator().manual_seed(11)
+    n = half_the_sms(partitions)
+    with partitions.confine(n):
+        graphs = runner.partition_graphs()
+        assert graphs is not None and graphs is not runner.prefill_graphs and graphs is runner.partition_graphs()
+    for prefix, new in [(0, 5), (0, 300), (1000, 64)]:
+        tokens = torch.randint(0, 256, (prefix + new,), generator=gen).tolist()
+        tables = [pool.allocator.allocate(pool.blocks_needed(prefix + new)) for _ in range(2)]
+        if prefix:
+            for table in tables:
+                runner.prefill(tokens[:prefix], table, 0, graphed=False)
+        engine = runner.prefill(tokens[prefix:], tables[0], prefix)
+        replays = graphs.replays
+        with partitions.confine(n):
+            confined = runner.prefill(tokens[prefix:], tables[1], prefix, graphed=graphs)
+            torch.cuda.current_stream().synchronize()
+        assert graphs.replays == replays + 1
+        kv = [pool.read(last, pool.slots(table, prefix, prefix + new)).float() for table in tables]
+        for table in tables:
+            pool.allocator.free(table)
+        assert rel_err(confined, engine) < 1e-2, (prefix, new)
+        assert rel_err(kv[1], kv[0]) < 1e-2, (prefix, new)
+        assert int(confined.argmax()) == int(engine.argmax()), (prefix, new)
+    table = pool.allocator.allocate(pool.blocks_needed(len(tokens)))
+    try:
+        with pytest.raises(RuntimeError, match="stream they were captured on"):
+            runner.prefill(tokens, table, 0, graphed=graphs)
+    finally:
+        pool.allocator.free(table)
+
+
+def test_the_partitioned_thread_replays_its_graphs_for_short_prompts(runner, partitions, loop) -> None:  # type: ignore[no-untyped-def]
+    """A short partitioned prompt on the server's SM count replays the thread's own graphs and gives the
+    colocated tokens; one on another count runs eagerly, with the same tokens."""
+    from decode_server.admission import Admission
+    from decode_server.config import PrefillMode
+    from decode_server.scheduler import BatchScheduler
+    from decode_server.sequence import RequestSequence, TokenOutput
+    from engine.offline import generate
+    from engine.sampling import SamplingParams
+
+    n = half_the_sms(partitions)
+    s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=partitions,
+                       prefill_sms=n)
+    thread = s.local.partitioned
+    assert thread is not None
+    s.start()
+    try:
+        if partitions.streams_of_their_own:
+            assert thread.graphs is not None
+        prompt = [(i * 13 + 1) % 1000 for i in range(300)]
+        reference = generate(runner, [prompt], 6)[0]
+        for name, sms in (("own", 0), ("other", n - 8)):
+            replays = thread.graphs.replays if thread.graphs is not None else 0
+            seq = RequestSequence(name, prompt, 6, SamplingParams(), frozenset(), frozenset(), PrefillMode.PARTITIONED,
+                                  512, prefill_sms=sms)
+            loop.run_until_complete(s.admission.reserve(seq))
+            s.submit(seq)
+            deadline = time.perf_counter() + 60
+            while not seq.finish_reason and time.perf_counter() < deadline:
+                time.sleep(0.005)
+            assert [o.token_id for o in seq.out.taken() if isinstance(o, TokenOutput)] == reference, name
+            if thread.graphs is not None:
+                assert thread.graphs.replays == replays + (sms == 0), name
+    finally:
+        s.stop()
+    assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks

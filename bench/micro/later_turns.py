@@ -19,8 +19,8 @@ the plain iterations before it.
 
 With `profile`, one more turn a row runs under `cProfile`: the host's share of a turn (the time until
 `runner.prefill` has queued its kernels), its Triton launches and its costliest Python functions,
-since a turn after a prefix runs without CUDA graphs and its host work can outlast the GPU's. The
-profiler's own cost inflates Python's share, so those figures rank, they do not time.
+since a turn that runs eagerly (past the prefill graphs' largest bucket) can take the host longer than
+the GPU. The profiler's own cost inflates Python's share, so those figures rank, they do not time.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from bench.micro.decode_loop import DecodeLoop, sync
 from engine.green_context import SmPartitions, Unconfined
 from engine.host_read import TokenReader
+from engine.prefill_graphs import PrefillGraphs
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
@@ -98,8 +99,8 @@ class LaterTurns:
 
     def __init__(self, runner: ModelRunner, partitions: SmPartitions | None = None, sms: int = 0) -> None:
         """With `sms`, each timed turn runs confined to that many SMs, as partitioned mode's prefill thread
-        runs it (`partitions.confine`), and eagerly, as that thread does (the prefill graphs are the engine
-        thread's)."""
+        runs it (`partitions.confine`), replaying that share's own prefill graphs as that thread does
+        (`ModelRunner.partition_graphs`; eagerly where the partitions have no streams of their own)."""
         self.runner = runner
         self.partitions, self.sms = partitions or Unconfined(), sms
         self.cache = PrefixCache(runner.pool.allocator, runner.pool.layout.block_size)
@@ -123,6 +124,13 @@ class LaterTurns:
             self.cache.release(table)
         self.prefixes[prefix] = tokens
 
+    def _graphs(self) -> bool | PrefillGraphs:
+        """What a turn replays: the engine thread's graphs, or inside a partition that partition's own."""
+        if not self.sms:
+            return True
+        graphs = self.runner.partition_graphs() if self.partitions.streams_of_their_own else None
+        return graphs if graphs is not None else False
+
     def turn_ms(self, prefix: int, new: int, batch: RunningBatch | None = None,
                 profiler: cProfile.Profile | None = None) -> tuple[float, float | None]:
         """One later turn (ms, as the servers time its prefill) and, beside a batch, the batch's longest
@@ -137,7 +145,7 @@ class LaterTurns:
             with self.partitions.confine(self.sms) if self.sms else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 with profiler if profiler is not None else contextlib.nullcontext():
-                    logits = self.runner.prefill(prompt[cached:], table, cached, graphed=not self.sms)
+                    logits = self.runner.prefill(prompt[cached:], table, cached, graphed=self._graphs())
                 self.queued_ms = (time.perf_counter() - t0) * 1e3
                 self.reader.read(sample(logits[None], [SamplingParams()], [0]))  # waits for the prefill's kernels
                 ms = (time.perf_counter() - t0) * 1e3
