@@ -1,5 +1,6 @@
-"""`python -m bench.readme_tables`: the README's, docs/results.md's and docs/scaling.md's tables, rendered from
-the JSON files in bench/results between `<!-- table:NAME -->` and `<!-- /table -->` markers.
+"""`python -m bench.readme_tables`: the tables of the README, docs/results.md, docs/scaling.md and
+docs/partitioned.md, rendered from the JSON files in bench/results between `<!-- table:NAME -->` and
+`<!-- /table -->` markers.
 
 A figure in those tables is never typed: `--check` (and tests/test_readme_tables.py) fails when a
 table in a document differs from what its JSON renders, and `python -m bench.headline` re-measures
@@ -18,12 +19,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import scenario_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
 RESULTS = Path("bench/results")
-DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
+DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"), Path("docs/partitioned.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 Doc = dict[str, Any]
@@ -318,6 +320,12 @@ TABLES: dict[str, Callable[[], str]] = {
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
     "simulate-validation": validation, "replica-counts": replica_counts,
+    # docs/results.md's history and docs/partitioned.md's sweep, each from the runs its file keeps
+    "scenario-2xh200-history": scenario_history.scenario_2xh200_history,
+    "scenario-2xh200-targets": scenario_history.disaggregated_targets_2xh200,
+    "scenario-h200-1b5989d": scenario_history.scenario_h200_1b5989d,
+    "scenario-layered-2xh200": scenario_history.scenario_layered_2xh200,
+    "partitioned-sweep-h200": scenario_history.partitioned_sweep_h200,
 }
 
 
