@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import scenario_history
+from bench import engine_history, scenario_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
@@ -326,6 +326,13 @@ TABLES: dict[str, Callable[[], str]] = {
     "scenario-h200-1b5989d": scenario_history.scenario_h200_1b5989d,
     "scenario-layered-2xh200": scenario_history.scenario_layered_2xh200,
     "partitioned-sweep-h200": scenario_history.partitioned_sweep_h200,
+    "engine-h200-two-cards": engine_history.engine_two_cards, "engine-h200-b30d550": engine_history.engine_b30d550,
+    "engine-h200-548117c": engine_history.engine_548117c,
+    "engine-h200-9c0f2cd": lambda: engine_history.engine_at("9c0f2cd"),
+    "engine-h200-e1b0a1e": lambda: engine_history.engine_at("e1b0a1e"),
+    "engine-h200-b6acfe8": lambda: engine_history.engine_beside("b6acfe8", "d3f079b"),
+    "engine-h200-47c7708": lambda: engine_history.engine_beside("47c7708", "746cda5", graph=True),
+    "engine-h200-a57ddac": engine_history.engine_a57ddac,
 }
 
 
