@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import engine_history, scenario_history
+from bench import engine_history, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
@@ -332,7 +332,11 @@ TABLES: dict[str, Callable[[], str]] = {
     "engine-h200-e1b0a1e": lambda: engine_history.engine_at("e1b0a1e"),
     "engine-h200-b6acfe8": lambda: engine_history.engine_beside("b6acfe8", "d3f079b"),
     "engine-h200-47c7708": lambda: engine_history.engine_beside("47c7708", "746cda5", graph=True),
-    "engine-h200-a57ddac": engine_history.engine_a57ddac,
+    "engine-h200-a57ddac": engine_history.engine_a57ddac, "kv-handoff": serving_history.kv_handoff,
+    "load-h200-c40eebd": serving_history.load_h200_c40eebd, "prefix-cache-h200": serving_history.prefix_cache_h200,
+    "load-2xh200-sweep": serving_history.load_2xh200_sweep, "placement-2xh200": serving_history.placement_2xh200,
+    "load-2xh200-one-turn": serving_history.load_2xh200_one_turn,
+    "load-split-2xh200": serving_history.load_split_2xh200,
 }
 
 
