@@ -1,5 +1,6 @@
-"""`python -m bench.readme_tables`: the README's, docs/results.md's and docs/scaling.md's tables, rendered from
-the JSON files in bench/results between `<!-- table:NAME -->` and `<!-- /table -->` markers.
+"""`python -m bench.readme_tables`: the tables of the README, docs/results.md, docs/scaling.md and
+docs/partitioned.md, rendered from the JSON files in bench/results between `<!-- table:NAME -->` and
+`<!-- /table -->` markers.
 
 A figure in those tables is never typed: `--check` (and tests/test_readme_tables.py) fails when a
 table in a document differs from what its JSON renders, and `python -m bench.headline` re-measures
@@ -18,12 +19,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import engine_history, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
 RESULTS = Path("bench/results")
-DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"))
+DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"), Path("docs/partitioned.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 Doc = dict[str, Any]
@@ -318,6 +320,23 @@ TABLES: dict[str, Callable[[], str]] = {
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
     "simulate-validation": validation, "replica-counts": replica_counts,
+    # docs/results.md's history and docs/partitioned.md's sweep, each from the runs its file keeps
+    "scenario-2xh200-history": scenario_history.scenario_2xh200_history,
+    "scenario-2xh200-targets": scenario_history.disaggregated_targets_2xh200,
+    "scenario-h200-1b5989d": scenario_history.scenario_h200_1b5989d,
+    "scenario-layered-2xh200": scenario_history.scenario_layered_2xh200,
+    "partitioned-sweep-h200": scenario_history.partitioned_sweep_h200,
+    "engine-h200-two-cards": engine_history.engine_two_cards, "engine-h200-b30d550": engine_history.engine_b30d550,
+    "engine-h200-548117c": engine_history.engine_548117c,
+    "engine-h200-9c0f2cd": lambda: engine_history.engine_at("9c0f2cd"),
+    "engine-h200-e1b0a1e": lambda: engine_history.engine_at("e1b0a1e"),
+    "engine-h200-b6acfe8": lambda: engine_history.engine_beside("b6acfe8", "d3f079b"),
+    "engine-h200-47c7708": lambda: engine_history.engine_beside("47c7708", "746cda5", graph=True),
+    "engine-h200-a57ddac": engine_history.engine_a57ddac, "kv-handoff": serving_history.kv_handoff,
+    "load-h200-c40eebd": serving_history.load_h200_c40eebd, "prefix-cache-h200": serving_history.prefix_cache_h200,
+    "load-2xh200-sweep": serving_history.load_2xh200_sweep, "placement-2xh200": serving_history.placement_2xh200,
+    "load-2xh200-one-turn": serving_history.load_2xh200_one_turn,
+    "load-split-2xh200": serving_history.load_split_2xh200,
 }
 
 
