@@ -94,7 +94,7 @@ class PartitionedPrefill:
             with self.partitions.confine(self.default_sms):
                 self.runner.prepare_engine_thread()  # this thread's cuDNN plans, built under its own stream
                 if self.partitions.streams_of_their_own:
-                    self.graphs = self.runner.partition_graphs()
+                    self.graphs = self._capture_graphs()
             # the first token comes back through pinned memory and a wait on the green stream alone (no
             # event: recording one made on the primary context on a green context's stream is not portable)
             host = torch.empty(1, dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
@@ -105,6 +105,21 @@ class PartitionedPrefill:
             self._ready.set()
         while (seq := self._jobs.get()) is not None:
             self.post(self._prefill(seq, host))
+        if self.graphs is not None:
+            with self.partitions.confine(self.default_sms):
+                self.runner.release_partition_graphs()  # before the green context can go
+            self.graphs = None
+
+    def _capture_graphs(self) -> PrefillGraphs | None:
+        """This thread's prefill graphs, or None (its prefills then run eagerly, as they can) where the
+        driver will not capture on the green stream."""
+        try:
+            return self.runner.partition_graphs()
+        except RuntimeError as e:
+            log.warning("the partitioned prefill thread could not capture its prefill graphs on its green "
+                        "context's stream (%s): its prefills run eagerly", e)
+            torch.cuda.synchronize(self.runner.device)
+            return None
 
     def _prefill(self, seq: RequestSequence, host: torch.Tensor) -> PrefillDone:
         started = time.perf_counter()

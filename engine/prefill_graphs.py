@@ -40,8 +40,10 @@ from engine.model.decoder import DecoderLayer
 log = logging.getLogger(__name__)
 
 # Row buckets. Above 512 rows a 7B's prefill is bound by the GPU even when eager (a 512-token chunk
-# after a short prefix: about 13 ms of GPU work against 30 of host work, `bench/NOTES.md`).
-BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
+# after a short prefix: about 13 ms of GPU work against 30 of host work, `bench/NOTES.md`). 448 keeps
+# turns of 385-448 tokens from paying for 512 rows: on a partition's share of the SMs such a turn is
+# bound by the GPU, and padded to 512 it took longer graphed than eager (`bench/NOTES.md`).
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 448, 512)
 
 
 class PrefillGraphs:
@@ -72,6 +74,7 @@ class PrefillGraphs:
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         self.attend: dict[int, Callable[[], None]] = {}  # a whole prompt's attention, q/k/v -> attn
         self.replays = 0  # prefills replayed (the tests' witness that a path took the graphs)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
         started = time.perf_counter()
         graph_pool = torch.cuda.graph_pool_handle() if capture else None
         attention_pool = torch.cuda.graph_pool_handle() if capture else None
@@ -85,7 +88,16 @@ class PrefillGraphs:
                      time.perf_counter() - started)
 
     def fits(self, tokens: int) -> bool:
-        return 0 < tokens <= self.buckets[-1]
+        return bool(self.pieces) and 0 < tokens <= self.buckets[-1]
+
+    def release(self) -> None:
+        """Free the graphs now: a set captured on a green context's stream must go before that context does
+        (destroyed after it, a graph's executable fails and takes the process down)."""
+        for graph in self.graphs:
+            graph.reset()
+        self.graphs.clear()
+        self.pieces.clear()
+        self.attend.clear()
 
     def _piece(self, b: int, i: int) -> None:
         """Layer i-1 after its attention (none for i = 0: the embedding), then layer i up to its KV write,
@@ -119,7 +131,9 @@ class PrefillGraphs:
         settle = None
         if b is not None and (residual := self.x.get(b)) is not None:
             settle = functools.partial(self.x.__setitem__, b, residual)
-        return capture(work, self.pool.device, graph_pool, settle, self.stream).replay
+        graph = capture(work, self.pool.device, graph_pool, settle, self.stream)
+        self.graphs.append(graph)
+        return graph.replay
 
     def bucket_for(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)

@@ -112,6 +112,12 @@ class ModelRunner:
             graphs = self._partition_graphs[stream.cuda_stream] = PrefillGraphs(self.model, self.pool, stream=stream)
         return graphs
 
+    def release_partition_graphs(self) -> None:
+        """Free the calling thread's current stream's set (`partition_graphs`) before its green context goes."""
+        graphs = self._partition_graphs.pop(torch.cuda.current_stream(self.device).cuda_stream, None)
+        if graphs is not None:
+            graphs.release()
+
     def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None, every_token: bool = False,
                 graphed: bool | PrefillGraphs = True) -> torch.Tensor:

@@ -208,18 +208,27 @@ def test_a_graph_captured_on_a_green_stream_keeps_to_its_sms(partitions) -> None
 
 def test_partition_graphs_match_the_engine_graphs(runner, partitions) -> None:  # type: ignore[no-untyped-def]
     """The prefill graphs a partition captures on its stream give the engine thread's graphed prefill,
-    whole prompts and a chunk after a cached prefix alike, and replay there."""
-    from tests.conftest import rel_err
-
+    whole prompts and a chunk after a cached prefix alike, and replay there; released, they are gone."""
     if not partitions.streams_of_their_own:
         pytest.skip("this torch's green contexts have no streams of their own: partitions run eagerly")
-    pool, last = runner.pool, runner.config.num_layers - 1
-    gen = torch.Generator().manual_seed(11)
     n = half_the_sms(partitions)
     with partitions.confine(n):
         graphs = runner.partition_graphs()
         assert graphs is not None and graphs is not runner.prefill_graphs and graphs is runner.partition_graphs()
-    for prefix, new in [(0, 5), (0, 300), (1000, 64)]:
+    try:
+        _match_the_engine_graphs(runner, partitions, graphs, n)
+    finally:
+        with partitions.confine(n):
+            runner.release_partition_graphs()  # before the green context can go
+    assert not graphs.fits(5)
+
+
+def _match_the_engine_graphs(runner, partitions, graphs, n: int) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import rel_err
+
+    pool, last = runner.pool, runner.config.num_layers - 1
+    gen = torch.Generator().manual_seed(11)
+    for prefix, new in [(0, 5), (0, 300), (0, 420), (1000, 64)]:
         tokens = torch.randint(0, 256, (prefix + new,), generator=gen).tolist()
         tables = [pool.allocator.allocate(pool.blocks_needed(prefix + new)) for _ in range(2)]
         if prefix:
@@ -237,10 +246,10 @@ def test_partition_graphs_match_the_engine_graphs(runner, partitions) -> None:  
         assert rel_err(confined, engine) < 1e-2, (prefix, new)
         assert rel_err(kv[1], kv[0]) < 1e-2, (prefix, new)
         assert int(confined.argmax()) == int(engine.argmax()), (prefix, new)
-    table = pool.allocator.allocate(pool.blocks_needed(len(tokens)))
+    table = pool.allocator.allocate(pool.blocks_needed(100))
     try:
         with pytest.raises(RuntimeError, match="stream they were captured on"):
-            runner.prefill(tokens, table, 0, graphed=graphs)
+            runner.prefill(tokens[:100], table, 0, graphed=graphs)
     finally:
         pool.allocator.free(table)
 

@@ -201,6 +201,9 @@ def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], b
         finally:
             if running is not None:
                 running.close()
+    if sms and turns.partitions.streams_of_their_own:
+        with turns.partitions.confine(sms):
+            runner.release_partition_graphs()  # before the green context can go
     return rows
 
 
