@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import engine_history, scenario_history, serving_history
+from bench import engine_history, planner_tables, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
@@ -320,7 +320,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
-    "simulate-validation": validation, "replica-counts": replica_counts,
+    "simulate-validation": validation, "replica-counts": replica_counts, "serving-costs": planner_tables.serving_costs,
+    "prediction-compared": planner_tables.prediction_compared,
     # docs/results.md's history and docs/partitioned.md's sweep, each from the runs its file keeps
     "scenario-2xh200-history": scenario_history.scenario_2xh200_history,
     "scenario-2xh200-targets": scenario_history.disaggregated_targets_2xh200,
