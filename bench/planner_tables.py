@@ -1,5 +1,6 @@
 """docs/scaling.md's tables of the simulator (`python -m planner`), rendered by `python -m bench.readme_tables`
-from what it recorded: the costs it fits to bench/results (`--costs`), and the plan across nodes."""
+from what it recorded: the costs it fits to bench/results (`--costs`), the serving loop's calibrated costs,
+its prediction beside the load run that measured it, and the plans."""
 
 from __future__ import annotations
 
@@ -90,6 +91,49 @@ def planner_costs(file: str = "simulate-costs.json") -> str:
     about = (f"*fitted on the CPU to bench/results, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
              f"[`{file}`](bench/results/{file}).*")
     return about + "\n\n" + table(header, costs_rows(doc))
+
+
+SERVING = {"step_host_ms_per_seq": "host time a decode step spends per running sequence",
+           "local_call_ms": "a local prefill call (whole prompt, chunk or slice) beyond the engine's",
+           "remote_prefill_ms": "a prefill server's prefill beyond the engine's",
+           "join_local_ms": "admitting a locally prefilled sequence (its first decode step)",
+           "join_remote_ms": "admitting a sequence whose KV came from a prefill server"}
+
+
+def serving_costs(file: str = "simulate-validation.json", plan_file: str = "simulate-plan.json") -> str:
+    """The serving loop's costs as the validation calibrated them, and those of the plan that differ."""
+    doc, plan = load(file), load(plan_file)
+    rows = [[label, f"{doc['serving'][field]:.2g} ms"] for field, label in SERVING.items()]
+    moved = [f"{label.split(' (')[0]} {plan['serving'][field]:.2g} ms" for field, label in SERVING.items()
+             if f"{plan['serving'][field]:.2g}" != f"{doc['serving'][field]:.2g}"]
+    others = f"ran with its own: {', '.join(moved)}, the others as here" if moved else "ran with the same"
+    about = (f"*calibrated on the CPU to the training run `{doc['training_run']}`, {doc['date'][:10]}, commit "
+             f"{doc['commit']}, `{doc['command']}`, [`{file}`](bench/results/{file}); the plan at {plan['commit']} "
+             f"([`{plan_file}`](bench/results/{plan_file})) {others}.*")
+    return about + "\n\n" + table(["serving cost", "calibrated"], rows)
+
+
+PREDICTED = {"partitioned": "partitioned, two GPUs", "layered": "layered, two GPUs", "colocated": "colocated, two GPUs",
+             "split": "split (1 prefill + 1 decode GPU)", "auto": "auto on the split pair (simulator's own rule then)"}
+
+
+def prediction_compared(file: str = "load-2xh200.json") -> str:
+    """The load run's goodput beside the simulator's prediction recorded before it (`prediction_compared`)."""
+    doc = load(file)
+    by: dict[str, list[Doc]] = {}
+    for c in doc["prediction_compared"]:
+        by.setdefault(c["deployment"], []).append(c)
+    rows = [[PREDICTED.get(name, name), " / ".join(f"{c['predicted_goodput_rps']:.1f}" for c in cells),
+             " / ".join(f"{c['measured_goodput_rps']:.1f}" for c in cells),
+             " / ".join(f"{c['rel_error']:+.0%}".replace("-", "−") for c in cells)]
+            for name, cells in sorted(by.items(), key=lambda kv: [*PREDICTED, kv[0]].index(kv[0]))]
+    rates = " / ".join(f"{c['rate']:g}" for c in next(iter(by.values())))
+    prediction = doc["prediction"]
+    where = prediction["file"].rsplit("/", 1)[-1]
+    about = (f"*measured: {doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, "
+             f"[`{file}`](bench/results/{file}); predicted: {prediction['date'][:10]}, commit {prediction['commit']}, "
+             f"[`{where}`](bench/results/{where}); error: the prediction's against the measurement.*")
+    return about + "\n\n" + table(["deployment", f"predicted goodput at {rates} per s", "measured", "error"], rows)
 
 
 def plan_network() -> str:

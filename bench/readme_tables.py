@@ -1,5 +1,5 @@
-"""`python -m bench.readme_tables`: the tables of the README, docs/results.md, docs/scaling.md and
-docs/partitioned.md, rendered from the JSON files in bench/results between `<!-- table:NAME -->` and
+"""`python -m bench.readme_tables`: the tables of the README, docs/results.md, docs/scaling.md,
+docs/partitioned.md and docs/nixl.md, rendered from the JSON files in bench/results between `<!-- table:NAME -->` and
 `<!-- /table -->` markers.
 
 A figure in those tables is never typed: `--check` (and tests/test_readme_tables.py) fails when a
@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import engine_history, scenario_history, serving_history
+from bench import engine_history, planner_tables, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, prefill_graphs_h100, prefill_server_graphs_h100
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
 RESULTS = Path("bench/results")
-DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"), Path("docs/partitioned.md"))
+DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"), Path("docs/partitioned.md"),
+             Path("docs/nixl.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 Doc = dict[str, Any]
@@ -319,7 +320,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
-    "simulate-validation": validation, "replica-counts": replica_counts,
+    "simulate-validation": validation, "replica-counts": replica_counts, "serving-costs": planner_tables.serving_costs,
+    "prediction-compared": planner_tables.prediction_compared,
     # docs/results.md's history and docs/partitioned.md's sweep, each from the runs its file keeps
     "scenario-2xh200-history": scenario_history.scenario_2xh200_history,
     "scenario-2xh200-targets": scenario_history.disaggregated_targets_2xh200,
@@ -336,7 +338,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "load-h200-c40eebd": serving_history.load_h200_c40eebd, "prefix-cache-h200": serving_history.prefix_cache_h200,
     "load-2xh200-sweep": serving_history.load_2xh200_sweep, "placement-2xh200": serving_history.placement_2xh200,
     "load-2xh200-one-turn": serving_history.load_2xh200_one_turn,
-    "load-split-2xh200": serving_history.load_split_2xh200,
+    "load-split-2xh200": serving_history.load_split_2xh200, "nixl-descriptors": serving_history.nixl_descriptors,
 }
 
 

@@ -1,6 +1,7 @@
 """The KV handoff and the many-users runs (`python -m bench.e2e.kv_transfer`, `bench.e2e.deployments`,
 `bench.e2e.auto_thresholds`), rendered into docs/results.md by `python -m bench.readme_tables` from their
-files and the runs each keeps under `previous`."""
+files and the runs each keeps under `previous`; and NIXL's descriptors (`bench.micro.nixl_descriptors`),
+rendered into docs/nixl.md."""
 
 from __future__ import annotations
 
@@ -88,6 +89,25 @@ def kv_handoff() -> str:
                f"{link('kv_transfer-cpu.json')}: {cpu['hardware']}, {cpu['date'][:10]}, commit {cpu['commit']}, "
                f"`{cpu['command']}`"]
     return caption(*sources) + "\n\n" + table(header, rows)
+
+
+def nixl_descriptors() -> str:
+    """One request's WRITEs made both ways, every layer's: by index into the lists prepared at pairing, and
+    as descriptors built per transfer from the runs of slots contiguous on both sides (`merged`)."""
+    file = "nixl_descriptors-cpu.json"
+    doc = load(file)
+    by: dict[tuple[int, str], dict[str, Doc]] = {}
+    for r in doc["rows"]:
+        by.setdefault((r["tokens"], r["blocks"]), {})[r["method"]] = r
+    rows = []
+    for (tokens, blocks), way in by.items():
+        posted = dict.fromkeys(f"{way[m]['descriptors_posted_a_layer']:,}" for m in ("prepared", "merged"))
+        rows.append([f"{tokens // 1024}k", blocks, f"{way['prepared']['make_ms']:.1f} ms",
+                     f"{way['merged']['make_ms']:.1f} ms", " / ".join(posted)])
+    same = "" if all(r["bitwise_equal"] for r in doc["rows"]) else "**not** "
+    header = ["tokens", "blocks", "prepared", "per-transfer runs", "descriptors UCX got a layer (both)"]
+    return (caption(about(doc, file), f"`UCX_TLS={doc['ucx_tls']}`; bytes {same}identical in every row")
+            + "\n\n" + table(header, rows))
 
 
 # --- many users ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_every_table_is_in_a_document() -> None:
 def test_the_simulators_costs_and_plans_are_in_the_scaling_doc() -> None:
     names = {m["name"] for m in readme_tables.BLOCK.finditer(Path("docs/scaling.md").read_text())}
     assert names == {"planner-costs", "simulate-plan", "simulate-plan-network", "simulate-validation",
-                     "replica-counts"}
+                     "replica-counts", "serving-costs", "prediction-compared"}
 
 
 def test_the_recorded_costs_are_what_bench_results_fit() -> None:
