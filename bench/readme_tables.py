@@ -144,13 +144,13 @@ def load_h200(file: str = "load-h200.json") -> str:
     local = {name: run for name, run in doc["runs"].items() if name not in ("prefix-cache", "no-prefix-cache")}
     by_tpot = best(local, "goodput_rps")
     if not per_token:
-        verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} serves the most requests; this run predates the "
-                   "per-token SLO.")
+        verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} {serves(by_tpot)} the most requests; this run predates "
+                   "the per-token SLO.")
     elif (by_token := best(local, "goodput_itl_p99_rps")) == by_tpot:
-        verdict = f"\n\n{by_tpot} serves the most requests under both SLOs."
+        verdict = f"\n\n{by_tpot} {serves(by_tpot)} the most requests under both SLOs."
     else:
-        verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} serves the most requests; under the per-token SLO, "
-                   f"{by_token}.")
+        verdict = (f"\n\nUnder the mean-TPOT SLO, {by_tpot} {serves(by_tpot)} the most requests; under the "
+                   f"per-token SLO, {by_token}.")
     added: dict[tuple[str, str, str], list[str]] = {}  # runs merged in later (`--merge`), by their own run's provenance
     for name, run in local.items():
         if run.get("recorded"):
@@ -160,6 +160,11 @@ def load_h200(file: str = "load-h200.json") -> str:
                     for (commit, date, command), names in added.items())
     return (provenance(doc, file, "; " + slo_text(doc["params"])) + later + "\n\n" + table(header, rows)
             + verdict)
+
+
+def serves(names: str) -> str:
+    """The verb for `best`'s names: one run serves, a tie serve."""
+    return "serve" if " and " in names else "serves"
 
 
 def best(runs: dict[str, Doc], key: str) -> str:
