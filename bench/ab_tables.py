@@ -127,3 +127,12 @@ def later_turns_h200(file: str = "engine-later-turns-h200.json") -> str:
              for prefix, new in sorted(turns[-1])]
     sources = "; ".join(f"{run['hardware']}, commit {run['commit']}, `{run['command']}`" for run in runs)
     return f"*[`{file}`](bench/results/{file}): {sources}.*\n\n" + table(header, cells)
+
+
+def partition_graphs_h200() -> str:
+    """Partitioned mode's later turns on 72 SMs of one H200, eager, then replaying the prefill thread's own
+    graphs (`bench.micro.engine_steps --later-turns --later-turn-sms 72`)."""
+    files: tuple[str, ...] = ("later-turns-partition-graphs-ab-h200.json",)
+    rows: list[Row] = [(f"{new} tokens after {prefix:,} cached", files, later_turn(prefix, new))
+                       for prefix in (1024, 16384) for new in (64, 400)]
+    return ab_table(rows, {"b34fc91": "eager", "bea4f89": "graphed"})

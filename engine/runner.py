@@ -20,7 +20,7 @@ from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 from engine.logprobs import device_tensor
-from engine.prefill_graphs import PrefillGraphs
+from engine.prefill_graphs import PARTITION_BUCKETS, PrefillGraphs
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,14 @@ class ModelRunner:
         """Prefill graphs of the calling thread's current stream, a green context's (partitioned mode's
         prefill thread, inside `SmPartitions.confine`): captured there on first use, so their kernels
         keep to that context's SMs, with buffers of their own, since they run beside the engine thread's
-        prefills. None where the engine has no prefill graphs."""
+        prefills; up to `PARTITION_BUCKETS[-1]` tokens. None where the engine has no prefill graphs."""
         if self.prefill_graphs is None:
             return None
         stream = torch.cuda.current_stream(self.device)
         graphs = self._partition_graphs.get(stream.cuda_stream)
         if graphs is None:
-            graphs = self._partition_graphs[stream.cuda_stream] = PrefillGraphs(self.model, self.pool, stream=stream)
+            graphs = PrefillGraphs(self.model, self.pool, PARTITION_BUCKETS, stream=stream)
+            self._partition_graphs[stream.cuda_stream] = graphs
         return graphs
 
     def release_partition_graphs(self) -> None:

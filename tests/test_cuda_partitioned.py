@@ -228,7 +228,7 @@ def _match_the_engine_graphs(runner, partitions, graphs, n: int) -> None:  # typ
 
     pool, last = runner.pool, runner.config.num_layers - 1
     gen = torch.Generator().manual_seed(11)
-    for prefix, new in [(0, 5), (0, 300), (0, 420), (1000, 64)]:
+    for prefix, new in [(0, 5), (0, 300), (0, 384), (1000, 64)]:
         tokens = torch.randint(0, 256, (prefix + new,), generator=gen).tolist()
         tables = [pool.allocator.allocate(pool.blocks_needed(prefix + new)) for _ in range(2)]
         if prefix:

@@ -144,9 +144,9 @@ def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path
     assert costs.chunk_piece_ms(512, 0, 0) == costs.chunk_ms(512, 0)
     # a whole prompt is the prefill fit's, as before
     assert costs.prefill_ms(4096) == fit_costs().prefill_ms(4096)
-    # on a share of the SMs (partitioned) a graphed turn is the fit slowed by the share; a longer, eager one a
-    # chunk of it slowed by the share, held at least at the fit
-    assert costs.prefill_on_share_ms(200, 8192, 0.5) == pytest.approx(turn / 0.5)
+    # on a share of the SMs (partitioned) a graphed turn is the fit with its token terms slowed by the share; a
+    # longer, eager one a chunk of it slowed by the share, held at least at the fit
+    assert costs.prefill_on_share_ms(200, 8192, 0.5) == pytest.approx(f0 + (turn - f0) / 0.5)
     long_turn = f0 + f1 * 2048 + f2 * 8192 + f3 * 2048 * (8192 + 1024)
     assert costs.prefill_on_share_ms(2048, 8192, 0.5) == pytest.approx(max(long_turn, costs.chunk_ms(2048, 8192) / 0.5))
     assert costs.prefill_on_share_ms(4096, 0, 0.5) == pytest.approx(costs.prefill_ms(4096) / 0.5)
