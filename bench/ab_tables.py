@@ -4,20 +4,11 @@ as `previous`."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
+from bench.history import Doc, load
 from bench.markdown import ms, table
-
-Doc = dict[str, Any]
-RESULTS = Path("bench/results")  # as bench.readme_tables reads them, from the repository's root
-
-
-def load(name: str) -> Doc:
-    return json.loads((RESULTS / name).read_text())
 
 
 def by_tree(doc: Doc) -> list[list[Doc]]:

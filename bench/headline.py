@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import readme_tables
+from bench import history, readme_tables
 
-RESULTS = readme_tables.RESULTS
+RESULTS = history.RESULTS
 STOP_S = 60  # how long a run stopped at its budget may take to stop its servers
 SCENARIO_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered,partitioned:72"
 LOAD = ("--rate 2 --duration 20 --prompt-len uniform:512:2048 --output-len 128 --background-users 16 "

@@ -11,6 +11,10 @@ from typing import Any
 
 RESULTS = Path("bench/results")  # as bench.readme_tables reads them, from the repository's root
 Doc = dict[str, Any]
+# the two-GPU load runs' deployments, as their tables name them
+LOAD_2X_LABELS = {"partitioned": "partitioned, one decode server per GPU", "layered": "layered, one per GPU",
+                  "colocated": "colocated, one per GPU", "split": "split pair: prefill GPU + decode GPU",
+                  "auto": "`auto` on the split pair"}
 
 
 def load(name: str) -> Doc:

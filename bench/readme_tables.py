@@ -12,36 +12,21 @@ sustained bf16 matmul rate, so that figures from different cards can be compared
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import engine_history, planner_tables, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, partition_graphs_h200, prefill_graphs_h100, prefill_server_graphs_h100
+from bench.history import LOAD_2X_LABELS, Doc, load, runs
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
-RESULTS = Path("bench/results")
 DOCUMENTS = (Path("README.md"), Path("docs/results.md"), Path("docs/scaling.md"), Path("docs/partitioned.md"),
              Path("docs/nixl.md"))
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
-
-Doc = dict[str, Any]
-
-
-def load(name: str) -> Doc:
-    return json.loads((RESULTS / name).read_text())
-
-
-def runs(doc: Doc) -> Iterator[Doc]:
-    """A results file's runs, newest first: the file's own, then each `previous`."""
-    while doc:
-        yield doc
-        doc = doc.get("previous") or {}
-
 
 def card(doc: Doc) -> str:
     held = doc.get("card")
@@ -172,11 +157,6 @@ def best(runs: dict[str, Doc], key: str) -> str:
     top = max(run[key] for run in runs.values())
     names = [f"`{name}`" for name, run in runs.items() if run[key] >= 0.98 * top]
     return " and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1]
-
-
-LOAD_2X_LABELS = {"partitioned": "partitioned, one decode server per GPU", "layered": "layered, one per GPU",
-                  "colocated": "colocated, one per GPU", "split": "split pair: prefill GPU + decode GPU",
-                  "auto": "`auto` on the split pair"}
 
 
 def load_2xh200() -> str:

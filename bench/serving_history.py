@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from bench.history import Doc, about, caption, link, load, run_at, span, whole
+from bench.history import LOAD_2X_LABELS, Doc, about, caption, link, load, run_at, span, whole
 from bench.markdown import table
 
 GB = 1e9
@@ -163,11 +163,6 @@ def prefix_cache_h200() -> str:
             + "\n\n" + table(header, rows))
 
 
-SWEEP_LABELS = {"partitioned": "partitioned, one decode server per GPU", "layered": "layered, one per GPU",
-                "colocated": "colocated, one per GPU", "split": "split: prefill server + decode server",
-                "auto": "`auto` on the split pair"}
-
-
 def load_2xh200_sweep() -> str:
     """The multi-turn rate sweep on two H200s beside the simulator's prediction recorded before it."""
     file = "load-2xh200.json"
@@ -182,7 +177,7 @@ def load_2xh200_sweep() -> str:
         if all(p["goodput_rps"] == best[p["rate"]] for p in points):
             goodput = f"**{goodput}**"
         at_top = points[-1]
-        rows.append([SWEEP_LABELS.get(name, name), goodput, f"{at_top['ttft_ms']['p50']:,.0f} ms",
+        rows.append([LOAD_2X_LABELS.get(name, name), goodput, f"{at_top['ttft_ms']['p50']:,.0f} ms",
                      f"{whole(at_top['itl_ms']['p99'])} ms",
                      " / ".join(f"{predicted[(name, p['rate'])]:.1f}" for p in points)])
     per = " / ".join(f"{r:g}" for r in rates)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import readme_tables
+from bench import history, readme_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_a_changed_figure_changes_the_table(tmp_path: Path, monkeypatch: pytest.
     doc = json.loads(Path("bench/results/engine-h200.json").read_text())
     doc["decode_ms"]["1"] = 9.876
     (tmp_path / "engine-h200.json").write_text(json.dumps(doc))
-    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(history, "RESULTS", tmp_path)  # where every renderer's `load` reads
     assert "9.876 ms" in readme_tables.engine_h200()
     text = "<!-- table:engine-h200 -->\nstale\n<!-- /table -->\n"
     assert "stale" not in readme_tables.render(text) and "9.876 ms" in readme_tables.render(text)
@@ -97,7 +97,7 @@ def test_headline_keeps_the_runs_it_replaces() -> None:
     old: dict = {}
     for k in range(6):
         old = with_history({"commit": f"c{k}", "rows": [k], "previous": {"stale": True}}, old or None)
-    chain = [run["commit"] for run in readme_tables.runs(old)]
+    chain = [run["commit"] for run in history.runs(old)]
     assert chain == [f"c{k}" for k in range(5, -1, -1)]  # newest first, none dropped
 
 
