@@ -118,7 +118,8 @@ class PartitionedPrefill:
         except RuntimeError as e:
             log.warning("the partitioned prefill thread could not capture its prefill graphs on its green "
                         "context's stream (%s): its prefills run eagerly", e)
-            torch.cuda.synchronize(self.runner.device)
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
             return None
 
     def _prefill(self, seq: RequestSequence, host: torch.Tensor) -> PrefillDone:

@@ -160,3 +160,27 @@ def test_without_green_contexts_a_partitioned_prompt_is_prefilled_by_layers(
     assert seen.tokens(b) == generate(runner, [prompt(300, 8)], 6)[0]
     assert seen.tokens(a) == generate(runner, [prompt(100, 7)], 20)[0]
     assert s.check_prefill_sms(3) is None  # no partitions: any count, as the prompt runs layered anyway
+
+
+def test_a_partition_whose_graphs_fail_to_capture_prefills_eagerly(
+        runner: ModelRunner, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where the partition has a stream of its own but capturing on it fails, the thread says so in one
+    line, starts, and prefills eagerly, with the reference tokens."""
+    def refuse() -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "partition_graphs", refuse)
+    gate = Gated()
+    gate.streams_of_their_own = True  # type: ignore[misc]
+    with caplog.at_level("WARNING", logger="decode_server.partitioned"):
+        s = started(runner, loop, gate)
+    assert s.local.partitioned is not None and s.local.partitioned.graphs is None
+    assert "could not capture its prefill graphs" in caplog.text
+    b_prompt = prompt(200, 4)
+    b = make_seq(s, b_prompt, 6, PrefillMode.PARTITIONED)
+    s.submit(b)
+    gate.go.set()
+    run_until_done(s)
+    assert Seen().tokens(b) == generate(runner, [b_prompt], 6)[0]
+    s.local.partitioned.stop()
