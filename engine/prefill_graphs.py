@@ -41,8 +41,7 @@ log = logging.getLogger(__name__)
 
 # Row buckets. Above 512 rows a 7B's prefill is bound by the GPU even when eager (a 512-token chunk
 # after a short prefix: about 13 ms of GPU work against 30 of host work, `bench/NOTES.md`). 448 keeps
-# turns of 385-448 tokens from paying for 512 rows: on a partition's share of the SMs such a turn is
-# bound by the GPU, and padded to 512 it took longer graphed than eager (`bench/NOTES.md`).
+# turns of 385-448 tokens from paying for 512 rows of GPU work, which graphed such a turn is bound by.
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 448, 512)
 # A partition's set stops at 384: on 72 SMs of one H200 a turn's GPU work at 448 rows already took longer
 # (18.6 ms) than its eager run's launches (18.0), and a short turn's 7.3 against 17.4 (`bench/NOTES.md`)
