@@ -106,8 +106,7 @@ class PartitionedPrefill:
         while (seq := self._jobs.get()) is not None:
             self.post(self._prefill(seq, host))
         if self.graphs is not None:
-            with self.partitions.confine(self.default_sms):
-                self.runner.release_partition_graphs()  # before the green context can go
+            self.runner.release_partition_graphs(self.graphs)  # before the green context can go
             self.graphs = None
 
     def _capture_graphs(self) -> PrefillGraphs | None:

@@ -113,11 +113,11 @@ class ModelRunner:
             self._partition_graphs[stream.cuda_stream] = graphs
         return graphs
 
-    def release_partition_graphs(self) -> None:
-        """Free the calling thread's current stream's set (`partition_graphs`) before its green context goes."""
-        graphs = self._partition_graphs.pop(torch.cuda.current_stream(self.device).cuda_stream, None)
-        if graphs is not None:
-            graphs.release()
+    def release_partition_graphs(self, graphs: PrefillGraphs) -> None:
+        """Free a set `partition_graphs` gave before its green context goes (from any stream)."""
+        assert graphs.stream is not None, "the engine thread's prefill graphs live as long as the runner"
+        self._partition_graphs.pop(graphs.stream.cuda_stream, None)
+        graphs.release()
 
     def prefill(self, token_ids: Sequence[int] | np.ndarray, block_table: list[int], start: int,
                 on_layer_done: Callable[[int], None] | None = None, every_token: bool = False,

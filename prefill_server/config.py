@@ -14,7 +14,7 @@ class PrefillConfig(ServerConfig):
     kv_cache_gb: float | None = field(default=None, metadata=opt("KV pool size in GiB; default 8 on GPU "
                                                                   "(four 32k prompts in flight), 0.25 on CPU"))
     cuda_graphs: bool = field(default=True, metadata=opt(
-        "replay prefills of up to 512 tokens as CUDA graphs, one a layer with attention between (GPU only)"))
+        "replay prefills of up to 512 tokens as CUDA graphs, one a layer and a whole prompt's attention (GPU only)"))
 
     def kv_gb_default(self, on_gpu: bool) -> float | None:
         if self.kv_cache_gb is not None:

@@ -218,8 +218,7 @@ def test_partition_graphs_match_the_engine_graphs(runner, partitions) -> None:  
     try:
         _match_the_engine_graphs(runner, partitions, graphs, n)
     finally:
-        with partitions.confine(n):
-            runner.release_partition_graphs()  # before the green context can go
+        runner.release_partition_graphs(graphs)  # before the green context can go
     assert not graphs.fits(5)
 
 

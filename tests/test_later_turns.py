@@ -203,3 +203,11 @@ def test_bench_engine_times_decode_steps_on_the_cpu() -> None:
     free = runner.pool.allocator.num_free
     ms, gpu_ms = engine.decode_step_ms(runner, batch=2, context=24, steps=3)
     assert ms > 0 and gpu_ms is None and runner.pool.allocator.num_free == free
+
+
+def test_the_planners_graphed_lengths_are_the_engines() -> None:
+    """The planner keeps the prefill graphs' largest buckets as literals (it imports no engine code)."""
+    from engine.prefill_graphs import BUCKETS, PARTITION_BUCKETS
+    from planner.costs import PARTITION_GRAPHED_TOKENS
+
+    assert (BUCKETS[-1], PARTITION_BUCKETS[-1]) == (GRAPHED_TOKENS, PARTITION_GRAPHED_TOKENS)

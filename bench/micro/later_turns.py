@@ -108,6 +108,7 @@ class LaterTurns:
         self.prefixes: dict[int, list[int]] = {}
         self.turns = 0  # seeds each turn's new tokens: no turn finds another's in the cache
         self.queued_ms = 0.0  # the last turn's host time until its prefill's kernels were queued
+        self.partition_graphs: PrefillGraphs | None = None  # the share's own set, captured at its first turn
 
     def first_turn(self, prefix: int) -> None:
         """Prefill `prefix` tokens and publish them, as the decode server does with a finished prompt."""
@@ -128,8 +129,9 @@ class LaterTurns:
         """What a turn replays: the engine thread's graphs, or inside a partition that partition's own."""
         if not self.sms:
             return True
-        graphs = self.runner.partition_graphs() if self.partitions.streams_of_their_own else None
-        return graphs if graphs is not None else False
+        if self.partitions.streams_of_their_own:
+            self.partition_graphs = self.runner.partition_graphs()
+        return self.partition_graphs if self.partition_graphs is not None else False
 
     def turn_ms(self, prefix: int, new: int, batch: RunningBatch | None = None,
                 profiler: cProfile.Profile | None = None) -> tuple[float, float | None]:
@@ -201,9 +203,8 @@ def measure(runner: ModelRunner, prefixes: Sequence[int], news: Sequence[int], b
         finally:
             if running is not None:
                 running.close()
-    if sms and turns.partitions.streams_of_their_own:
-        with turns.partitions.confine(sms):
-            runner.release_partition_graphs()  # before the green context can go
+    if turns.partition_graphs is not None:
+        runner.release_partition_graphs(turns.partition_graphs)  # before the green context can go
     return rows
 
 
