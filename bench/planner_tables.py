@@ -4,19 +4,10 @@ its prediction beside the load run that measured it, and the plans."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
+from bench.history import Doc, load
 from bench.markdown import table
-
-RESULTS = Path("bench/results")
-Doc = dict[str, Any]
-
-
-def load(file: str) -> Doc:
-    return json.loads((RESULTS / file).read_text())
 
 
 def rate(us_per_byte: float) -> str:

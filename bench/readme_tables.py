@@ -20,7 +20,7 @@ from typing import Any
 
 from bench import engine_history, planner_tables, scenario_history, serving_history
 from bench.ab_tables import later_turns_h200, partition_graphs_h200, prefill_graphs_h100, prefill_server_graphs_h100
-from bench.history import LOAD_2X_LABELS, Doc, load, runs
+from bench.history import LOAD_2X_LABELS, Doc, about, load, runs
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
 
@@ -37,9 +37,7 @@ def card(doc: Doc) -> str:
 
 
 def provenance(doc: Doc, file: str, extra: str = "") -> str:
-    where = f"[`{file}`](bench/results/{file})"
-    return (f"*{doc['hardware']}, {doc['date'][:10]}, commit {doc['commit']}, `{doc['command']}`, {where}; "
-            f"{card(doc)}{extra}.*")
+    return f"*{about(doc, file)}; {card(doc)}{extra}.*"
 
 
 # --- the A/B scenario ---------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_a_changed_cost_changes_the_table(tmp_path: Path, monkeypatch: pytest.Mo
     fit = next(f for f in doc["fits"] if f["field"] == "later_turn")
     fit["params"] = [5.0, 0.01, 0.0001, 0.0]
     (tmp_path / "simulate-costs.json").write_text(json.dumps(doc))
-    monkeypatch.setattr(planner_tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(history, "RESULTS", tmp_path)
     row = next(line for line in planner_tables.planner_costs().splitlines() if line.startswith("| later turn:"))
     assert row not in before and "5 + 0.01·c + 0.0001·P ms (terms that fitted negative dropped)" in row
 
