@@ -49,8 +49,8 @@ ROWS: list[tuple[str, str, str, Callable[[list[float]], str]]] = [
      later_turn),
     ("layered", "layered slice", "`scenario-*.json` layered rows",
      lambda p: f"prefill / slices {p[0]:+.2f} ms a slice"),
-    ("local_extra", "local prefill in the server", "`scenario-*.json` colocated rows",
-     lambda p: f"engine prefill {p[0]:+.2f} ms"),
+    ("local_factor", "local prefill in the server", "`scenario-*.json` colocated rows",
+     lambda p: f"engine prefill × {p[0]:.4f}"),
     ("partition", "partitioned", "{lab}", lambda p: "decode slowdown and prefill rate, each linear in SMs"),
     ("kv", "KV handoff (NCCL)", "`kv_transfer-2xh200.json` endpoint rows", lambda p: f"{p[0]:.0f} GB/s"),
 ]

@@ -303,10 +303,10 @@ class DecodeServer:
             request = self.prefilling.popleft().request
             request.cached = cached_of(self.cache, request)
             new, rate = request.prompt - request.cached, self.partition_rate
-            # the extras (request set-up, first read) on the share as before; a later turn's floor not slowed
-            # by it (Costs.prefill_on_share_ms)
-            extra = self.costs.local_extra.params[0] + self.serving.local_call_ms
-            seconds = (self.costs.prefill_on_share_ms(new, request.cached, rate) + extra / rate) / 1e3
+            # the server's factor over the engine's prefill, and its call's own costs on the share; a later turn's
+            # floor not slowed by it (Costs.prefill_on_share_ms)
+            on_share = self.costs.prefill_on_share_ms(new, request.cached, rate) * self.costs.local_factor.params[0]
+            seconds = (on_share + self.serving.local_call_ms / rate) / 1e3
             request.prefill_s = seconds
             self.partition_until = max(now, self.partition_until) + seconds
             self.clock.at(self.partition_until, lambda r=request: self._post_to_inbox(r))  # type: ignore[misc]

@@ -106,7 +106,7 @@ class Costs:
     prefill: Fit       # whole prompt: p0 + p1 * T + p2 * T^2
     chunk: Fit         # one chunk of c tokens after P cached/prefilled ones: k0 + k1 * c + k2 * c * (P + c / 2)
     layered: Fit       # a layered prefill: the whole prefill + l0 per slice
-    local_extra: Fit   # a local whole-prompt prefill in the server beyond the engine's: constant
+    local_factor: Fit   # a local prefill in the server against the engine's: a factor
     partition: Fit     # decode slowdown and prefill rate against the SMs given to the prefill (linear)
     kv: Fit            # the handoff's bytes / bandwidth, from the endpoint rows: constant GB/s
     kv_tail_ms: float  # the handoff beyond the prefill in the servers (control messages, last layer), at 32k
@@ -128,7 +128,7 @@ class Costs:
 
     def fits(self) -> list[Fit]:
         return [self.attention, *[f for f in (self.attention_alone, self.long_history) if f is not None], self.decode,
-                self.prefill, self.chunk, self.layered, self.local_extra, self.partition, self.kv,
+                self.prefill, self.chunk, self.layered, self.local_factor, self.partition, self.kv,
                 *([self.later_turn] if self.later_turn is not None else []), *self.later_turn_beside]
 
     @cached_property
@@ -154,7 +154,7 @@ class Costs:
         return p0 + p1 * tokens + p2 * tokens * tokens
 
     def local_prefill_ms(self, tokens: int, cached: int = 0) -> float:
-        return self.prefill_ms(tokens, cached) + self.local_extra.params[0]
+        return self.prefill_ms(tokens, cached) * self.local_factor.params[0]
 
     def chunk_ms(self, tokens: int, prefix: int) -> float:
         k0, k1, k2 = self.chunk.params

@@ -137,7 +137,8 @@ def test_the_later_turn_fit_prices_prefills_after_a_cached_prefix(tmp_path: Path
     fast = dataclasses.replace(costs, later_turn=dataclasses.replace(fit, params=(1.0, 0.0, 0.0, 0.0)))
     assert fast.prefill_ms(2048, 4096) == fast.chunk_ms(2048, 4096) > 1.0
     assert fast.prefill_ms(GRAPHED_TOKENS, 4096) == 1.0 < fast.chunk_ms(GRAPHED_TOKENS, 4096)
-    assert costs.local_prefill_ms(200, 8192) == pytest.approx(costs.prefill_ms(200, 8192) + costs.local_extra.params[0])
+    factor = costs.local_factor.params[0]
+    assert costs.local_prefill_ms(200, 8192) == pytest.approx(costs.prefill_ms(200, 8192) * factor)
     # chunked: the first chunk after a hit is the colocated later turn's engine call; later chunks the chunk fit's
     assert costs.chunk_piece_ms(512, 4096, 4096) == costs.local_prefill_ms(512, 4096)
     assert costs.chunk_piece_ms(512, 4608, 4096) == costs.chunk_ms(512, 4608)
