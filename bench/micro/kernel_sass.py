@@ -58,6 +58,7 @@ PROJECTIONS = {"qkv": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_
                "down": (3584, 18944, False)}
 SM_SHARED, SM_REGISTERS, SMS = 228 * 1024, 65536, 132  # an H100/H200 SM; SMs on an H200 SXM
 SHARED_RESERVED = 1024  # a program's shared memory the driver keeps
+ATTENTION_BATCH = 64  # the batch whose programs an attention row counts in waves (the capped tiles' largest)
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,16 @@ def _options(num_warps: int, num_stages: int, max_registers: int | None) -> dict
     return options
 
 
-def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> str:
-    """The split kernel's PTX for sm_90a."""
+def compile_split_kernel(kv: str, tile: paged_decode.DecodeTile) -> tuple[str, int]:
+    """The split kernel's PTX for sm_90a and the shared memory a program takes."""
     consts = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=HEAD_DIM,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=tile.block_n, NUM_SPLITS=2, ROPE=True, STRIDE_ON_DEVICE=True,
                   PRECISION="tf32", F16_MMA=kv == "fp8", E4M3_WORDS=kv == "fp8" and tile.word_loads, WORDS_ASM=True,
                   PDL=True)
     types = {**POINTERS, "KV": KV_TYPES[kv][0], "scale_log2": "fp32"}
     options = _options(tile.num_warps, tile.num_stages, tile.max_registers)
-    return str(_compile(paged_decode._split_kernel, consts, types, options).asm["ptx"])
+    compiled = _compile(paged_decode._split_kernel, consts, types, options)
+    return str(compiled.asm["ptx"]), int(compiled.metadata.shared)
 
 
 def compile_vector_kernel(tile: gemv_vector.VectorConfig, gated: bool, x_bound: float = 0.0) -> str:
@@ -197,12 +199,23 @@ def attention_rows(kvs: list[str], tiles: list[paged_decode.DecodeTile] | None) 
         chosen = tiles or list(dict.fromkeys([paged_decode.decode_tile(dtype, 1),
                                               paged_decode.decode_tile(dtype, paged_decode.CAPPED_FROM_BATCH)]))
         for tile in chosen:
-            cost = loop_cost(compile_split_kernel(kv, tile))
+            ptx, shared = compile_split_kernel(kv, tile)
+            cost = loop_cost(ptx)
             per_byte = cost.per_warp * tile.num_warps / (tile.block_n * HEAD_DIM * 2 * KV_TYPES[kv][1])
             cap = f", {tile.max_registers} registers at most" if tile.max_registers else ""
             name = f"attention {kv} {tile.block_n}x{tile.num_stages}x{tile.num_warps}w{cap}"
-            rows.append(_row(name, cost, per_byte, {"kernel": "attention", "kv_dtype": kv, **vars(tile)}))
+            per_sm = programs_per_sm(shared, cost.registers, tile.num_warps)
+            programs = ATTENTION_BATCH * KV_HEADS * paged_decode.num_splits_for(ATTENTION_BATCH, KV_HEADS)
+            print(f"{name:<48} {shared // 1024} KB shared, {per_sm} a SM: {programs} programs at batch "
+                  f"{ATTENTION_BATCH} take {programs / (per_sm * SMS):.2f} waves on {SMS} SMs", flush=True)
+            rows.append(_row(name, cost, per_byte, {"kernel": "attention", "kv_dtype": kv, **vars(tile),
+                                                    "shared_bytes": shared, "programs_per_sm": per_sm}))
     return rows
+
+
+def programs_per_sm(shared: int, registers: int, warps: int) -> int:
+    """Programs an SM holds by its shared memory and its registers (a thread's count, 32 a warp)."""
+    return min(SM_SHARED // (shared + SHARED_RESERVED), SM_REGISTERS // (max(registers, 1) * 32 * warps))
 
 
 def vector_rows() -> list[dict[str, object]]:
@@ -248,7 +261,7 @@ def _gemv_row(shape: str, n: int, k: int, gated: bool, cfg: gemv.GemvConfig) -> 
     cost = loop_cost(ptx, marker="GMMA")
     columns = n // 2 if gated else n
     programs = -(-columns // cfg.strip) * cfg.split_k
-    per_sm = min(SM_SHARED // (shared + SHARED_RESERVED), SM_REGISTERS // (max(cost.registers, 1) * 32 * cfg.num_warps))
+    per_sm = programs_per_sm(shared, cost.registers, cfg.num_warps)
     weight_bytes = cfg.block_n * cfg.block_k * (2 if gated else 1)  # gated: a gate strip and its up strip
     per_byte = cost.per_warp * cfg.num_warps / (weight_bytes + gemv.WIDE_ROWS * cfg.block_k)
     x_reread = programs * gemv.WIDE_ROWS * (k // cfg.split_k) / (n * k)
