@@ -145,6 +145,24 @@ def test_the_lone_program_fit_takes_every_attention_sweep(tmp_path: Path) -> Non
     assert 1.0 / (longer.params[1] * 1e3) < 1.0 / (alone.params[1] * 1e3)
 
 
+def test_the_servers_local_prefill_is_the_engines_times_a_factor(tmp_path: Path) -> None:
+    """Colocated scenario rows that run 2% over the engine's prefill at every length give a factor of 1.02, so a
+    150-token turn is charged 2% more, not the milliseconds that 2% of a 32k prompt is."""
+    from planner.fits import fit_local_factor, fit_prefill
+
+    prefill = fit_prefill(RESULTS)
+    p0, p1, p2 = prefill.params
+    rows = [{"mode": "colocated", "b_len": t, "b_ttft_ms": 1.02 * (p0 + p1 * t + p2 * t * t)}
+            for t in (4096, 16384, 32768)]
+    for name in ("scenario-h200.json", "scenario-2xh200.json", "scenario-layered-2xh200.json"):
+        (tmp_path / name).write_text(json.dumps({"rows": rows if name == "scenario-h200.json" else []}))
+    factor = fit_local_factor(tmp_path, prefill)
+    assert factor.params[0] == pytest.approx(1.02) and factor.points == 3
+    costs = dataclasses.replace(COSTS, local_factor=factor)
+    assert costs.local_prefill_ms(150) == pytest.approx(1.02 * costs.prefill_ms(150))
+    assert costs.local_prefill_ms(150) - costs.prefill_ms(150) < 0.5  # where 2% of a 32k prefill is ~20 ms
+
+
 def test_the_long_history_rows_price_the_rest_of_the_longest_program(tmp_path: Path) -> None:
     """Where `bench.micro.decode_attention --long-context` rows exist, the rest of a long history's program is priced at
     the rate they give at the split counts the kernel picked (its other rows are not a step the engine runs), and
