@@ -398,6 +398,18 @@ def test_validation_rows_cover_every_recorded_load_run() -> None:
         assert row["rel_error"] == pytest.approx((row["simulated"] - row["measured"]) / row["measured"], abs=1e-4)
 
 
+def test_a_load_run_of_another_preset_is_not_replayed() -> None:
+    """The costs are the bf16 engine's: the FP8 preset's load runs (faster steps and prefills) would be scored
+    against them, so they are left out, each record by its own preset."""
+    from planner.validate import _records
+
+    fp8 = json.loads((RESULTS / "load-fp8-h200.json").read_text())
+    assert fp8["preset"] == "qwen2.5-7b-fp8" and not list(_records(fp8, "load-fp8-h200.json"))
+    as_bf16 = {**fp8, "preset": "qwen2.5-7b", "previous": None}
+    assert len(list(_records(as_bf16, "load-fp8-h200.json"))) == len(fp8["runs"])
+    assert not any(r.file == "load-fp8-h200.json" for r in recorded_runs(RESULTS))
+
+
 def test_merged_runs_are_replayed_with_their_own_load_and_cache() -> None:
     """bench.e2e.deployments --merge keeps each run's own parameters: the cache comparison replays as four-turn
     conversations, one decode server with its prefix cache and one without."""
