@@ -133,12 +133,12 @@ class PartitionedPrefill:
         token: int | None = None
         error: Exception | None = None
         queued = started
+        sms = self.sms_for(seq)
         try:
-            with self.partitions.confine(self.sms_for(seq)):
+            with self.partitions.confine(sms):
                 try:
                     # this thread's own graphs, captured on this SM count's stream; never the engine thread's
-                    graphs = self.graphs if self.graphs is not None and self.sms_for(seq) == self.default_sms \
-                        else False
+                    graphs = self.graphs if self.graphs is not None and sms == self.default_sms else False
                     logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
                                                  on_layer_done=stop_if_cancelled, graphed=graphs)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
@@ -153,6 +153,5 @@ class PartitionedPrefill:
             error = e
         finished = time.perf_counter()
         if self.trace is not None:
-            self.trace.prefill(seq.request_id, len(seq.prompt) - seq.prefilled, self.sms_for(seq), started, queued,
-                               finished)
+            self.trace.prefill(seq.request_id, len(seq.prompt) - seq.prefilled, sms, started, queued, finished)
         return PrefillDone(seq, token, error, started, finished)

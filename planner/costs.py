@@ -106,7 +106,7 @@ class Costs:
     prefill: Fit       # whole prompt: p0 + p1 * T + p2 * T^2
     chunk: Fit         # one chunk of c tokens after P cached/prefilled ones: k0 + k1 * c + k2 * c * (P + c / 2)
     layered: Fit       # a layered prefill: the whole prefill + l0 per slice
-    local_factor: Fit   # a local prefill in the server against the engine's: a factor
+    local_factor: Fit  # a local prefill in the server against the engine's: a factor
     partition: Fit     # decode slowdown and prefill rate against the SMs given to the prefill (linear)
     kv: Fit            # the handoff's bytes / bandwidth, from the endpoint rows: constant GB/s
     kv_tail_ms: float  # the handoff beyond the prefill in the servers (control messages, last layer), at 32k

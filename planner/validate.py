@@ -19,7 +19,7 @@ import numpy as np
 
 from client.load_plan import LoadSpec
 from client.load_stats import Slo
-from planner.costs import RESULTS, Costs, layered_slices
+from planner.costs import PRESET, RESULTS, Costs, layered_slices
 from planner.deployment import Deployment, Serving
 from planner.fits import fit_costs
 from planner.simulation import SimResult, simulate, summarize
@@ -29,8 +29,6 @@ TRAINING = ("load-2xh200.json", "f96f1c6")   # (file, commit) of the run the ser
 MODELLED_FROM = "6a78760"                    # pinned token reads: the serving loop the simulator models starts here
 METRICS = (("goodput_rps", ("goodput_rps",)), ("ttft_ms.p50", ("ttft_ms", "p50")), ("itl_ms.p99", ("itl_ms", "p99")))
 TARGET = 0.15
-# the model the costs are fitted to (bf16 engine runs): a load run of another preset (the FP8 one) is not replayed
-COSTS_PRESET = "qwen2.5-7b"
 
 
 @dataclass(frozen=True)
@@ -130,8 +128,9 @@ def _deployment(summary: dict[str, Any], auto: dict[str, int] | None = None, cac
 
 def _records(record: dict[str, Any], file: str) -> Iterator[RecordedRun]:
     """A load record (`runs` by name, `params`, `commit`), its `previous`, and the records a list of runs holds;
-    none of a record whose preset is not COSTS_PRESET's (records before presets were named are)."""
-    if record.get("preset", COSTS_PRESET) != COSTS_PRESET:
+    none of a record of another preset than the costs' (`costs.PRESET`; the FP8 preset's steps and prefills are
+    not the engine's the costs are fitted to), records before presets were named being of it."""
+    if record.get("preset", PRESET) != PRESET:
         if isinstance(record.get("previous"), dict):
             yield from _records(record["previous"], file)
         return
