@@ -305,7 +305,7 @@ class DecodeServer:
             new, rate = request.prompt - request.cached, self.partition_rate
             # the server's factor over the engine's prefill, and its call's own costs on the share; a later turn's
             # floor not slowed by it (Costs.prefill_on_share_ms)
-            on_share = self.costs.prefill_on_share_ms(new, request.cached, rate) * self.costs.local_factor.params[0]
+            on_share = self.costs.local_prefill_on_share_ms(new, request.cached, rate)
             seconds = (on_share + self.serving.local_call_ms / rate) / 1e3
             request.prefill_s = seconds
             self.partition_until = max(now, self.partition_until) + seconds

@@ -191,6 +191,10 @@ class Costs:
             return max(self.chunk_ms(tokens, cached) / rate, fit)
         return self.prefill_ms(tokens, cached) / rate
 
+    def local_prefill_on_share_ms(self, tokens: int, cached: int, rate: float) -> float:
+        """`prefill_on_share_ms` in the server: times the server's factor over the engine, as `local_prefill_ms`."""
+        return self.prefill_on_share_ms(tokens, cached, rate) * self.local_factor.params[0]
+
     def chunk_piece_ms(self, tokens: int, done: int, cached: int) -> float:
         """A chunked prefill's next chunk of `tokens` after `done` tokens, `cached` of them from the prefix cache.
         The first chunk after a hit is the engine call a colocated later turn makes, priced as one where later
