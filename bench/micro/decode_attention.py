@@ -13,8 +13,10 @@ the simulator (planner.fits.fit_long_history).
 
 `--kv-dtype fp8` reads an e4m3 pool (one byte a value, the floor halved); `--block-n`, `--stages`,
 `--warps` and `--max-registers` sweep the kernel's tile (`DecodeTile`), the one the engine picks for
-the dtype marked. Inputs are seeded by case, and each row records a digest of its result's bits
-(`digest` over all rows), so two trees' kernels can be checked for the same bits
+the dtype marked. `--pool-layout head-major` stores each layer's values head after head ([2, Hkv, slots, D],
+passed to the kernel as a strided view), so that a program's reads of one KV head are contiguous rather than
+one row in every Hkv; the engine's pool is token-major. Inputs are seeded by case, and each row records a
+digest of its result's bits (`digest` over all rows), so two trees' kernels can be checked for the same bits
 (`python -m bench.ab run ... --keys digest`)."""
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
                    help="registers a thread at most, 0 for the compiler's choice (default: the engine's)")
     p.add_argument("--word-loads", choices=["no", "yes"], nargs="+", default=None,
                    help="an e4m3 pool's K and V read as 32-bit words (default: the engine's)")
+    p.add_argument("--pool-layout", choices=["token-major", "head-major"], nargs="+", default=["token-major"],
+                   help="the pool's memory order (default: the engine's, token-major)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.kv_dtype == "bf16" and "yes" in (args.word_loads or []):
@@ -68,8 +72,10 @@ def main() -> None:
             blocks = -(-longest // BLOCK)
             slots = batch * blocks * BLOCK + BLOCK
             count = max(args.layers, -(-3 * l2_bytes // (2 * slots * KV_HEADS * HEAD_DIM * width)))
-            layers = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev).to(kv_dtype)
-                      for _ in range(count)]
+            token_major = [torch.randn(2, slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev).to(kv_dtype)
+                           for _ in range(count)]
+            pools = {"token-major": token_major, "head-major": [
+                kv.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for kv in token_major]}
             tables = (torch.arange(batch * blocks, dtype=torch.int32, device=dev) + 1).view(batch, blocks)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             lens[0] = longest
@@ -83,24 +89,24 @@ def main() -> None:
                      for st in args.stages or [engine_tile.num_stages] for w in args.warps or [engine_tile.num_warps]
                      for r in args.max_registers or [engine_tile.max_registers]
                      for words in args.word_loads or ["yes" if engine_tile.word_loads else "no"]]
-            for tile in tiles:
-                for splits in args.splits:
-                    us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
-                                   for kv in layers])
-                    out, _ = paged_decode_attention(q, layers[0], tables, lens, BLOCK, None, splits, tile)
-                    bits = hashlib.sha256(out.cpu().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
-                    ours = splits == chosen and tile == engine_tile
-                    shape = (f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
-                             f"{' words' if tile.word_loads else ''}")
-                    print(f"ctx {ctx:>6} batch {batch:>3} tile {shape} splits {splits:>3}: "
-                          f"{us:8.1f} us  floor {floor_us:7.1f} ({floor_us / us:4.0%}){' <- engine' if ours else ''}",
-                          flush=True)
-                    rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
-                                 "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
-                                 "block_n": tile.block_n, "num_stages": tile.num_stages,
-                                 "num_warps": tile.num_warps, "max_registers": tile.max_registers,
-                                 "word_loads": tile.word_loads, "digest": bits})
-            del layers
+            for tile, splits, layout in [(t, s, lay) for t in tiles for s in args.splits for lay in args.pool_layout]:
+                layers = pools[layout]
+                us = graph_us([partial(paged_decode_attention, q, kv, tables, lens, BLOCK, None, splits, tile)
+                               for kv in layers])
+                out, _ = paged_decode_attention(q, layers[0], tables, lens, BLOCK, None, splits, tile)
+                bits = hashlib.sha256(out.cpu().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+                ours = splits == chosen and tile == engine_tile and layout == "token-major"
+                shape = (f"{tile.block_n:>3}x{tile.num_stages}x{tile.num_warps}w{tile.max_registers or '':>3}r"
+                         f"{' words' if tile.word_loads else ''}")
+                print(f"ctx {ctx:>6} batch {batch:>3} tile {shape} splits {splits:>3} {layout:>11}: "
+                      f"{us:8.1f} us  floor {floor_us:7.1f} ({floor_us / us:4.0%}){' <- engine' if ours else ''}",
+                      flush=True)
+                rows.append({"context": ctx, "batch": batch, **long, "splits": splits, "us": round(us, 2),
+                             "floor_us": round(floor_us, 2), "engine_choice": ours, "kv_dtype": args.kv_dtype,
+                             "block_n": tile.block_n, "num_stages": tile.num_stages,
+                             "num_warps": tile.num_warps, "max_registers": tile.max_registers,
+                             "word_loads": tile.word_loads, "pool_layout": layout, "digest": bits})
+            del pools, token_major
             torch.cuda.empty_cache()
     if args.json:
         every = hashlib.sha256("".join(str(r["digest"]) for r in rows).encode()).hexdigest()[:16]
