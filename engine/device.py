@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import torch
 
@@ -53,3 +55,15 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def default_preset() -> str:
     return "qwen2.5-7b" if torch.cuda.is_available() else "tiny"
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes `device` can still take: the GPU's free memory, or the host's available memory for the CPU
+    (Linux's MemAvailable); None where it can't be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found[1]) * 1024 if found else None

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from engine.byte_tokenizer import byte_tokenizer
 from engine.checkpoint_names import LINEARS, is_harmless, linear_parts, unused_weight_message, weight_map
+from engine.device import dtype_name, free_memory
 from engine.fp8 import (
     FP8,
     Fp8Linear,
@@ -51,10 +52,23 @@ class LoadedModel:
     kv_scales: tuple[tuple[float, float], ...] = ()  # (k_scale, v_scale) a layer folded into the weights
 
 
-def _build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+def _build_empty(what: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                  kernels: KernelOptions) -> DecoderModel:
+    """The model's modules on `device` in `dtype`, unfilled; refused in one line where its weights would not fit
+    in what the device has free (every weight is made in `dtype` first, FP8 ones too, so that is the peak)."""
     with torch.device("meta"):
         model = DecoderModel(cfg, kernels, max_positions).to(dtype)
+    count = sum(p.numel() for p in model.parameters())
+    if cfg.tie_word_embeddings:  # one matrix, not yet tied on the meta device
+        count -= cfg.vocab_size * cfg.hidden_size
+    need, free = count * dtype.itemsize, free_memory(device)
+    if free is not None and need > free:
+        advice = ("use --preset tiny or a smaller checkpoint, or a GPU" if device.type == "cpu"
+                  else "free the GPU, use one with more memory, or serve a smaller model")
+        raise ModelLoadError(f"{what}: its {count / 1e9:.1f} billion weights take {need / 1e9:.1f} GB in "
+                             f"{dtype_name(dtype)} on {device}, which has {free / 1e9:.1f} GB free; {advice}")
+    log.info("%s: making %.1f billion weights (%.1f GB in %s) on %s", what, count / 1e9, need / 1e9, dtype_name(dtype),
+             device)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rope.reset()
@@ -69,7 +83,7 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positi
     if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8" and (refusal := weights_refusal(
             f"preset {name} has FP8 weights", device, dtype, "use a 16-bit preset on this GPU")):
         raise ModelLoadError(refusal)
-    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
+    model = _build_empty(f"preset {name}", cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
     gen = torch.Generator(device=device).manual_seed(PRESET_SEED)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -243,7 +257,8 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     if not files:
         raise ModelLoadError(f"--model {folder}: no *.safetensors files in it; pass a folder with the weights "
                              "(sharded with model.safetensors.index.json or not)")
-    model = _build_empty(cfg, device, dtype, max_positions or cfg.max_position_embeddings, kernels)
+    model = _build_empty(f"--model {folder}", cfg, device, dtype, max_positions or cfg.max_position_embeddings,
+                         kernels)
     keep_fp8 = device.type == "cuda"
     fp8_layers = _fp8_layers(folder, cfg, fmt) if fmt is not None else {}
     if fmt is not None:

@@ -90,3 +90,27 @@ def test_servers_exit_at_start_naming_the_method(module: str, base: Path, tmp_pa
         server.start(timeout=120)
     lines = [line for line in server.log().splitlines() if "quant_method 'gptq' is not supported" in line]
     assert len(lines) == 1 and str(folder) in lines[0]
+
+
+def test_weights_past_the_devices_free_memory_are_refused_before_they_are_made(base: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preset or checkpoint whose weights the device can't hold: one line with the sizes and what to do,
+    raised before any weight is made (without it a 7B preset on a 24 GB host was killed by the kernel,
+    silently). The weights' bytes free exactly is enough."""
+    import engine.loader as loader
+    from engine.device import free_memory
+    from engine.loader import build_preset
+
+    assert (free_memory(torch.device("cpu")) or 1) > 0
+    need = sum(p.numel() for p in build_preset("tiny", torch.device("cpu"), torch.float32).model.parameters()) * 4
+    monkeypatch.setattr(loader, "free_memory", lambda device: need)
+    build_preset("tiny", torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(loader, "free_memory", lambda device: need - 1)
+    with pytest.raises(ModelLoadError) as e:
+        build_preset("tiny", torch.device("cpu"), torch.float32)
+    message = str(e.value)
+    assert message.startswith("preset tiny: its 0.0 billion weights take 0.0 GB in float32 on cpu, which has 0.0 GB free")
+    assert message.endswith("use --preset tiny or a smaller checkpoint, or a GPU") and "\n" not in message
+    monkeypatch.setattr(loader, "free_memory", lambda device: 0)
+    with pytest.raises(ModelLoadError, match=f"^--model {base}: its .* on cpu, which has 0.0 GB free; use "):
+        load_checkpoint(base, torch.device("cpu"), torch.float32)
