@@ -109,7 +109,8 @@ def test_weights_past_the_devices_free_memory_are_refused_before_they_are_made(b
     with pytest.raises(ModelLoadError) as e:
         build_preset("tiny", torch.device("cpu"), torch.float32)
     message = str(e.value)
-    assert message.startswith("preset tiny: its 0.0 billion weights take 0.0 GB in float32 on cpu, which has 0.0 GB free")
+    assert message.startswith("preset tiny: its 0.0 billion weights take 0.0 GB in float32 on cpu, which has 0.0 GB "
+                              "free")
     assert message.endswith("use --preset tiny or a smaller checkpoint, or a GPU") and "\n" not in message
     monkeypatch.setattr(loader, "free_memory", lambda device: 0)
     with pytest.raises(ModelLoadError, match=f"^--model {base}: its .* on cpu, which has 0.0 GB free; use "):
