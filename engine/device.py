@@ -58,10 +58,11 @@ def default_preset() -> str:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes `device` can still take: the GPU's free memory, or the host's available memory for the CPU
-    (Linux's MemAvailable); None where it can't be read."""
+    """Bytes `device` can still take: the GPU's free memory and what this process's allocator holds unused,
+    or the host's available memory for the CPU (Linux's MemAvailable); None where it can't be read."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
     except OSError:
