@@ -17,6 +17,7 @@ from engine import ops
 from engine.attention import DecodeMeta, PrefillMeta, fp8_prefill, prepare_prefill_plans
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_batch import DecodeSeq, sources, table_width, write_rows
+from engine.device import free_memory
 from engine.kv_cache import KVLayout, KVPool, long_tensor
 from engine.loader import LoadedModel
 from engine.logprobs import device_tensor
@@ -28,9 +29,13 @@ GiB = 1 << 30
 
 
 def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: float) -> int:
-    """Bytes for the KV pool: as asked, or on CUDA what is free after weights less a reserve for
-    activations; 256 MiB on the CPU."""
+    """Bytes for the KV pool: as asked (refused with ValueError where the device has less free), or on CUDA
+    what is free after weights less a reserve for activations; 256 MiB on the CPU."""
     if requested_gb is not None:
+        free = free_memory(device)
+        if free is not None and requested_gb * GiB > free:
+            raise ValueError(f"the KV pool of {requested_gb:g} GiB (--kv-cache-gb) does not fit: {device} has "
+                             f"{free / GiB:.1f} GiB free after the weights; pass a smaller --kv-cache-gb")
         return int(requested_gb * GiB)
     if device.type != "cuda":
         return 256 << 20

@@ -54,8 +54,8 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
         raise StartupError(str(e)) from e
     max_len = min(max_len, loaded.config.max_position_embeddings)
     log.info("%s model %s on %s (%s) in %.1fs", role, loaded.source, device, dtype, time.perf_counter() - started)
-    kv_bytes = kv_pool_bytes(device, kv_cache_gb if kv_cache_gb is not None else cfg.kv_cache_gb, kv_reserve_gb)
     try:
+        kv_bytes = kv_pool_bytes(device, kv_cache_gb if kv_cache_gb is not None else cfg.kv_cache_gb, kv_reserve_gb)
         kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None
         return ModelRunner(loaded, device, dtype, cfg.block_size, kv_bytes, max_batch_size, max_len, cuda_graphs,
                            kv_dtype=kv_dtype, prefill_graphs=prefill_graphs)

@@ -27,6 +27,24 @@ def test_kernel_flags_reach_every_layer() -> None:
         assert all(layer.kernels == expected for layer in model.layers)
 
 
+
+def test_a_kv_pool_past_the_devices_free_memory_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--kv-cache-gb` (or the prefill server's default on a GPU) past what the device has free after the
+    weights: one line at start, not an allocator's traceback. What is free exactly is enough."""
+    import engine.runner as runner
+    from decode_server.__main__ import parse_config
+    from serving.build_runner import build_runner
+    from serving.grpc_common import StartupError
+
+    cfg, _ = parse_config(["--device", "cpu", "--preset", "tiny", "--kv-cache-gb", "0.5"])
+    monkeypatch.setattr(runner, "free_memory", lambda device: 1 << 29)
+    assert build_runner(cfg, "decode", 1, False, 0.0).pool.num_slots > 0
+    monkeypatch.setattr(runner, "free_memory", lambda device: (1 << 29) - 1)
+    with pytest.raises(StartupError) as e:
+        build_runner(cfg, "decode", 1, False, 0.0)
+    assert str(e.value) == ("the KV pool of 0.5 GiB (--kv-cache-gb) does not fit: cpu has 0.5 GiB free after the "
+                            "weights; pass a smaller --kv-cache-gb")
+
 def test_decode_flags_tls_ca_and_kv_checksum(capsys: pytest.CaptureFixture[str]) -> None:
     from decode_server.__main__ import parse_config
 
