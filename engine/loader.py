@@ -364,6 +364,17 @@ def load_tokenizer(folder: str, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def model_context(model_path: str | None, preset: str | None) -> int:
+    """The longest sequence the model's config allows (its max_position_embeddings), read before loading;
+    a folder's config is checked as `load_checkpoint` checks it."""
+    if model_path:
+        return read_config(Path(model_path)).max_position_embeddings
+    name = preset or "tiny"
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].max_position_embeddings
+
+
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, kernels: KernelOptions = ALL_KERNELS,
                quantization: str | None = None) -> LoadedModel:

@@ -9,7 +9,7 @@ import torch
 
 from engine.device import default_preset, resolve_device, resolve_dtype
 from engine.fp8 import device_problem
-from engine.loader import LoadedModel, ModelLoadError, load_model, load_tokenizer
+from engine.loader import LoadedModel, ModelLoadError, load_model, load_tokenizer, model_context
 from engine.ops import KernelOptions
 from engine.runner import ModelRunner, kv_pool_bytes
 from serving.grpc_common import StartupError
@@ -42,7 +42,11 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
     preset = None if cfg.model else (cfg.preset or default_preset())
     started = time.perf_counter()
     try:
-        max_len = cfg.max_model_len if cfg.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
+        context = model_context(cfg.model, preset)
+        if cfg.max_model_len is not None and cfg.max_model_len > context:
+            raise ModelLoadError(f"--max-model-len {cfg.max_model_len} is past the model's context of {context} "
+                                 f"tokens (max_position_embeddings); pass at most {context}")
+        max_len = min(cfg.max_model_len if cfg.max_model_len is not None else DEFAULT_MAX_MODEL_LEN, context)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         kernels = KernelOptions(skinny_gemv=cfg.skinny_gemv, fused_gate_up=cfg.fused_gate_up, pdl=cfg.pdl)
@@ -52,7 +56,6 @@ def build_runner(cfg: ServerConfig, role: str, max_batch_size: int, cuda_graphs:
             loaded.tokenizer = load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
     except ModelLoadError as e:
         raise StartupError(str(e)) from e
-    max_len = min(max_len, loaded.config.max_position_embeddings)
     log.info("%s model %s on %s (%s) in %.1fs", role, loaded.source, device, dtype, time.perf_counter() - started)
     try:
         kv_bytes = kv_pool_bytes(device, kv_cache_gb if kv_cache_gb is not None else cfg.kv_cache_gb, kv_reserve_gb)

@@ -45,6 +45,26 @@ def test_a_kv_pool_past_the_devices_free_memory_is_refused_in_one_line(monkeypat
     assert str(e.value) == ("the KV pool of 0.5 GiB (--kv-cache-gb) does not fit: cpu has 0.5 GiB free after the "
                             "weights; pass a smaller --kv-cache-gb")
 
+
+def test_a_max_model_len_past_the_models_context_is_refused_before_loading() -> None:
+    """`--max-model-len` past the config's max_position_embeddings: one line, before any weight is made (the
+    RoPE tables were made that long, then the length was cut to the context without a word). Unset, it is
+    the server's default cut to the context; at the context, served as asked."""
+    from decode_server.__main__ import parse_config
+    from engine.presets import PRESETS
+    from serving.build_runner import DEFAULT_MAX_MODEL_LEN, build_runner
+    from serving.grpc_common import StartupError
+
+    context = PRESETS["tiny"].max_position_embeddings
+    for flags, expected in (([], min(DEFAULT_MAX_MODEL_LEN, context)), (["--max-model-len", str(context)], context)):
+        cfg, _ = parse_config(["--device", "cpu", "--preset", "tiny", *flags])
+        assert build_runner(cfg, "decode", 1, False, 0.0).max_model_len == expected
+    cfg, _ = parse_config(["--device", "cpu", "--preset", "tiny", "--max-model-len", str(context + 1)])
+    with pytest.raises(StartupError) as e:
+        build_runner(cfg, "decode", 1, False, 0.0)
+    assert str(e.value) == (f"--max-model-len {context + 1} is past the model's context of {context} tokens "
+                            f"(max_position_embeddings); pass at most {context}")
+
 def test_decode_flags_tls_ca_and_kv_checksum(capsys: pytest.CaptureFixture[str]) -> None:
     from decode_server.__main__ import parse_config
 
