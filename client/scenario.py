@@ -28,7 +28,7 @@ from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from client.scenario_report import Row, format_table, plot_gaps
 from client.second_user import SecondUser
-from client.stream import PREFILL_MODES, StreamResult, collect, open_channel, stream_generate
+from client.stream import PREFILL_MODES, StreamResult, Unreachable, collect, open_channel, stream_generate, wait_ready
 
 MODE_ENUM = {"alone": decode_pb2.PREFILL_MODE_UNSPECIFIED, **PREFILL_MODES}
 DEFAULT_MODES = "alone,disaggregated,colocated,chunked:512,chunked:2048,layered"
@@ -132,6 +132,11 @@ def parse_modes(spec: str) -> list[tuple[str, int | None]]:
 async def run_scenario(target: str, b_lens: list[int], modes: list[tuple[str, int | None]], spec: ScenarioSpec,
                        tls_ca: str | None = None, log: Callable[[str], object] = print) -> list[Row]:
     channel = open_channel(target, tls_ca)
+    try:
+        await wait_ready(channel, target, log)
+    except Unreachable:
+        await channel.close()
+        raise
     stub = decode_pb2_grpc.DecodeStub(channel)
     a_prompt = make_prompt(spec.a_len, spec.seed)
     rows: list[Row] = []

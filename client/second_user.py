@@ -16,9 +16,7 @@ from typing import Any
 import grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from client.stream import StreamResult, collect, open_channel
-
-READY_TIMEOUT_S = 60.0
+from client.stream import READY_TIMEOUT_S, StreamResult, collect, open_channel
 
 
 class SecondUser:

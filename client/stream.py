@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
+
+SOON_S = 3.0  # a server this slow to accept a connection is said to be awaited
+READY_TIMEOUT_S = 60.0  # servers still loading their model get this long
 
 # prefill_mode numbers by the name the decode server's --mode takes (the proto's PREFILL_MODE_<NAME>)
 PREFILL_MODES = {v.name.removeprefix("PREFILL_MODE_").lower(): v.number
@@ -83,3 +87,23 @@ async def collect(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.Generate
     except grpc.aio.AioRpcError as e:
         result.error, result.error_message = e.code(), e.details() or ""
     return result
+
+
+class Unreachable(RuntimeError):
+    """No server accepted a connection at a target: the one line a client exits with."""
+
+
+async def wait_ready(channel: grpc.aio.Channel, target: str, log: Callable[[str], object],
+                     timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until `channel` connects, saying so after SOON_S; Unreachable after `timeout_s` (servers still loading
+    their model are waited for; a wrong address or stopped servers end in one line)."""
+    try:
+        await asyncio.wait_for(channel.channel_ready(), min(SOON_S, timeout_s))
+        return
+    except TimeoutError:
+        log(f"waiting up to {timeout_s:.0f} s for a server at {target} ...")
+    try:
+        await asyncio.wait_for(channel.channel_ready(), max(0.0, timeout_s - SOON_S))
+    except TimeoutError:
+        raise Unreachable(f"no server accepts connections at {target} (waited {timeout_s:.0f} s); start the "
+                          "servers (make serve-prefill serve-decode) or pass --target") from None

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.offline import generate, make_runner
-from tests.servers import ROOT, ServerProcess, served_pair
+from tests.servers import ROOT, ServerProcess, free_port, served_pair
 
 pytestmark = pytest.mark.e2e  # starts server processes (make test-fast leaves it out)
 
@@ -147,6 +147,28 @@ def test_scenario_replays_against_servers_with_their_prefix_caches(pair, tmp_pat
         assert all(r["a_tokens_match_solo"] for r in rows)
         assert all(r["b_tokens_match_reference"] and r["b_server_prefill_ms"] > 0 for r in rows[1:])
 
+
+def test_the_scenario_against_an_address_nobody_listens_on_ends_in_one_line() -> None:
+    """The scenario waits for a decode server still loading its model, saying so after a few seconds, then
+    ends in one line naming the address and what to do (it waited 60 s in silence). The load generator does
+    not wait: a deployment nobody answers for counts its requests as UNAVAILABLE (below)."""
+    from client.stream import Unreachable, open_channel, wait_ready
+
+    target = f"127.0.0.1:{free_port()}"
+    said: list[str] = []
+
+    async def attempt() -> None:
+        channel = open_channel(target)
+        try:
+            await wait_ready(channel, target, said.append, timeout_s=1.0)
+        finally:
+            await channel.close()
+
+    with pytest.raises(Unreachable) as e:
+        asyncio.run(attempt())
+    assert said == [f"waiting up to 1 s for a server at {target} ..."]
+    assert str(e.value) == (f"no server accepts connections at {target} (waited 1 s); start the servers "
+                            "(make serve-prefill serve-decode) or pass --target")
 
 def test_scenario_cli_all_rows(scenario_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     decode, _ = scenario_pair
