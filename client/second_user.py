@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
-from client.stream import READY_TIMEOUT_S, StreamResult, collect, open_channel
+from client.stream import READY_TIMEOUT_S, StreamResult, Unreachable, collect, open_channel, wait_ready
 
 
 class SecondUser:
@@ -71,8 +71,8 @@ async def _main(conn: Connection, target: str, tls_ca: str | None) -> None:
     loop = asyncio.get_running_loop()
     channel = open_channel(target, tls_ca)
     try:
-        await asyncio.wait_for(channel.channel_ready(), READY_TIMEOUT_S)
-    except TimeoutError:
+        await wait_ready(channel, target, lambda line: None)  # the first user says it waits
+    except Unreachable:
         conn.send("unreachable")
         return
     conn.send("ready")

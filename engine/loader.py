@@ -75,11 +75,15 @@ def _build_empty(what: str, cfg: ModelConfig, device: torch.device, dtype: torch
     return model.eval()
 
 
-def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-                 kernels: KernelOptions = ALL_KERNELS, quantization: str | None = None) -> LoadedModel:
+def _preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    cfg = PRESETS[name]
+    return PRESETS[name]
+
+
+def build_preset(name: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
+                 kernels: KernelOptions = ALL_KERNELS, quantization: str | None = None) -> LoadedModel:
+    cfg = _preset_config(name)
     if (quantization or PRESET_QUANTIZATION.get(name)) == "fp8" and (refusal := weights_refusal(
             f"preset {name} has FP8 weights", device, dtype, "use a 16-bit preset on this GPU")):
         raise ModelLoadError(refusal)
@@ -369,10 +373,7 @@ def model_context(model_path: str | None, preset: str | None) -> int:
     a folder's config is checked as `load_checkpoint` checks it."""
     if model_path:
         return read_config(Path(model_path)).max_position_embeddings
-    name = preset or "tiny"
-    if name not in PRESETS:
-        raise ModelLoadError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].max_position_embeddings
+    return _preset_config(preset or "tiny").max_position_embeddings
 
 
 def load_model(model_path: str | None, preset: str | None, device: torch.device, dtype: torch.dtype,

@@ -32,11 +32,11 @@ def kv_pool_bytes(device: torch.device, requested_gb: float | None, reserve_gb: 
     """Bytes for the KV pool: as asked (refused with ValueError where the device has less free), or on CUDA
     what is free after weights less a reserve for activations; 256 MiB on the CPU."""
     if requested_gb is not None:
-        free = free_memory(device)
-        if free is not None and requested_gb * GiB > free:
+        want, free = int(requested_gb * GiB), free_memory(device)
+        if free is not None and want > free:
             raise ValueError(f"the KV pool of {requested_gb:g} GiB (--kv-cache-gb) does not fit: {device} has "
                              f"{free / GiB:.1f} GiB free after the weights; pass a smaller --kv-cache-gb")
-        return int(requested_gb * GiB)
+        return want
     if device.type != "cuda":
         return 256 << 20
     free, _ = torch.cuda.mem_get_info(device)
