@@ -293,6 +293,29 @@ def test_bench_load_cache_compare_merges_into_the_results(tmp_path: Path) -> Non
 
 
 @pytest.mark.e2e
+def test_bench_load_one_device_with_its_prefix_cache(tmp_path: Path) -> None:
+    """`bench.e2e.deployments --prefix-cache` on one device: the server keeps its cache, each deployment's ids are its
+    own, so every deployment's later turns find their conversation cached and none finds another's."""
+    out = tmp_path / "load.json"
+    load_args = "--rate 4 --duration 1 --prompt-len 120 --turn-prompt-len 20 --turns 3 --output-len 6 --seed 3"
+    done = subprocess.run([sys.executable, "-m", "bench.e2e.deployments", "--preset", "tiny", "--devices", "cpu",
+                           "--prefix-cache", "--only", "colocated", "layered", "--kv-cache-gb", "0.05",
+                           "--port", str(free_port_run(1)), "--load-args", load_args, "--json", str(out),
+                           "--logs", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["params"]["distinct_ids"] is True and "--no-prefix-cache" not in " ".join(doc["servers"])
+    assert list(doc["runs"]) == ["colocated", "layered"]
+    for run in doc["runs"].values():
+        assert run["failed"] == 0 and 0.3 < run["cached_prompt_frac"] < 0.9  # later turns only: no deployment's
+        check_distribution(run["later_turn_ttft_ms"])                        # first turn found another's
+    refused = subprocess.run([sys.executable, "-m", "bench.e2e.deployments", "--devices", "cpu", "--prefix-cache",
+                              "--cache-compare"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--prefix-cache is for the one server" in refused.stderr
+
+
+@pytest.mark.e2e
 def test_bench_load_rate_sweep_with_the_prediction_beside(tmp_path: Path) -> None:
     """`bench.e2e.deployments --rates`: the servers start once, the load runs per rate (each with its own id salt), and
     the JSON holds each deployment's points by rate beside the recorded prediction, plotted."""

@@ -4,7 +4,10 @@
 One device: one decode server, colocated against chunked, layered and partitioned (the mode is sent
 per request; partitioned's SM split is the server's, e.g. --server-args "--prefill-sms 104"); with
 --cache-compare, two decode servers on it instead, one with its prefix cache and one without
-(--no-prefix-cache), for a multi-turn load (client.load --turns). Two devices: the split pair
+(--no-prefix-cache), for a multi-turn load (client.load --turns). The one server runs without its prefix
+cache, since every deployment sends it the same prompts; with --prefix-cache it keeps it and each
+deployment's ids are relabelled (below), so a chat's later turns find their conversation cached, as
+they would in service. Two devices: the split pair
 (prefill server on the first, decode server on the second, KV over --kv-transport) against one
 decode server per device, colocated, chunked, layered and partitioned, and `auto` on the split
 pair (the decode server places each prefill); every server runs at once, each with --kv-cache-gb,
@@ -51,7 +54,7 @@ class Server:
 
 def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | None,
            port: int, server_args: list[str] | None = None,
-           cache_compare: bool = False) -> tuple[list[Server], list[str]]:
+           cache_compare: bool = False, prefix_cache: bool = False) -> tuple[list[Server], list[str]]:
     """The servers to start (on ports from `port` up) and the --compare items that address them."""
     common = ["--host", "127.0.0.1", "--metrics-port", "0", "--preset", preset, *(server_args or [])]
     http_off = ["--http-port", "0"]  # several decode servers at once; this load is gRPC's
@@ -63,8 +66,9 @@ def layout(devices: list[str], preset: str, kv_transport: str, kv_gb: float | No
         return [cached, uncached], [f"prefix-cache={cached.address}@colocated",
                                     f"no-prefix-cache={uncached.address}@colocated"]
     if len(devices) == 1:  # one server takes every deployment's turn at the same prompts: no cache between them
+        cache = [] if prefix_cache else ["--no-prefix-cache"]  # unless each deployment's ids are its own
         one = Server("decode_server", port, [*common, *kv, *http_off, "--device", devices[0], "--mode", "colocated",
-                                             "--no-prefix-cache"])
+                                             *cache])
         return [one], [f"colocated={one.address}@colocated", f"chunked-512={one.address}@chunked:512",
                        f"chunked-2048={one.address}@chunked:2048", f"layered={one.address}@layered",
                        f"partitioned={one.address}@partitioned"]
@@ -99,6 +103,8 @@ def main() -> None:
                    help="extra flags for the decode servers only, e.g. \"--auto-local-mode partitioned\"")
     p.add_argument("--cache-compare", action="store_true",
                    help="one device: a decode server with its prefix cache against one without")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="one device: the decode server keeps its prefix cache, each deployment's ids relabelled")
     p.add_argument("--merge", action="store_true",
                    help="add these runs to --json's (each with its own date, commit and command), keeping the rest")
     p.add_argument("--json", default="bench/results/load-h200.json")
@@ -110,11 +116,14 @@ def main() -> None:
     p.add_argument("--prediction", default=str(PREDICTION),
                    help="the simulator's recorded prediction to set beside a sweep (default: %(default)s)")
     args = p.parse_args()
-    if len(args.devices) not in (1, 2) or (args.cache_compare and len(args.devices) != 1):
-        p.error("--devices takes one or two devices (one with --cache-compare)")
+    if len(args.devices) not in (1, 2) or ((args.cache_compare or args.prefix_cache) and len(args.devices) != 1):
+        p.error("--devices takes one or two devices (one with --cache-compare or --prefix-cache)")
+    if args.cache_compare and args.prefix_cache:
+        p.error("--cache-compare starts a server with its prefix cache and one without; --prefix-cache is for the "
+                "one server of the other one-device layout")
     kv_gb = args.kv_cache_gb or (30.0 if len(args.devices) == 2 or args.cache_compare else None)
     servers, compare = layout(args.devices, args.preset, args.kv_transport, kv_gb, args.port, args.server_args.split(),
-                              args.cache_compare)
+                              args.cache_compare, args.prefix_cache)
     for server in servers:
         if server.module == "decode_server":
             server.args += args.decode_args.split()
@@ -129,7 +138,7 @@ def main() -> None:
              for s in servers]
     try:
         start_all(procs, timeout=900)
-        distinct = ["--distinct-ids"] if len(servers) > 1 and not args.cache_compare else []
+        distinct = ["--distinct-ids"] if (len(servers) > 1 and not args.cache_compare) or args.prefix_cache else []
         by_rate: dict[float, dict[str, Any]] = {}
         for k, rate in enumerate(args.rates or [None]):
             out = logs / f"load-{k}.json"
@@ -170,7 +179,8 @@ def describe(args: argparse.Namespace, servers: list[Server]) -> str:
     if args.cache_compare:
         return "two decode servers on one device, one with its prefix cache and one without; no prefill server"
     if len(servers) == 1:
-        return "one decode server on one device, no prefill server; prefill_mode sent per request"
+        cache = "with its prefix cache, each deployment's ids its own" if args.prefix_cache else "no prefix cache"
+        return f"one decode server on one device ({cache}), no prefill server; prefill_mode sent per request"
     return (f"split and auto: prefill server on {args.devices[0]}, decode server on {args.devices[1]} (KV over "
             f"{args.kv_transport}); colocated, chunked, layered and partitioned: one decode server per device, "
             "requests spread over both")
