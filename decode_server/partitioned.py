@@ -12,6 +12,13 @@ A short prompt (a chat's later turn after its cached prefix) on the server's SM 
 graphs of this thread's own, captured on that count's green stream at start
 (`ModelRunner.partition_graphs`): queued eagerly, its kernels took the host longer than the GPU.
 
+A short prompt does not wait out a long one. Between two layers of a prompt of more than
+`YIELDING_PROMPT_TOKENS` new tokens, the thread prefills every prompt of at most `SHORT_PROMPT_TOKENS`
+queued by then and posts its first token, then goes on with the next layer; the other prompts keep their
+order. So that a layer boundary on the host is one on the device too, such a prefill waits for each
+layer's kernels before it queues the next: its layers take milliseconds on the device, where queueing
+the next one's first kernel takes microseconds.
+
 What the two threads share: the model's weights (read only) and the KV pool, where this thread
 writes only the blocks of the sequence it prefills and the decode graphs read only the running
 sequences' blocks. Each thread keeps its own cuDNN/cuBLAS handles (PyTorch keeps them per thread),
@@ -26,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +48,9 @@ from engine.sampling import sample
 from serving.grpc_common import StartupError
 
 log = logging.getLogger(__name__)
+
+SHORT_PROMPT_TOKENS = 512  # new tokens of a prompt that may run between a long prompt's layers
+YIELDING_PROMPT_TOKENS = 2048  # new tokens of a prompt past which it lets the short ones in between its layers
 
 
 class _Cancelled(Exception):
@@ -63,6 +74,7 @@ class PartitionedPrefill:
         self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
         self.trace = trace
         self._jobs: queue.Queue[RequestSequence | None] = queue.Queue()
+        self._deferred: deque[RequestSequence | None] = deque()  # taken from _jobs mid-prefill, not yet run
         self.graphs: PrefillGraphs | None = None  # replayed on the green stream of `default_sms`
         self._ready = threading.Event()
         self._setup_failed: BaseException | None = None
@@ -103,7 +115,7 @@ class PartitionedPrefill:
             return
         finally:
             self._ready.set()
-        while (seq := self._jobs.get()) is not None:
+        while (seq := self._deferred.popleft() if self._deferred else self._jobs.get()) is not None:
             self.post(self._prefill(seq, host))
         if self.graphs is not None:
             self.runner.release_partition_graphs(self.graphs)  # before the green context can go
@@ -121,14 +133,36 @@ class PartitionedPrefill:
                 torch.cuda.synchronize(self.runner.device)
             return None
 
+    def _short_ones_between_layers(self, host: torch.Tensor) -> None:
+        """Inside a long prefill, after a layer: prefill the short prompts queued by now and post their
+        tokens; the long ones queued meanwhile keep their order behind it."""
+        shorts: list[RequestSequence] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and _new_tokens(job) <= SHORT_PROMPT_TOKENS:
+                shorts.append(job)
+            else:
+                self._deferred.append(job)
+        for job in shorts:
+            self.post(self._prefill(job, host))
+
     def _prefill(self, seq: RequestSequence, host: torch.Tensor) -> PrefillDone:
         started = time.perf_counter()
         if seq.cancelled.is_set():
             return PrefillDone(seq, None, None, started, started)
+        long_prompt = _new_tokens(seq) > YIELDING_PROMPT_TOKENS
+        cuda = self.runner.device.type == "cuda"
 
-        def stop_if_cancelled(_layer: int) -> None:
+        def between_layers(_layer: int) -> None:
             if seq.cancelled.is_set():
                 raise _Cancelled
+            if long_prompt:
+                if cuda:  # the layer's kernels done, so a short prompt's come right after them
+                    torch.cuda.current_stream(self.runner.device).synchronize()
+                self._short_ones_between_layers(host)
 
         token: int | None = None
         error: Exception | None = None
@@ -140,7 +174,7 @@ class PartitionedPrefill:
                     # this thread's own graphs, captured on this SM count's stream; never the engine thread's
                     graphs = self.graphs if self.graphs is not None and sms == self.default_sms else False
                     logits = self.runner.prefill(seq.uncached_prompt(), seq.block_table, seq.prefilled,
-                                                 on_layer_done=stop_if_cancelled, graphed=graphs)
+                                                 on_layer_done=between_layers, graphed=graphs)
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                     queued = time.perf_counter()
                 finally:  # whatever was queued must finish before the scheduler may free the blocks
@@ -155,3 +189,8 @@ class PartitionedPrefill:
         if self.trace is not None:
             self.trace.prefill(seq.request_id, len(seq.prompt) - seq.prefilled, sms, started, queued, finished)
         return PrefillDone(seq, token, error, started, finished)
+
+
+def _new_tokens(seq: RequestSequence) -> int:
+    """The prompt's tokens a local prefill computes (after its cached prefix)."""
+    return len(seq.prompt) - seq.prefilled

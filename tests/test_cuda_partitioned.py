@@ -289,3 +289,47 @@ def test_the_partitioned_thread_replays_its_graphs_for_short_prompts(runner, par
     finally:
         s.stop()
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
+
+
+def test_a_short_prompt_is_prefilled_between_the_layers_of_a_long_one(runner, partitions, loop) -> None:  # type: ignore[no-untyped-def]
+    """A 300-token prompt sent just after a 16k one gets its first token long before the 16k one's, from
+    the thread's graphs between the long prompt's layers; both get their reference tokens."""
+    from decode_server.admission import Admission
+    from decode_server.config import PrefillMode
+    from decode_server.scheduler import BatchScheduler
+    from decode_server.sequence import RequestSequence, TokenOutput
+    from engine.offline import generate
+    from engine.sampling import SamplingParams
+
+    long_prompt = [(i * 17 + 5) % 1000 for i in range(16384)]
+    short_prompt = [(i * 19 + 2) % 1000 for i in range(300)]
+    long_ref, short_ref = generate(runner, [long_prompt], 6)[0], generate(runner, [short_prompt], 6)[0]
+    s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=partitions,
+                       prefill_sms=half_the_sms(partitions))
+    thread = s.local.partitioned
+    assert thread is not None
+    s.start()
+    try:
+        seqs = {name: RequestSequence(name, tokens, 6, SamplingParams(), frozenset(), frozenset(),
+                                      PrefillMode.PARTITIONED, 512)
+                for name, tokens in (("long", long_prompt), ("short", short_prompt))}
+        sent = time.perf_counter()
+        for seq in seqs.values():
+            loop.run_until_complete(s.admission.reserve(seq))
+            s.submit(seq)
+        first: dict[str, float] = {}
+        deadline = sent + 120
+        while len(first) < 2 and time.perf_counter() < deadline:
+            for name, seq in seqs.items():
+                if seq.tokens and name not in first:
+                    first[name] = time.perf_counter() - sent
+            time.sleep(0.0005)
+        while not all(seq.finish_reason for seq in seqs.values()) and time.perf_counter() < deadline:
+            time.sleep(0.005)
+    finally:
+        s.stop()
+    outs = {name: [o.token_id for o in seq.out.taken() if isinstance(o, TokenOutput)] for name, seq in seqs.items()}
+    assert outs["long"] == long_ref and outs["short"] == short_ref
+    print(f"first tokens: short {first['short'] * 1e3:.0f} ms, long {first['long'] * 1e3:.0f} ms")
+    assert first["short"] < first["long"] / 4, first
+    assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks

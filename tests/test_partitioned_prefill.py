@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from decode_server import partitioned
 from decode_server.admission import Admission
 from decode_server.config import PrefillMode
 from decode_server.scheduler import BatchScheduler
@@ -121,6 +122,42 @@ def test_cancelled_mid_prefill_frees_its_blocks_only_once_the_prefill_is_done(
     assert gate.asked == [64, 32]
     assert runner.pool.allocator.num_free == free_before
     s.local.partitioned.stop()  # type: ignore[union-attr]
+
+
+def test_short_prompts_are_prefilled_between_a_long_prompts_layers(
+        runner: ModelRunner, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short prompt queued behind a long one gets its first token before the long one's; a prompt that is
+    not short keeps its place behind the long one; every token is the reference's, and no block is left."""
+    monkeypatch.setattr(partitioned, "YIELDING_PROMPT_TOKENS", 300)
+    monkeypatch.setattr(partitioned, "SHORT_PROMPT_TOKENS", 100)
+    gate = Gated()
+    s = started(runner, loop, gate)
+    thread = s.local.partitioned
+    assert thread is not None
+    done_order: list[str] = []
+    post = thread.post
+
+    def recorded(done: partitioned.PrefillDone) -> None:
+        done_order.append(done.seq.request_id)
+        post(done)
+
+    thread.post = recorded
+    lengths = {"long": (500, 9), "middle": (420, 10), "short": (60, 11)}
+    seqs = {name: make_seq(s, prompt(n, salt), 6, PrefillMode.PARTITIONED) for name, (n, salt) in lengths.items()}
+    s.submit(seqs["long"])
+    s.step()
+    assert gate.inside.wait(30)  # the long prompt is held at its partition's door
+    s.submit(seqs["middle"])
+    s.submit(seqs["short"])
+    s.step()  # both queued behind it
+    gate.go.set()
+    seen = Seen()
+    run_until_done(s)
+    assert done_order == [seqs[name].request_id for name in ("short", "long", "middle")]
+    for name, (n, salt) in lengths.items():
+        assert seen.tokens(seqs[name]) == generate(runner, [prompt(n, salt)], 6)[0], name
+    assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks
+    thread.stop()
 
 
 def test_a_failed_partitioned_prefill_fails_that_request_only(
