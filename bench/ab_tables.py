@@ -127,3 +127,31 @@ def partition_graphs_h200() -> str:
     rows: list[Row] = [(f"{new} tokens after {prefix:,} cached", files, later_turn(prefix, new))
                        for prefix in (1024, 16384) for new in (64, 400)]
     return ab_table(rows, {"b34fc91": "eager", "bea4f89": "graphed"})
+
+
+def chat_figure(*path: str) -> Callable[[Doc], float | None]:
+    """A figure of `bench.e2e.deployments`' partitioned run, by its path under the run."""
+    def figure(output: Doc) -> float | None:
+        value: object = output["runs"]["partitioned"]
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return float(value) if isinstance(value, int | float) else None
+    return figure
+
+
+def partition_short_first_h100() -> str:
+    """Partitioned chat on one H100 with its prefix cache: first come, first served against short prompts first
+    (`--partitioned-short-first`'s code, there always on), two calls of one round each."""
+    files = ("chat-partitioned-yield-ab-h100.json", "chat-partitioned-yield-ab-2-h100.json")
+    labels = {"e78861c": "first come, first served", "b6a22c2": "short first"}
+    docs = [load(f) for f in files]
+    columns = [(tree["commit"], k, outputs[0]) for k, doc in enumerate(docs, 1)
+               for tree, outputs in zip(doc["trees"], by_tree(doc), strict=True)]
+    columns.sort(key=lambda c: list(labels).index(c[0]))
+    header = ["", *(f"{commit} ({labels[commit]}), call {k}" for commit, k, _ in columns)]
+    rows = [[f"{label}, {stat}", *(ms(chat_figure(key, stat)(out)) for _, _, out in columns)]
+            for key, label in (("later_turn_ttft_ms", "later turns' TTFT"), ("first_turn_ttft_ms", "first turns' TTFT"),
+                               ("ttft_ms", "every TTFT"), ("itl_ms", "gap between tokens"))
+            for stat in ("mean", "p90", "p99")]
+    sources = "; ".join(about(doc, f) for doc, f in zip(docs, files, strict=True))
+    return f"*{sources}.*\n\n" + table(header, rows)

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import engine_history, planner_tables, scenario_history, serving_history
-from bench.ab_tables import later_turns_h200, partition_graphs_h200, prefill_graphs_h100, prefill_server_graphs_h100
+from bench.ab_tables import (
+    later_turns_h200,
+    partition_graphs_h200,
+    partition_short_first_h100,
+    prefill_graphs_h100,
+    prefill_server_graphs_h100,
+)
 from bench.history import LOAD_2X_LABELS, Doc, about, load, runs
 from bench.markdown import ms, table
 from bench.planner_tables import best_plans, plan_network, planner_costs, replica_counts, validation
@@ -302,7 +308,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scenario-fp8-kv-fp8-h200": lambda: scenario_h200("scenario-fp8-kv-fp8-h200.json"),
     "attention-fp8-h200": attention_fp8_h200, "prefill-graphs-h100": prefill_graphs_h100,
     "prefill-server-graphs-h100": prefill_server_graphs_h100, "later-turns-h200": later_turns_h200,
-    "partition-graphs-h200": partition_graphs_h200,
+    "partition-graphs-h200": partition_graphs_h200, "partition-short-first-h100": partition_short_first_h100,
     "planner-costs": planner_costs, "simulate-plan": best_plans,
     "simulate-validation": validation, "replica-counts": replica_counts, "serving-costs": planner_tables.serving_costs,
     "prediction-compared": planner_tables.prediction_compared,

@@ -16,6 +16,7 @@ from serving.cli_args import parse_config as parse_into
 from serving.gc_freeze import freeze_startup_objects
 from serving.grpc_common import (
     Health,
+    StartupError,
     bind,
     channel_credentials,
     check_port_free,
@@ -71,11 +72,15 @@ async def serve(cfg: DecodeConfig, faults: DecodeFaults) -> int:
     cache = PrefixCache(runner.pool.allocator, runner.layout.block_size, enabled=cfg.prefix_cache)
     admission = Admission(runner.pool, cfg.max_queued_requests, cfg.max_waiting_tokens, loop, cache)
     partitions, prefill_sms = open_partitions(cfg, runner.device)
+    if cfg.partitioned_short_first and partitions is None:
+        raise StartupError("--partitioned-short-first: this device has no green contexts, so partitioned prompts "
+                           "are prefilled as layered ones, in turn; drop the flag")
     trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
     scheduler = BatchScheduler(runner, admission, cfg.max_batch_size, cfg.layer_slice_tokens,
                                die_after_steps=faults.engine_die_after_steps, partitions=partitions,
                                prefill_sms=prefill_sms, warm_up=cfg.warms_up(runner.device.type),
-                               overlap_steps=cfg.overlap_steps, trace=trace)
+                               overlap_steps=cfg.overlap_steps, trace=trace,
+                               partitioned_short_first=cfg.partitioned_short_first)
     if faults.engine_die_after_steps is not None:
         log.warning("fault injection: the engine dies after %d decode steps", faults.engine_die_after_steps)
     router = None

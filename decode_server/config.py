@@ -68,6 +68,10 @@ class DecodeConfig(ServerConfig):
         "table's decode step alone)"))
     sm_split_table: str | None = field(default=None, metadata=opt(
         "partitioned mode: JSON table of A's gap per prefill SM count (default: the one in decode_server/)"))
+    partitioned_short_first: bool = field(default=False, metadata=opt(
+        "partitioned mode: a prompt of up to 512 new tokens (a chat's later turn after its cached prefix) is "
+        "prefilled between the layers of one of over 2,048 instead of after it; the long prompt's first token "
+        "comes later by theirs (needs green contexts)"))
     max_batch_size: int = field(default=64, metadata=opt("most sequences in one decode step"))
     max_waiting_tokens: int = field(default=1 << 20, metadata=opt(
         "token budget: prompt + output tokens of waiting requests; past it, RESOURCE_EXHAUSTED"))

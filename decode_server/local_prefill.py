@@ -61,16 +61,17 @@ class LocalPrefill:
 
     def __init__(self, runner: ModelRunner, admission: Admission, sink: PromptSink, max_batch_size: int,
                  layer_slice_tokens: int, partitions: SmPartitions | None, prefill_sms: int,
-                 post_done: Callable[[PrefillDone], None], trace: StepTrace | None = None) -> None:
+                 post_done: Callable[[PrefillDone], None], trace: StepTrace | None = None,
+                 partitioned_short_first: bool = False) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
         steps (their `PrefillDone` goes to `post_done`); without them a partitioned prompt is
-        prefilled as a layered one."""
+        prefilled as a layered one. `partitioned_short_first`: `PartitionedPrefill`'s `short_first`."""
         self.runner, self.admission, self.sink = runner, admission, sink
         self.layer_slice_tokens = layer_slice_tokens  # layered mode: prompt tokens x layers a slice
         self.prefilling: deque[RequestSequence] = deque()  # on this thread, FIFO
         self.layered: LayeredPrefill | None = None
-        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, post_done, trace)
-                            if partitions is not None else None)
+        self.partitioned = (PartitionedPrefill(runner, partitions, prefill_sms, post_done, trace,
+                                               partitioned_short_first) if partitions is not None else None)
         self.in_partition: list[RequestSequence] = []  # on the partitioned-prefill thread; freed on its PrefillDone
         self.first_tokens = TokenReader(runner.device, max(1, max_batch_size))  # engine thread only
 

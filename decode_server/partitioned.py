@@ -12,7 +12,7 @@ A short prompt (a chat's later turn after its cached prefix) on the server's SM 
 graphs of this thread's own, captured on that count's green stream at start
 (`ModelRunner.partition_graphs`): queued eagerly, its kernels took the host longer than the GPU.
 
-A short prompt does not wait out a long one. Between two layers of a prompt of more than
+With `short_first`, a short prompt does not wait out a long one. Between two layers of a prompt of more than
 `YIELDING_PROMPT_TOKENS` new tokens, the thread prefills every prompt of at most `SHORT_PROMPT_TOKENS`
 queued by then and posts its first token, then goes on with the next layer; the other prompts keep their
 order. So that a layer boundary on the host is one on the device too, such a prefill waits for each
@@ -70,8 +70,10 @@ class PrefillDone:
 
 class PartitionedPrefill:
     def __init__(self, runner: ModelRunner, partitions: SmPartitions, default_sms: int,
-                 post: Callable[[PrefillDone], None], trace: StepTrace | None = None) -> None:
+                 post: Callable[[PrefillDone], None], trace: StepTrace | None = None,
+                 short_first: bool = False) -> None:
         self.runner, self.partitions, self.default_sms, self.post = runner, partitions, default_sms, post
+        self.short_first = short_first
         self.trace = trace
         self._jobs: queue.Queue[RequestSequence | None] = queue.Queue()
         self._deferred: deque[RequestSequence | None] = deque()  # taken from _jobs mid-prefill, not yet run
@@ -153,7 +155,7 @@ class PartitionedPrefill:
         started = time.perf_counter()
         if seq.cancelled.is_set():
             return PrefillDone(seq, None, None, started, started)
-        long_prompt = _new_tokens(seq) > YIELDING_PROMPT_TOKENS
+        long_prompt = self.short_first and _new_tokens(seq) > YIELDING_PROMPT_TOKENS
         cuda = self.runner.device.type == "cuda"
 
         def between_layers(_layer: int) -> None:

@@ -51,9 +51,11 @@ class BatchScheduler:
     def __init__(self, runner: ModelRunner, admission: Admission, max_batch_size: int,
                  layer_slice_tokens: int = 32768, die_after_steps: int | None = None,
                  partitions: SmPartitions | None = None, prefill_sms: int = 0, warm_up: bool = False,
-                 overlap_steps: bool = True, trace: StepTrace | None = None) -> None:
+                 overlap_steps: bool = True, trace: StepTrace | None = None,
+                 partitioned_short_first: bool = False) -> None:
         """`partitions` and `prefill_sms`: where partitioned prompts are prefilled, beside the decode
-        steps; without them a partitioned prompt is prefilled as a layered one. `warm_up`: run every
+        steps; without them a partitioned prompt is prefilled as a layered one (`partitioned_short_first`:
+        `decode_server.partitioned`'s order of short prompts among long ones). `warm_up`: run every
         local prefill path once before `start` returns (engine.warmup). `overlap_steps`: queue each
         decode step before the last one's tokens are read back (decode_server.decode_steps)."""
         self.runner = runner
@@ -65,7 +67,7 @@ class BatchScheduler:
         self._submit_lock = threading.Lock()       # orders submit() against the loop's death
         self._inbox: queue.Queue[_Arrival | PrefillDone | None] = queue.Queue()
         self.local = LocalPrefill(runner, admission, self, max_batch_size, layer_slice_tokens, partitions,
-                                  prefill_sms, self._inbox.put_nowait, trace)
+                                  prefill_sms, self._inbox.put_nowait, trace, partitioned_short_first)
         self.ready: deque[RequestSequence] = deque()  # first token out, waiting for a batch slot
         self.running: list[RequestSequence] = []
         self.decode = DecodeSteps(runner, admission, self, max_batch_size, overlap_steps, trace)

@@ -292,8 +292,9 @@ def test_the_partitioned_thread_replays_its_graphs_for_short_prompts(runner, par
 
 
 def test_a_short_prompt_is_prefilled_between_the_layers_of_a_long_one(runner, partitions, loop) -> None:  # type: ignore[no-untyped-def]
-    """A 300-token prompt sent just after a 16k one gets its first token long before the 16k one's, from
-    the thread's graphs between the long prompt's layers; both get their reference tokens."""
+    """With --partitioned-short-first, a 300-token prompt sent just after a 16k one gets its first token long
+    before the 16k one's, from the thread's graphs between the long prompt's layers; both get their reference
+    tokens."""
     from decode_server.admission import Admission
     from decode_server.config import PrefillMode
     from decode_server.scheduler import BatchScheduler
@@ -305,7 +306,7 @@ def test_a_short_prompt_is_prefilled_between_the_layers_of_a_long_one(runner, pa
     short_prompt = [(i * 19 + 2) % 1000 for i in range(300)]
     long_ref, short_ref = generate(runner, [long_prompt], 6)[0], generate(runner, [short_prompt], 6)[0]
     s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=partitions,
-                       prefill_sms=half_the_sms(partitions))
+                       prefill_sms=half_the_sms(partitions), partitioned_short_first=True)
     thread = s.local.partitioned
     assert thread is not None
     s.start()

@@ -48,10 +48,12 @@ class Gated(Unconfined):
         yield
 
 
-def started(runner: ModelRunner, loop: asyncio.AbstractEventLoop, gate: Gated) -> BatchScheduler:
+def started(runner: ModelRunner, loop: asyncio.AbstractEventLoop, gate: Gated,
+            short_first: bool = False) -> BatchScheduler:
     """A scheduler with its partitioned-prefill thread running (the test drives `step` itself)."""
     s = BatchScheduler(runner, Admission(runner.pool, 16, 1 << 20, loop), max_batch_size=4, partitions=gate,
-                       prefill_sms=64, overlap_steps=False)  # each step's token counted as it is sampled
+                       prefill_sms=64, overlap_steps=False,  # each step's token counted as it is sampled
+                       partitioned_short_first=short_first)
     assert s.local.partitioned is not None
     gate.go.set()  # the thread's start-up enters the partition once
     s.local.partitioned.start()
@@ -124,14 +126,17 @@ def test_cancelled_mid_prefill_frees_its_blocks_only_once_the_prefill_is_done(
     s.local.partitioned.stop()  # type: ignore[union-attr]
 
 
-def test_short_prompts_are_prefilled_between_a_long_prompts_layers(
-        runner: ModelRunner, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A short prompt queued behind a long one gets its first token before the long one's; a prompt that is
-    not short keeps its place behind the long one; every token is the reference's, and no block is left."""
+@pytest.mark.parametrize("short_first", [True, False])
+def test_short_prompts_are_prefilled_between_a_long_prompts_layers_with_short_first(
+        runner: ModelRunner, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch,
+        short_first: bool) -> None:
+    """With short_first, a short prompt queued behind a long one gets its first token before the long one's, and
+    a prompt that is not short keeps its place behind the long one; without it, first come, first served. Every
+    token is the reference's, and no block is left."""
     monkeypatch.setattr(partitioned, "YIELDING_PROMPT_TOKENS", 300)
     monkeypatch.setattr(partitioned, "SHORT_PROMPT_TOKENS", 100)
     gate = Gated()
-    s = started(runner, loop, gate)
+    s = started(runner, loop, gate, short_first)
     thread = s.local.partitioned
     assert thread is not None
     done_order: list[str] = []
@@ -153,7 +158,8 @@ def test_short_prompts_are_prefilled_between_a_long_prompts_layers(
     gate.go.set()
     seen = Seen()
     run_until_done(s)
-    assert done_order == [seqs[name].request_id for name in ("short", "long", "middle")]
+    order = ("short", "long", "middle") if short_first else ("long", "middle", "short")
+    assert done_order == [seqs[name].request_id for name in order]
     for name, (n, salt) in lengths.items():
         assert seen.tokens(seqs[name]) == generate(runner, [prompt(n, salt)], 6)[0], name
     assert runner.pool.allocator.num_free == runner.pool.allocator.num_blocks

@@ -224,6 +224,17 @@ def test_missing_checkpoint_is_one_clear_line(tmp_path: Path) -> None:
     assert "no such folder" in proc.stderr
 
 
+def test_short_first_without_green_contexts_is_one_clear_line() -> None:
+    """--partitioned-short-first orders prompts on the partition's thread; where there is none (the CPU) it would
+    change nothing, so it is refused rather than taken and ignored."""
+    proc = subprocess.run([sys.executable, "-m", "decode_server", "--port", "0", "--metrics-port", "0", "--http-port",
+                           "0", "--device", "cpu", "--partitioned-short-first"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --partitioned-short-first: this device has no green contexts"), proc.stderr[-800:]
+
+
 def test_checkpoint_served_end_to_end(tiny_checkpoint: Path, server_logs: Path) -> None:
     """A real checkpoint folder through both servers equals transformers' greedy tokens."""
     from tests.test_parity import hf_greedy
