@@ -98,9 +98,11 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="the layout's deployments to run, in this order (e.g. auto split colocated)")
     p.add_argument("--port", type=int, default=50071, help="the first of the servers' ports (up to 4)")
-    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\"")
+    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--gil-switch-ms 0.5\" "
+                   "(one flag alone: --server-args=--no-cuda-graphs, or argparse takes it for one of these)")
     p.add_argument("--decode-args", default="",
-                   help="extra flags for the decode servers only, e.g. \"--auto-local-mode partitioned\"")
+                   help="extra flags for the decode servers only, e.g. \"--auto-local-mode partitioned\" "
+                        "(one flag alone: --decode-args=--partitioned-short-first)")
     p.add_argument("--cache-compare", action="store_true",
                    help="one device: a decode server with its prefix cache against one without")
     p.add_argument("--prefix-cache", action="store_true",
