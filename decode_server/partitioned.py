@@ -189,7 +189,7 @@ class PartitionedPrefill:
             error = e
         finished = time.perf_counter()
         if self.trace is not None:
-            self.trace.prefill(seq.request_id, len(seq.prompt) - seq.prefilled, sms, started, queued, finished)
+            self.trace.prefill(seq.request_id, _new_tokens(seq), sms, started, queued, finished)
         return PrefillDone(seq, token, error, started, finished)
 
 
