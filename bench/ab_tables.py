@@ -143,7 +143,7 @@ def partition_short_first_h100() -> str:
     """Partitioned chat on one H100 with its prefix cache: first come, first served against short prompts first
     (`--partitioned-short-first`'s code, there always on), two calls of one round each."""
     files = ("chat-partitioned-yield-ab-h100.json", "chat-partitioned-yield-ab-2-h100.json")
-    labels = {"e78861c": "first come, first served", "b6a22c2": "short first"}
+    labels = {"e78861c": "first come, first served", "b6a22c2": "short first: 3bc0c97's tree"}
     docs = [load(f) for f in files]
     columns = [(tree["commit"], k, outputs[0]) for k, doc in enumerate(docs, 1)
                for tree, outputs in zip(doc["trees"], by_tree(doc), strict=True)]
