@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+from bench.ab import pick
 from bench.history import Doc, load
 from bench.markdown import ms, table
 
@@ -132,9 +133,7 @@ def partition_graphs_h200() -> str:
 def chat_figure(*path: str) -> Callable[[Doc], float | None]:
     """A figure of `bench.e2e.deployments`' partitioned run, by its path under the run."""
     def figure(output: Doc) -> float | None:
-        value: object = output["runs"]["partitioned"]
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
+        value = pick(output, ".".join(("runs", "partitioned", *path)))
         return float(value) if isinstance(value, int | float) else None
     return figure
 

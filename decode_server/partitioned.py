@@ -180,7 +180,7 @@ class PartitionedPrefill:
                     host.copy_(sample(logits[None], [seq.params], [0]), non_blocking=True)
                     queued = time.perf_counter()
                 finally:  # whatever was queued must finish before the scheduler may free the blocks
-                    if self.runner.device.type == "cuda":
+                    if cuda:
                         torch.cuda.current_stream(self.runner.device).synchronize()
                 token = int(host[0])
         except _Cancelled:
